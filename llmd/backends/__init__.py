@@ -1,0 +1,36 @@
+"""Engines behind the gateway. `build_backend` turns one model's config into a Backend.
+
+vLLM is imported only when a vllm model is configured, so the fake backend (and
+the unit tests that use it) never pay for importing it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from llmd.backends.base import Backend, BackendError, EngineDead, PromptError
+from llmd.config import ModelConfig
+from llmd.store import StoreError, WeightStore
+
+__all__ = ["Backend", "BackendError", "EngineDead", "PromptError", "build_backend"]
+
+
+async def build_backend(cfg: ModelConfig, store: WeightStore) -> Backend:
+    """Resolve and verify the weights, then construct (not start) the backend."""
+    stored = None
+    if cfg.source:
+        stored = store.resolve(cfg.source, cfg.version)
+        await asyncio.to_thread(store.verify, stored)
+    if cfg.backend == "vllm":
+        from llmd.backends.vllm_engine import VllmBackend
+
+        assert stored is not None  # config validation guarantees a source
+        return VllmBackend(cfg.name, stored.version, stored.path, cfg.engine)
+    if cfg.backend == "fake":
+        from llmd.backends.fake import FakeBackend
+        from llmd.tokenizer import TiktokenTokenizer
+
+        tok = TiktokenTokenizer.from_hf_dir(stored.path) if stored else TiktokenTokenizer.simple()
+        version = stored.version if stored else "fake-" + cfg.name
+        return FakeBackend(cfg.name, version, cfg.engine.max_model_len, cfg.fake, tok)
+    raise StoreError(f"unknown backend {cfg.backend!r}")

@@ -1,0 +1,134 @@
+"""The contract between the gateway and an engine.
+
+The gateway renders and counts a prompt *before* it decides anything, then hands
+the rendered prompt to `generate`. Keeping rendering on the backend means token
+counts always come from the model's own tokenizer and chat template.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Protocol, runtime_checkable
+
+
+class BackendError(Exception):
+    """The engine failed for this request (or for good)."""
+
+
+class EngineDead(BackendError):
+    """The engine process is gone; nothing more will be served until a restart."""
+
+
+class PromptError(ValueError):
+    """The prompt cannot be rendered or tokenized (bad template input, too long for the tokenizer)."""
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """A rendered prompt: the token ids the engine will see, plus the backend's own input object."""
+
+    token_ids: list[int]
+    engine_input: Any = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass(frozen=True)
+class Sampling:
+    max_tokens: int
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+
+
+@dataclass(frozen=True)
+class Delta:
+    """New text since the previous delta. Several engine tokens may arrive in one delta."""
+
+    text: str
+    num_tokens: int
+    finish_reason: str | None = None  # "stop" | "length" | "abort" once finished
+    cached_prompt_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """What the engine did in one step, as its own stats report it."""
+
+    t: float
+    running: int
+    waiting: int
+    kv_usage: float
+    generated_tokens: int
+
+
+@dataclass
+class EngineStats:
+    running: int = 0
+    waiting: int = 0
+    kv_usage: float = 0.0
+    prefix_queries: int = 0
+    prefix_hits: int = 0
+    steps: int = 0
+    preemptions: int = 0
+    history: deque[StepRecord] = field(default_factory=lambda: deque(maxlen=2048))
+
+    def record(self, rec: StepRecord, prefix_queries: int = 0, prefix_hits: int = 0, preempted: int = 0) -> None:
+        self.running, self.waiting, self.kv_usage = rec.running, rec.waiting, rec.kv_usage
+        self.prefix_queries += prefix_queries
+        self.prefix_hits += prefix_hits
+        self.preemptions += preempted
+        self.steps += 1
+        self.history.append(rec)
+
+    def snapshot(self, since: float | None = None) -> dict[str, Any]:
+        hist = [r for r in self.history if since is None or r.t >= since]
+        return {
+            "running": self.running,
+            "waiting": self.waiting,
+            "kv_usage": self.kv_usage,
+            "prefix_cache_queries": self.prefix_queries,
+            "prefix_cache_hits": self.prefix_hits,
+            "steps": self.steps,
+            "preemptions": self.preemptions,
+            "history": [r.__dict__ for r in hist] if since is not None else [],
+        }
+
+
+def now() -> float:
+    return time.time()
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """One loaded model version. Implementations: `fake` (test double) and `vllm`."""
+
+    model_name: str
+    version: str
+    max_model_len: int
+    stats: EngineStats
+
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+    @property
+    def ready(self) -> bool: ...
+
+    @property
+    def healthy(self) -> bool: ...
+
+    def render_chat(self, messages: list[dict[str, str]]) -> Prompt: ...
+
+    def render_completion(self, prompt: str | list[int]) -> Prompt: ...
+
+    def generate(self, request_id: str, prompt: Prompt, sampling: Sampling, priority: int = 0) -> AsyncIterator[Delta]: ...
+
+    async def abort(self, request_id: str) -> None: ...

