@@ -28,6 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
@@ -166,10 +167,22 @@ def bench(args: argparse.Namespace, model: Path, port: int, out: Path, env: dict
         rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env).returncode
     if rc != 0 or not out.exists():
         raise RuntimeError(f"bench serve failed (rc {rc}); log {log}:\n{tail(log)}")
-    result = json.loads(out.read_text())
-    if result.get("failed"):
-        print(f"WARNING: {result['failed']} of {args.num_prompts} requests failed; log {log}")
-    return result
+    return json.loads(out.read_text())
+
+
+def probe(args: argparse.Namespace, port: int) -> str:
+    """One request shaped like bench serve's, to show why the server refused its requests."""
+    body = {"model": args.name, "prompt": "Hello", "max_tokens": 4, "repetition_penalty": 1.0,
+            "temperature": args.temperature, "stream": True, "stream_options": {"include_usage": True}}
+    if args.ignore_eos:
+        body["ignore_eos"] = True
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return f"HTTP {r.status}: {r.read(300).decode(errors='replace')}"
+    except urllib.error.HTTPError as e:
+        return f"HTTP {e.code}: {e.read(500).decode(errors='replace')}"
 
 
 def one_round(args: argparse.Namespace, model: Path, srv: Server, scratch: Path, tag: str) -> dict:
@@ -183,7 +196,13 @@ def one_round(args: argparse.Namespace, model: Path, srv: Server, scratch: Path,
         t0 = time.monotonic()
         wait_ready(proc, f"http://127.0.0.1:{port}{srv.ready_path}", args.ready_timeout, log)
         print(f"  {srv.name} ready on :{port} after {time.monotonic() - t0:.0f}s (pid {proc.pid})", flush=True)
-        return bench(args, model, port, scratch / f"{tag}-{srv.name}.json", env)
+        result = bench(args, model, port, scratch / f"{tag}-{srv.name}.json", env)
+        if result.get("failed"):
+            print(f"WARNING: {srv.name}: {result['failed']} of {args.num_prompts} requests failed; "
+                  f"a probe request gets {probe(args, port)}", flush=True)
+        if not result.get("completed"):
+            raise RuntimeError(f"{srv.name}: no request completed")
+        return result
     finally:
         stop(proc)
 

@@ -9,6 +9,7 @@ event. Sanic cancels a handler whose client went away, which unwinds
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import re
@@ -63,7 +64,7 @@ class OpenAIErrorHandler(ErrorHandler):
         return error_response(APIError(500, "internal server error", "server_error", "internal_error"), rid)
 
 
-def create_app(config: Config, service: Service, name: str = "llmd") -> Sanic:
+def create_app(config: Config, service: Service, name: str = "llmd", load_models: bool = True) -> Sanic:
     app = Sanic(name, error_handler=OpenAIErrorHandler())
     srv = config.server
     app.config.REQUEST_MAX_SIZE = srv.max_body_bytes
@@ -84,9 +85,11 @@ def create_app(config: Config, service: Service, name: str = "llmd") -> Sanic:
         if rid and "X-Request-ID" not in response.headers:
             response.headers["X-Request-ID"] = rid
 
-    @app.after_server_start
-    async def _load(app: Sanic) -> None:
-        app.add_task(service.start(), name="load-models")
+    if load_models:
+        # Load in the background so /health answers (and /ready says 503) while engines start.
+        @app.after_server_start
+        async def _load(app: Sanic) -> None:
+            app.ctx.loader = asyncio.get_running_loop().create_task(service.start())
 
     @app.before_server_stop
     async def _unload(app: Sanic) -> None:

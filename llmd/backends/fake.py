@@ -237,15 +237,17 @@ class FakeBackend:
                 continue
             generated += 1
             self._emit(req)
-        held = sum(r.prompt.num_tokens - r.prefill_left * self.cfg.prefill_tokens_per_step for r in self._running)
-        held += sum(r.generated for r in self._running)
-        kv = max(0, held) / (self.cfg.max_num_seqs * self.max_model_len)
+        ptps = self.cfg.prefill_tokens_per_step
+        held = sum(max(0, r.prompt.num_tokens - r.prefill_left * ptps) + r.generated for r in self._running)
+        kv = held / (self.cfg.max_num_seqs * self.max_model_len)
         self.stats.record(StepRecord(t=now(), running=len(batch), waiting=len(self._waiting), kv_usage=min(1.0, kv), generated_tokens=generated))
 
     def _emit(self, req: _Req) -> None:
+        """One decode step for `req`: append a word (or end it) and queue the delta."""
         finish: str | None = None
+        tokens = 1
         if req.eos_after is not None and req.generated >= req.eos_after:
-            finish = "stop"  # the end-of-sequence "token" carries no text
+            finish, tokens = "stop", 0  # `[[eos:0]]`: ends at once with nothing generated
         else:
             req.text += req.word()
             req.generated += 1
@@ -265,7 +267,7 @@ class FakeBackend:
                     if req.text.endswith(s[:k]):
                         safe = min(safe, len(req.text) - k)
                         break
-        delta = Delta(text=req.text[req.emitted : safe], num_tokens=1 if req.generated else 0, finish_reason=finish)
+        delta = Delta(text=req.text[req.emitted : safe], num_tokens=tokens, finish_reason=finish)
         req.emitted = safe
         if finish is not None:
             req.done = True

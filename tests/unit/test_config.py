@@ -1,0 +1,83 @@
+"""Config validation: errors name the file and the key."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from llmd.cli import main
+from llmd.config import ConfigError, load_config
+
+REPO = Path(__file__).resolve().parents[2]
+
+GOOD = """
+[server]
+port = 9000
+[[models]]
+name = "m"
+backend = "fake"
+"""
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    p = tmp_path / "llmd.toml"
+    p.write_text(text)
+    return p
+
+
+def test_example_config_is_valid() -> None:
+    cfg = load_config(REPO / "config.toml")
+    assert cfg.models[0].name == "smollm2" and cfg.models[0].backend == "vllm"
+
+
+def test_good_config_and_env_var(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    p = write(tmp_path, GOOD)
+    monkeypatch.setenv("LLMD_CONFIG", str(p))
+    cfg = load_config()
+    assert cfg.server.port == 9000 and cfg.path == p
+    assert cfg.models[0].prompt_limit == cfg.models[0].engine.max_model_len - 1
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        (GOOD.replace("port = 9000", "port = 'x'"), "server.port"),
+        (GOOD.replace("port = 9000", "prot = 9000"), "server.prot: unknown key"),
+        (GOOD + "[models.engine]\nmax_model_len = -5\n", "models[0].engine.max_model_len (model 'm')"),
+        (GOOD + "[models.engine]\nkv_cache_gib = 0.5\n", "models[0].engine.kv_cache_gib"),
+        (GOOD.replace('backend = "fake"', 'backend = "tpu"'), "models[0].backend"),
+        (GOOD.replace('backend = "fake"', 'backend = "vllm"'), "needs `source`"),
+        (GOOD + '[[models]]\nname = "m"\nbackend = "fake"\n', "appears twice"),
+        ("[server]\nport = 1\n", "models: Field required"),
+        (GOOD.replace("port = 9000", "default_deadline_s = 900"), "default_deadline_s must not exceed"),
+        (GOOD + "max_prompt_tokens = 5000\n", "max_prompt_tokens must be below"),
+        ("[server\n", "not valid TOML"),
+    ],
+)
+def test_errors_name_file_and_key(tmp_path: Path, text: str, expected: str) -> None:
+    p = write(tmp_path, text)
+    with pytest.raises(ConfigError) as e:
+        load_config(p)
+    assert str(p) in str(e.value)
+    assert expected in str(e.value)
+
+
+def test_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="config file not found"):
+        load_config(tmp_path / "nope.toml")
+
+
+def test_serve_reports_config_errors_without_traceback(tmp_path: Path) -> None:
+    p = write(tmp_path, GOOD.replace("port = 9000", "port = 'x'"))
+    r = CliRunner().invoke(main, ["serve", "--config", str(p)])
+    assert r.exit_code != 0
+    assert "server.port" in r.output and str(p) in r.output and "Traceback" not in r.output
+
+
+def test_serve_reports_missing_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LLMD_HOME", str(tmp_path / "home"))
+    p = write(tmp_path, GOOD.replace('backend = "fake"', 'backend = "vllm"\nsource = "ghost"'))
+    r = CliRunner().invoke(main, ["serve", "--config", str(p)])
+    assert r.exit_code != 0 and "models[0].source" in r.output and "llmd models pull" in r.output

@@ -1,0 +1,89 @@
+"""Weight store: content-addressed versions, verification, CLI listing."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+from safetensors.torch import save_file
+
+from llmd.cli import main
+from llmd.store import StoreError, WeightStore, sha256_file, version_id
+
+
+def hf_dir(root: Path, seed: int = 0) -> Path:
+    d = root / f"model{seed}"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    (d / "tokenizer.json").write_text("{}")
+    g = torch.Generator().manual_seed(seed)
+    save_file({"w": torch.randn(16, 16, generator=g)}, str(d / "model.safetensors"))
+    return d
+
+
+def test_import_is_content_addressed(tmp_path: Path) -> None:
+    store = WeightStore(tmp_path / "home")
+    src = hf_dir(tmp_path)
+    m = store.import_path(src, "tiny")
+    assert m.version == version_id({"model.safetensors": sha256_file(src / "model.safetensors")})
+    assert (m.path / "tokenizer.json").is_file() and m.source.startswith("hf:")
+    again = store.import_path(src, "tiny")
+    assert again.version == m.version and len(store.list()) == 1
+    other = store.import_path(hf_dir(tmp_path, seed=1), "tiny")
+    assert other.version != m.version and len(store.list()) == 2
+    assert store.resolve("tiny", m.version[:8]).version == m.version
+    store.verify(m)
+
+
+def test_resolve_errors(tmp_path: Path) -> None:
+    store = WeightStore(tmp_path / "home")
+    with pytest.raises(StoreError, match="llmd models pull"):
+        store.resolve("ghost")
+    m = store.import_path(hf_dir(tmp_path), "tiny")
+    with pytest.raises(StoreError):
+        store.resolve("tiny", "ffffffff" if not m.version.startswith("ffffffff") else "00000000")
+
+
+def test_tampered_weights_are_refused(tmp_path: Path) -> None:
+    store = WeightStore(tmp_path / "home")
+    m = store.import_path(hf_dir(tmp_path), "tiny")
+    w = m.path / "model.safetensors"
+    data = bytearray(w.read_bytes())
+    data[-1] ^= 0xFF
+    w.write_bytes(bytes(data))
+    with pytest.raises(StoreError, match="refusing to load mismatched weights"):
+        store.verify(m)
+    w.unlink()
+    with pytest.raises(StoreError, match="missing"):
+        store.verify(m)
+
+
+def test_import_rejects_non_models(tmp_path: Path) -> None:
+    store = WeightStore(tmp_path / "home")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(StoreError, match="config.json"):
+        store.import_path(empty)
+    (empty / "config.json").write_text("{}")
+    with pytest.raises(StoreError, match="safetensors"):
+        store.import_path(empty)
+    with pytest.raises(StoreError, match="unknown model"):
+        store.pull("no-such-model")
+
+
+def test_cli_import_and_list(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LLMD_HOME", str(tmp_path / "home"))
+    runner = CliRunner()
+    r = runner.invoke(main, ["models", "import", str(hf_dir(tmp_path)), "--name", "tiny"])
+    assert r.exit_code == 0, r.output
+    r = runner.invoke(main, ["models", "list"])
+    assert "tiny" in r.output and "hf:" in r.output
+    listed = json.loads(runner.invoke(main, ["models", "list", "--json"]).output)
+    assert listed[0]["name"] == "tiny" and len(listed[0]["version"]) == 64
+    r = runner.invoke(main, ["models", "verify", "tiny"])
+    assert r.exit_code == 0 and "ok" in r.output
+    r = runner.invoke(main, ["models", "import", str(tmp_path / "ghost")])
+    assert r.exit_code != 0
