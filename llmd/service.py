@@ -102,7 +102,7 @@ class Service:
         rt = self.models.get(name)
         if rt is None:
             raise not_found(f"The model '{name}' does not exist", "model_not_found", "model")
-        if rt.backend is None or not rt.backend.ready:
+        if rt.backend is None:
             if rt.load_error:
                 raise unavailable(f"model '{name}' failed to load: {rt.load_error}", "model_unavailable")
             raise unavailable(f"model '{name}' is still loading", "model_loading", retry_after=5)

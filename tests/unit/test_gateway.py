@@ -200,4 +200,5 @@ async def test_engine_death_mid_stream_and_after(make_server) -> None:
     async with httpx.AsyncClient(base_url=live.url) as h:
         r = await h.post("/v1/completions", json={"model": "fake", "prompt": "x"})
         assert r.status_code == 503 and r.headers["retry-after"]
+        assert r.json()["error"]["code"] == "engine_unhealthy"
         assert (await h.get("/ready")).status_code == 503
