@@ -196,7 +196,9 @@ def one_round(args: argparse.Namespace, model: Path, srv: Server, scratch: Path,
         t0 = time.monotonic()
         wait_ready(proc, f"http://127.0.0.1:{port}{srv.ready_path}", args.ready_timeout, log)
         print(f"  {srv.name} ready on :{port} after {time.monotonic() - t0:.0f}s (pid {proc.pid})", flush=True)
+        load1 = os.getloadavg()[0]  # the machine is shared: record how busy it was
         result = bench(args, model, port, scratch / f"{tag}-{srv.name}.json", env)
+        result["load1_before"] = load1
         if result.get("failed"):
             print(f"WARNING: {srv.name}: {result['failed']} of {args.num_prompts} requests failed; "
                   f"a probe request gets {probe(args, port)}", flush=True)
@@ -212,11 +214,11 @@ def fmt_row(cells: list[str]) -> str:
 
 
 def table(rows: list[tuple[str, str, dict]]) -> list[str]:
-    head = ["round", "server"] + [m[0] for m in METRICS] + ["ok/failed"]
+    head = ["round", "server"] + [m[0] for m in METRICS] + ["ok/failed", "load1 before"]
     lines = [fmt_row(head), fmt_row(["---"] * len(head))]
     for rnd, name, r in rows:
         vals = [f"{r.get(k, float('nan')):.1f}" for _, k in METRICS]
-        lines.append(fmt_row([rnd, name] + vals + [f"{r.get('completed')}/{r.get('failed')}"]))
+        lines.append(fmt_row([rnd, name] + vals + [f"{r.get('completed')}/{r.get('failed')}", f"{r['load1_before']:.2f}"]))
     return lines
 
 

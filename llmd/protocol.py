@@ -73,6 +73,10 @@ class _Common(_Body):
     presence_penalty: _Penalty | None = None
     frequency_penalty: _Penalty | None = None
     metadata: dict[str, str] | None = None
+    # vLLM extensions that its own clients (e.g. `vllm bench serve`) send.
+    repetition_penalty: Annotated[float, Field(gt=0.0, le=2.0)] | None = None
+    top_k: Annotated[int, Field(ge=-1)] | None = None
+    ignore_eos: bool = False
     n: Any = None
     logprobs: Any = None
     top_logprobs: Any = None

@@ -130,6 +130,7 @@ class Service:
         sampling = Sampling(
             max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, stop=req.stop_list(),
             seed=req.seed, presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+            repetition_penalty=req.repetition_penalty, top_k=req.top_k, ignore_eos=req.ignore_eos,
         )
         engine_id = f"{record.request_id}-{uuid.uuid4().hex[:8]}"
         return Job(engine_id, rt, prompt, sampling, record.t_arrival + deadline_s, record)

@@ -46,6 +46,9 @@ class Sampling:
     seed: int | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    top_k: int | None = None
+    ignore_eos: bool = False
 
 
 @dataclass(frozen=True)

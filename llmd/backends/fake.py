@@ -150,7 +150,7 @@ class FakeBackend:
             sampling=sampling,
             priority=priority,
             max_new=min(sampling.max_tokens, self.max_model_len - prompt.num_tokens),
-            eos_after=int(m.group(1)) if m else None,
+            eos_after=int(m.group(1)) if m and not sampling.ignore_eos else None,
             seed=int.from_bytes(hashlib.blake2b(repr(prompt.token_ids).encode(), digest_size=8).digest(), "big"),
             prefill_left=math.ceil(prompt.num_tokens / self.cfg.prefill_tokens_per_step),
         )

@@ -163,6 +163,9 @@ class VllmBackend:
             seed=sampling.seed,
             presence_penalty=sampling.presence_penalty or 0.0,
             frequency_penalty=sampling.frequency_penalty or 0.0,
+            repetition_penalty=sampling.repetition_penalty or 1.0,
+            top_k=0 if sampling.top_k in (None, -1) else sampling.top_k,
+            ignore_eos=sampling.ignore_eos,
             output_kind=RequestOutputKind.DELTA,
         )
         try:

@@ -65,6 +65,12 @@ def test_completion_length_and_usage(client: openai.OpenAI) -> None:
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
 
 
+def test_vllm_extensions_pass_through(client: openai.OpenAI) -> None:
+    r = client.chat.completions.create(model="smollm2", messages=CAPITAL, temperature=0, max_tokens=40,
+                                       extra_body={"ignore_eos": True, "repetition_penalty": 1.0, "top_k": -1})
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 40
+
+
 def test_stop_string(client: openai.OpenAI) -> None:
     r = client.completions.create(model="smollm2", prompt="Count: 1, 2, 3,", temperature=0, max_tokens=30, stop=[" 6"])
     assert r.choices[0].finish_reason == "stop"

@@ -30,6 +30,10 @@ async def test_chat_and_completion_shapes(make_server) -> None:
     assert again.choices[0].message.content == r.choices[0].message.content  # deterministic double
     cr = await c.completions.create(model="fake", prompt="say [[eos:3]]", max_tokens=50)
     assert cr.choices[0].finish_reason == "stop" and cr.usage.completion_tokens == 3
+    # vLLM's extensions, as `vllm bench serve` sends them.
+    cr = await c.completions.create(model="fake", prompt="say [[eos:3]]", max_tokens=50,
+                                    extra_body={"ignore_eos": True, "repetition_penalty": 1.0, "top_k": -1})
+    assert cr.choices[0].finish_reason == "length" and cr.usage.completion_tokens == 50
 
 
 async def test_stream_with_usage(make_server) -> None:
