@@ -37,7 +37,6 @@ from typing import Callable
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 SECTION = "## Overhead: llmd vs vllm serve"
-FALLBACK_MODEL_DIR = Path("/tmp/smol/out")
 TARGET_THROUGHPUT = 0.97  # llmd/vLLM output throughput, at least
 TARGET_TTFT = 1.05  # llmd/vLLM median TTFT, at most
 # (label, key in bench serve's JSON result)
@@ -68,13 +67,12 @@ def tool(name: str) -> str:
 def model_dir(args: argparse.Namespace) -> Path:
     if args.model_dir:
         return Path(args.model_dir)
-    try:
-        from llmd.store import WeightStore
+    from llmd.store import StoreError, WeightStore
 
+    try:
         return WeightStore().resolve(args.source).path
-    except Exception as e:  # the store is empty or unreadable: use the converted copy
-        print(f"note: weight store has no {args.source!r} ({e}); using {FALLBACK_MODEL_DIR}")
-        return FALLBACK_MODEL_DIR
+    except StoreError as e:
+        sys.exit(f"{e}\n(run `make model` first)")
 
 
 def servers(args: argparse.Namespace, model: Path) -> dict[str, Server]:
@@ -271,7 +269,7 @@ def main() -> int:
                    help="let generation stop at EOS (output lengths then differ between servers)")
     p.add_argument("--name", default="smollm2", help="served model name")
     p.add_argument("--source", default="smollm2", help="weight-store model name")
-    p.add_argument("--model-dir", help="model folder (default: the weight store's, else /tmp/smol/out)")
+    p.add_argument("--model-dir", help="model folder (default: the weight store's)")
     p.add_argument("--ready-timeout", type=float, default=300.0)
     p.add_argument("--docs", default=str(ROOT / "docs" / "benchmarks.md"))
     p.add_argument("--no-docs", action="store_true", help="do not write the docs section")

@@ -12,7 +12,6 @@ import pytest
 from llmd.backends.base import PromptError
 from llmd.tokenizer import TiktokenTokenizer, TokenizerError
 
-FALLBACK_MODEL_DIR = Path("/tmp/smol/out")
 
 TEXTS = [
     "Hello, world! How are you doing today?",
@@ -29,17 +28,13 @@ TEXTS = [
 
 
 def model_dir() -> Path | None:
-    """The stored SmolLM2 (its tokenizer files), else the local conversion, else None."""
-    try:
-        from llmd.store import StoreError, WeightStore
+    """The stored SmolLM2 (its tokenizer files); `make test` pulls it."""
+    from llmd.store import StoreError, WeightStore
 
-        try:
-            return Path(WeightStore().resolve("smollm2").path)
-        except StoreError:
-            pass
-    except ImportError:
-        pass
-    return FALLBACK_MODEL_DIR if (FALLBACK_MODEL_DIR / "tokenizer.json").is_file() else None
+    try:
+        return Path(WeightStore().resolve("smollm2").path)
+    except StoreError:
+        return None
 
 
 @pytest.fixture(scope="module")
