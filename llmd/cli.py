@@ -118,5 +118,35 @@ def models_verify(name: str, version: str | None) -> None:
     click.echo(f"{m.name}@{m.short_version}: ok")
 
 
+@main.group()
+def keys() -> None:
+    """API keys: the config stores only their hashes."""
+
+
+@keys.command("new")
+@click.argument("tenant")
+@click.option("--admin", is_flag=True, help="An admin key (for [auth] admin_keys); TENANT is then just a label.")
+def keys_new(tenant: str, admin: bool) -> None:
+    """Print a fresh key for TENANT (once: it is not stored) and its config.toml line (stderr)."""
+    from pydantic import ValidationError
+
+    from llmd.auth import generate_key, hash_key
+    from llmd.config import TenantConfig
+
+    try:
+        TenantConfig(name=tenant)
+    except ValidationError:
+        raise click.ClickException(f"invalid tenant name {tenant!r}: use letters, digits, '.', '_', '-'") from None
+    key = generate_key()
+    h = hash_key(key)
+    click.echo(key)
+    click.echo("# The key above is shown only once. Add its hash to config.toml"
+               " (append to the list if there is one already):", err=True)
+    if admin:
+        click.echo(f'admin_keys = ["{h}"]   # under [auth] (admin key for {tenant})', err=True)
+    else:
+        click.echo(f'keys = ["{h}"]   # in [[tenants]] name = "{tenant}"', err=True)
+
+
 if __name__ == "__main__":
     sys.exit(main())

@@ -63,6 +63,29 @@ class FakeEngineConfig(_Strict):
     prefill_tokens_per_step: Annotated[int, Field(gt=0)] = 2048
 
 
+PriorityClass = Literal["interactive", "batch"]
+KEY_HASH = r"^sha256:[0-9a-f]{64}$"
+
+
+class SchedulingConfig(_Strict):
+    """How our queue feeds the engine; see llmd/policy/."""
+
+    fairness: Literal["vtc", "fcfs"] = "vtc"
+    w_in: Annotated[float, Field(ge=0)] = 1.0
+    w_out: Annotated[float, Field(ge=0)] = 2.0
+    max_queue: Annotated[int, Field(gt=0)] = 4096
+    # Sequences we let into the engine at once; default: the engine's max_num_seqs.
+    max_running: Annotated[int, Field(gt=0)] | None = None
+    kv_high: Annotated[float, Field(gt=0, le=1)] = 0.95
+    # Seats kept for tenants with nothing running, so a flood from one tenant cannot
+    # make a newcomer wait for a long generation to end before its first token.
+    reserved_seats: Annotated[int, Field(ge=0)] = 2
+    target_itl_ms: Annotated[float, Field(gt=0)] | None = None
+    preempt_batch: bool = True
+    # Throughput assumed before any is measured, for wait estimates (output tokens/s).
+    prior_tokens_per_s: Annotated[float, Field(gt=0)] = 200.0
+
+
 class ModelConfig(_Strict):
     name: Annotated[str, Field(min_length=1, pattern=r"^[A-Za-z0-9][A-Za-z0-9._\-/]*$")]
     # `source` names a model in the weight store; `version` pins one stored version
@@ -74,10 +97,9 @@ class ModelConfig(_Strict):
     max_output_tokens: Annotated[int, Field(gt=0)] = 1024
     default_max_tokens: Annotated[int, Field(gt=0)] = 256
     output_tokens_policy: Literal["reject", "clamp"] = "reject"
-    # Requests allowed inside the engine at once; the rest wait (bounded by their deadline).
-    max_inflight: Annotated[int, Field(gt=0)] = 256
     engine: EngineConfig = Field(default_factory=EngineConfig)
     fake: FakeEngineConfig = Field(default_factory=FakeEngineConfig)
+    scheduling: SchedulingConfig = Field(default_factory=SchedulingConfig)
 
     @model_validator(mode="after")
     def _check(self) -> "ModelConfig":
@@ -94,9 +116,39 @@ class ModelConfig(_Strict):
         return self.max_prompt_tokens or self.engine.max_model_len - 1
 
 
+class TenantConfig(_Strict):
+    name: Annotated[str, Field(min_length=1, pattern=r"^[A-Za-z0-9][A-Za-z0-9._\-]*$")]
+    # API keys are stored only as hashes: `llmd keys new TENANT` prints a key and its line.
+    keys: list[Annotated[str, Field(pattern=KEY_HASH)]] = Field(default_factory=list)
+    weight: Annotated[float, Field(gt=0)] = 1.0
+    tokens_per_minute: Annotated[int, Field(gt=0)] | None = None
+    requests_per_minute: Annotated[int, Field(gt=0)] | None = None
+    max_concurrent: Annotated[int, Field(gt=0)] | None = None
+    models: list[str] = Field(default_factory=lambda: ["*"])
+    default_class: PriorityClass = "interactive"
+    classes: list[PriorityClass] = Field(default_factory=lambda: ["interactive", "batch"])
+    ordering: Literal["fifo", "deadline"] = "fifo"
+
+    @model_validator(mode="after")
+    def _check(self) -> "TenantConfig":
+        if self.default_class not in self.classes:
+            raise ValueError(f"default_class {self.default_class!r} is not among classes {self.classes}")
+        return self
+
+    def may_use(self, model: str) -> bool:
+        return "*" in self.models or model in self.models
+
+
+class AuthConfig(_Strict):
+    admin_keys: list[Annotated[str, Field(pattern=KEY_HASH)]] = Field(default_factory=list)
+
+
 class Config(_Strict):
     server: ServerConfig = Field(default_factory=ServerConfig)
+    auth: AuthConfig = Field(default_factory=AuthConfig)
     models: list[ModelConfig] = Field(min_length=1)
+    # No tenants = open mode: one implicit tenant, no API key needed (single user, loopback).
+    tenants: list[TenantConfig] = Field(default_factory=list)
     path: Path | None = Field(default=None, exclude=True)
 
     @model_validator(mode="after")
@@ -106,7 +158,24 @@ class Config(_Strict):
             if m.name in seen:
                 raise ValueError(f"model name {m.name!r} appears twice")
             seen.add(m.name)
+        names: set[str] = set()
+        keys: set[str] = set(self.auth.admin_keys)
+        for t in self.tenants:
+            if t.name in names:
+                raise ValueError(f"tenant name {t.name!r} appears twice")
+            names.add(t.name)
+            for k in t.keys:
+                if k in keys:
+                    raise ValueError(f"tenant {t.name!r}: a key hash is used twice")
+                keys.add(k)
+            for m in t.models:
+                if m != "*" and self.model(m) is None:
+                    raise ValueError(f"tenant {t.name!r} allows unknown model {m!r}")
         return self
+
+    @property
+    def open_mode(self) -> bool:
+        return not self.tenants
 
     def model(self, name: str) -> ModelConfig | None:
         return next((m for m in self.models if m.name == name), None)
@@ -124,8 +193,8 @@ def _format(err: ValidationError, path: Path, raw: dict) -> str:
     for e in err.errors():
         loc = tuple(p for p in e["loc"] if p not in ("function-after",))
         key = _key(loc)
-        name = _model_name(raw, loc)
-        where = f" (model {name!r})" if name else ""
+        name = _entry_name(raw, loc)
+        where = f" ({str(loc[0]).rstrip('s')} {name!r})" if name else ""
         msg = e["msg"].removeprefix("Value error, ")
         if e["type"] == "extra_forbidden":
             msg = "unknown key"
@@ -133,10 +202,10 @@ def _format(err: ValidationError, path: Path, raw: dict) -> str:
     return "\n".join(lines)
 
 
-def _model_name(raw: dict, loc: tuple[int | str, ...]) -> str | None:
-    if len(loc) >= 2 and loc[0] == "models" and isinstance(loc[1], int):
+def _entry_name(raw: dict, loc: tuple[int | str, ...]) -> str | None:
+    if len(loc) >= 2 and loc[0] in ("models", "tenants") and isinstance(loc[1], int):
         try:
-            return raw["models"][loc[1]].get("name")
+            return raw[loc[0]][loc[1]].get("name")
         except (IndexError, KeyError, AttributeError, TypeError):
             return None
     return None

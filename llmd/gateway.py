@@ -23,14 +23,18 @@ from sanic.response import HTTPResponse, JSONResponse, ResponseStream
 from sanic.response import json as json_response
 
 from llmd import protocol
+from llmd.auth import Authenticator, Principal, require_admin
 from llmd.config import Config
 from llmd.errors import APIError, not_found
+from llmd.limits import deadline_seconds
 from llmd.protocol import ChatRequest, CompletionRequest
-from llmd.service import DEADLINE_HEADER, Job, Service, classify
+from llmd.service import Job, Service, classify
 from llmd.telemetry import RequestRecord, log
 
 _CLIENT_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 VERSION_HEADER = "X-LLMD-Model-Version"
+DEADLINE_HEADER = "x-request-timeout"
+CLASS_HEADER = "x-priority-class"
 
 
 def _dumps(obj: Any) -> str:
@@ -72,6 +76,16 @@ def create_app(config: Config, service: Service, name: str = "llmd", load_models
     app.config.REQUEST_TIMEOUT = 60
     app.config.NOISY_EXCEPTIONS = False
     app.ctx.service = service
+    auth = Authenticator(config)
+    # Open mode with no admin keys is a single user on loopback: the admin views are theirs.
+    admin_open = config.open_mode and not config.auth.admin_keys
+
+    def principal(request: Request) -> Principal:
+        return auth.authenticate(request.headers.get("authorization"))
+
+    def admin(request: Request) -> None:
+        if not admin_open:
+            require_admin(principal(request))
 
     @app.on_request
     async def _assign_id(request: Request) -> None:
@@ -107,19 +121,24 @@ def create_app(config: Config, service: Service, name: str = "llmd", load_models
         }
         return json_response({"ready": service.ready, "models": models}, status=200 if service.ready else 503)
 
+    def visible(who: Principal) -> list[str]:
+        return [n for n in service.models if who.tenant is None or who.tenant.may_use(n)]
+
     @app.get("/v1/models")
     async def list_models(request: Request) -> HTTPResponse:
-        return json_response({"object": "list", "data": [_model_card(service, n) for n in service.models]})
+        names = visible(principal(request))
+        return json_response({"object": "list", "data": [_model_card(service, n) for n in names]})
 
     @app.get("/v1/models/<name:path>")
     async def get_model(request: Request, name: str) -> HTTPResponse:
-        if name not in service.models:
+        if name not in visible(principal(request)):
             raise not_found(f"The model '{name}' does not exist", "model_not_found", "model")
         return json_response(_model_card(service, name))
 
     @app.get("/admin/engines")
     async def engines(request: Request) -> HTTPResponse:
-        """Live engine stats; `?since=<unix time>` adds the per-step history after that moment."""
+        """Live engine and queue stats; `?since=<unix time>` adds the per-step history after that moment."""
+        admin(request)
         since_arg = request.args.get("since")
         try:
             since = float(since_arg) if since_arg is not None else None
@@ -127,17 +146,24 @@ def create_app(config: Config, service: Service, name: str = "llmd", load_models
             raise APIError(400, "since must be a unix timestamp", param="since") from None
         out = {}
         for name, rt in service.models.items():
-            if rt.backend is not None:
-                out[name] = rt.backend.stats.snapshot(since) | {"inflight": rt.gate.inflight, "gate_waiting": rt.gate.waiting}
+            if rt.backend is not None and rt.scheduler is not None:
+                sched = rt.scheduler
+                out[name] = rt.backend.stats.snapshot(since) | {
+                    "scheduler_running": len(sched.running),
+                    "queued": {k: rt.queue.depth(k) for k in rt.queue.classes},
+                    "seat_limit": sched.detector.seat_limit(rt.backend.stats, len(sched.running)),
+                    "fairness": {k: c.fairness.snapshot() for k, c in rt.queue.classes.items()},
+                    "dropped": sched.dropped, "preempted": sched.preempted,
+                }
         return json_response(out)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> HTTPResponse | None:
-        return await _generate(request, service, ChatRequest)
+        return await _generate(request, service, principal, ChatRequest)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> HTTPResponse | None:
-        return await _generate(request, service, CompletionRequest)
+        return await _generate(request, service, principal, CompletionRequest)
 
     return app
 
@@ -149,13 +175,17 @@ def _model_card(service: Service, name: str) -> dict[str, Any]:
             "max_model_len": rt.cfg.engine.max_model_len}
 
 
-async def _generate(request: Request, service: Service, cls: type[ChatRequest] | type[CompletionRequest]) -> HTTPResponse | None:
+async def _generate(request: Request, service: Service, principal: Any,
+                    cls: type[ChatRequest] | type[CompletionRequest]) -> HTTPResponse | None:
     rid = request.ctx.request_id
     rec = RequestRecord(request_id=rid, endpoint=request.path, client_request_id=request.ctx.client_request_id)
+    job: Job | None = None
     try:
+        who = principal(request)
         req = protocol.parse(cls, request.body)
         rec.stream = req.stream
-        job = service.prepare(req, rec, service.deadline_for(request.headers.get(DEADLINE_HEADER)))
+        deadline_s = deadline_seconds(service.config.server, request.headers.get(DEADLINE_HEADER))
+        job = service.prepare(req, rec, deadline_s, who, request.headers.get(CLASS_HEADER))
         if req.stream:
             await _stream(request, service, job, req)
             return None
@@ -166,7 +196,13 @@ async def _generate(request: Request, service: Service, cls: type[ChatRequest] |
             return error_response(e, rid)
         raise
     finally:
+        if job is not None:
+            service.finish(job)
         rec.emit()
+
+
+def _headers(job: Job) -> dict[str, str]:
+    return {"X-Request-ID": job.record.request_id, VERSION_HEADER: job.record.version or ""} | job.headers
 
 
 async def _complete(service: Service, job: Job, req: ChatRequest | CompletionRequest) -> HTTPResponse:
@@ -184,7 +220,7 @@ async def _complete(service: Service, job: Job, req: ChatRequest | CompletionReq
     build = protocol.chat_response if isinstance(req, ChatRequest) else protocol.completion_response
     prefix = "chatcmpl-" if isinstance(req, ChatRequest) else "cmpl-"
     body = build(prefix + rec.request_id, model, protocol.created_now(), "".join(parts), finish, u)
-    return json_response(body, headers={"X-Request-ID": rec.request_id, VERSION_HEADER: rec.version or ""})
+    return json_response(body, headers=_headers(job))
 
 
 async def _stream(request: Request, service: Service, job: Job, req: ChatRequest | CompletionRequest) -> None:
@@ -196,8 +232,7 @@ async def _stream(request: Request, service: Service, job: Job, req: ChatRequest
     first = True
 
     async def start() -> ResponseStream:
-        headers = {"X-Request-ID": rec.request_id, VERSION_HEADER: rec.version or "", "Cache-Control": "no-cache"}
-        return await request.respond(content_type="text/event-stream", headers=headers)
+        return await request.respond(content_type="text/event-stream", headers=_headers(job) | {"Cache-Control": "no-cache"})
 
     try:
         async with service.deadline(job):

@@ -77,6 +77,8 @@ class _Common(_Body):
     repetition_penalty: Annotated[float, Field(gt=0.0, le=2.0)] | None = None
     top_k: Annotated[int, Field(ge=-1)] | None = None
     ignore_eos: bool = False
+    # llmd extension: "interactive" or "batch" (also the X-Priority-Class header).
+    priority_class: str | None = None
     n: Any = None
     logprobs: Any = None
     top_logprobs: Any = None

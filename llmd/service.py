@@ -1,50 +1,74 @@
-"""The request pipeline, free of HTTP: prepare (validate, render, count, limit) then run.
+"""The request pipeline, free of HTTP: prepare (who, what, how much, may it) then run.
 
 `prepare` does everything that can refuse a request cheaply, before any engine
-time is spent. `run` waits for a slot (bounded by the deadline), streams deltas
-from the engine, and guarantees the engine request is aborted on every exit
-path that did not finish it: client disconnect, deadline, error.
+time is spent: model and class checks, rendering and counting, deterministic
+limits, admission control. `run` waits in the fair queue until the scheduler
+releases it, streams deltas from the engine, resumes after a preemption, and
+aborts the engine request on every exit path that did not finish it.
+`finish` settles the quota once, whatever happened.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import math
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import AsyncIterator
 
+from llmd.auth import Principal
 from llmd.backends import Backend, BackendError, EngineDead, PromptError, build_backend
 from llmd.backends.base import Delta, Prompt, Sampling
-from llmd.config import Config, ModelConfig
+from llmd.config import Config, ModelConfig, TenantConfig
 from llmd.errors import APIError, bad_request, deadline_exceeded, engine_failed, not_found, unavailable
-from llmd.policy.gate import Gate
+from llmd.limits import output_budget
+from llmd.policy import admission
+from llmd.policy.classes import ModelQueue
+from llmd.policy.fairness import FAIRNESS
+from llmd.policy.queue import QueuedRequest
+from llmd.policy.saturation import SaturationDetector, ThroughputEstimate
+from llmd.policy.scheduler import Dropped, Entry, Scheduler
 from llmd.protocol import ChatRequest, CompletionRequest
 from llmd.store import WeightStore
 from llmd.telemetry import RequestRecord, log
 
-DEADLINE_HEADER = "x-request-timeout"
+PRIORITY = {"interactive": 0, "batch": 1}  # vLLM's priority: lower runs first under KV pressure
 
 
 class ModelRuntime:
-    """One configured model: its backend (once loaded), its gate, its load state."""
+    """One configured model: its backend (once loaded), its queue and scheduler, its load state."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, tenants: list[TenantConfig]) -> None:
         self.cfg = cfg
         self.backend: Backend | None = None
-        self.gate = Gate(cfg.max_inflight)
+        self.scheduler: Scheduler | None = None
         self.load_error: str | None = None
+        sc = cfg.scheduling
+        weights = {t.name: t.weight for t in tenants}
+        ordering = {t.name: t.ordering for t in tenants}
+        if sc.fairness == "vtc":
+            self.queue = ModelQueue(lambda: FAIRNESS["vtc"](weights, sc.w_in, sc.w_out), lambda t: ordering.get(t, "fifo"))
+        else:
+            self.queue = ModelQueue(FAIRNESS["fcfs"], lambda t: ordering.get(t, "fifo"))
 
     @property
     def ready(self) -> bool:
         return self.backend is not None and self.backend.ready and self.backend.healthy
 
+    def attach(self, backend: Backend) -> None:
+        sc = self.cfg.scheduling
+        seats = sc.max_running or (self.cfg.fake.max_num_seqs if self.cfg.backend == "fake" else self.cfg.engine.max_num_seqs)
+        detector = SaturationDetector(seats, sc.kv_high, sc.target_itl_ms)
+        self.scheduler = Scheduler(self.queue, detector, backend.stats, ThroughputEstimate(sc.prior_tokens_per_s),
+                                   preempt_batch=sc.preempt_batch, reserved_seats=sc.reserved_seats)
+        self.scheduler.start()
+        self.backend = backend
+
 
 @dataclass
 class Job:
-    """A request that passed every cheap check and may now use the engine."""
+    """A request that passed every cheap check and now waits for, or uses, the engine."""
 
     engine_id: str
     runtime: ModelRuntime
@@ -52,14 +76,18 @@ class Job:
     sampling: Sampling
     deadline: float  # time.monotonic() by which it must finish
     record: RequestRecord
-    finished: bool = field(default=False)
+    entry: Entry
+    quota: admission.Ticket | None = None
+    headers: dict[str, str] = field(default_factory=dict)
+    finished: bool = False
 
 
 class Service:
     def __init__(self, config: Config, store: WeightStore | None = None) -> None:
         self.config = config
         self.store = store or WeightStore()
-        self.models = {m.name: ModelRuntime(m) for m in config.models}
+        self.models = {m.name: ModelRuntime(m, config.tenants) for m in config.models}
+        self.admission = admission.AdmissionController(config.tenants)
 
     # -- lifecycle -------------------------------------------------------
     async def start(self) -> None:
@@ -73,11 +101,13 @@ class Service:
                 rt.load_error = str(e)
                 log.error("model_load_failed", model=rt.cfg.name, error=str(e))
                 continue
-            rt.backend = backend
+            rt.attach(backend)
             log.info("model_loaded", model=rt.cfg.name, version=backend.version, seconds=round(time.monotonic() - t0, 2))
 
     async def stop(self) -> None:
         for rt in self.models.values():
+            if rt.scheduler is not None:
+                await rt.scheduler.stop()
             if rt.backend is not None:
                 await rt.backend.stop()
 
@@ -86,21 +116,9 @@ class Service:
         return all(rt.ready for rt in self.models.values())
 
     # -- prepare ---------------------------------------------------------
-    def deadline_for(self, header: str | None) -> float:
-        srv = self.config.server
-        if header is None:
-            return srv.default_deadline_s
-        try:
-            value = float(header)
-        except ValueError:
-            value = math.nan
-        if not math.isfinite(value) or value <= 0:
-            raise bad_request(f"X-Request-Timeout must be a positive number of seconds, got {header!r}", "X-Request-Timeout")
-        return min(value, srv.max_deadline_s)
-
-    def runtime(self, name: str) -> ModelRuntime:
+    def runtime(self, name: str, tenant: TenantConfig | None = None) -> ModelRuntime:
         rt = self.models.get(name)
-        if rt is None:
+        if rt is None or (tenant is not None and not tenant.may_use(name)):
             raise not_found(f"The model '{name}' does not exist", "model_not_found", "model")
         if rt.backend is None:
             if rt.load_error:
@@ -110,103 +128,153 @@ class Service:
             raise unavailable(f"the engine for model '{name}' is not healthy", "engine_unhealthy", retry_after=10)
         return rt
 
-    def prepare(self, req: ChatRequest | CompletionRequest, record: RequestRecord, deadline_s: float) -> Job:
-        rt = self.runtime(req.model)
-        backend = rt.backend
-        assert backend is not None
-        record.model, record.version = rt.cfg.name, backend.version
-        record.deadline_s = deadline_s
+    @staticmethod
+    def priority_class(tenant: TenantConfig, asked: str | None) -> str:
+        klass = asked or tenant.default_class
+        if klass not in PRIORITY:
+            raise bad_request(f"unknown priority class {klass!r}; use one of {sorted(PRIORITY)}", "priority_class")
+        if klass not in tenant.classes:
+            raise APIError(403, f"tenant {tenant.name!r} may not use priority class {klass!r}",
+                           "permission_error", "class_not_allowed", "priority_class")
+        return klass
+
+    def prepare(self, req: ChatRequest | CompletionRequest, record: RequestRecord, deadline_s: float,
+                who: Principal, asked_class: str | None = None) -> Job:
+        tenant = who.tenant
+        if tenant is None:
+            raise APIError(403, "admin keys cannot run generations; use a tenant's key", "permission_error", "tenant_required")
+        record.tenant, record.key_id = tenant.name, who.key_id
+        rt = self.runtime(req.model, tenant)
+        backend, sched = rt.backend, rt.scheduler
+        assert backend is not None and sched is not None
+        record.model, record.version, record.deadline_s = rt.cfg.name, backend.version, deadline_s
+        klass = self.priority_class(tenant, asked_class or req.priority_class)
+        record.priority_class = klass
+        chat = isinstance(req, ChatRequest)
         try:
-            if isinstance(req, ChatRequest):
-                prompt = backend.render_chat(req.chat_messages())
-            else:
-                prompt = backend.render_completion(req.single_prompt())
+            prompt = backend.render_chat(req.chat_messages()) if chat else backend.render_completion(req.single_prompt())
         except PromptError as e:
-            raise bad_request(str(e), "messages" if isinstance(req, ChatRequest) else "prompt") from None
+            raise bad_request(str(e), "messages" if chat else "prompt") from None
         record.prompt_tokens = prompt.num_tokens
-        max_tokens = self._limit_tokens(rt.cfg, prompt.num_tokens, req.requested_max_tokens(),
-                                        "messages" if isinstance(req, ChatRequest) else "prompt")
+        max_tokens = output_budget(rt.cfg, prompt.num_tokens, req.requested_max_tokens(), "messages" if chat else "prompt")
         record.max_tokens = max_tokens
         sampling = Sampling(
             max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, stop=req.stop_list(),
             seed=req.seed, presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
             repetition_penalty=req.repetition_penalty, top_k=req.top_k, ignore_eos=req.ignore_eos,
         )
+        deadline = record.t_arrival + deadline_s
+        sc = rt.cfg.scheduling
+        try:
+            quota = self.admission.admit(
+                tenant, prompt.num_tokens + max_tokens, queue_depth=len(rt.queue), max_queue=sc.max_queue,
+                est_wait_s=sched.estimate_wait(tenant.name, klass, sc.fairness == "vtc"),
+                time_left_s=deadline - time.monotonic())
+        except APIError as e:
+            record.decision = f"shed:{getattr(e, 'reason', e.code)}"
+            raise
+        record.decision = "admitted"
+        qreq = QueuedRequest(record.request_id, tenant.name, klass, prompt.num_tokens, max_tokens, deadline, record.t_arrival)
         engine_id = f"{record.request_id}-{uuid.uuid4().hex[:8]}"
-        return Job(engine_id, rt, prompt, sampling, record.t_arrival + deadline_s, record)
+        return Job(engine_id, rt, prompt, sampling, deadline, record, Entry(qreq), quota, self.admission.headers(tenant))
 
-    @staticmethod
-    def _limit_tokens(cfg: ModelConfig, prompt_tokens: int, requested: int | None, prompt_param: str) -> int:
-        """Deterministic limits, all checked before the engine sees the request."""
-        ctx = cfg.engine.max_model_len
-        if prompt_tokens > cfg.prompt_limit:
-            raise bad_request(
-                f"This model's maximum prompt length is {cfg.prompt_limit} tokens; your prompt has {prompt_tokens} tokens.",
-                prompt_param, "context_length_exceeded")
-        room = ctx - prompt_tokens
-        if requested is None:
-            return max(1, min(cfg.default_max_tokens, room))
-        clamp = cfg.output_tokens_policy == "clamp"
-        if requested > cfg.max_output_tokens and not clamp:
-            raise bad_request(f"max_tokens is {requested}, above this model's limit of {cfg.max_output_tokens} output tokens.",
-                              "max_tokens", "max_tokens_exceeded")
-        wanted = min(requested, cfg.max_output_tokens)
-        if wanted > room and not clamp:
-            raise bad_request(
-                f"This model's maximum context length is {ctx} tokens. However, you requested {prompt_tokens + wanted} tokens "
-                f"({prompt_tokens} in the prompt, {wanted} for the completion). Please reduce the prompt or max_tokens.",
-                "max_tokens", "context_length_exceeded")
-        return max(1, min(wanted, room))
+    def finish(self, job: Job) -> None:
+        """Settle the tenant's quota with what was actually used; safe to call more than once."""
+        if job.quota is not None:
+            self.admission.settle(job.quota, job.record.prompt_tokens + job.record.output_tokens)
 
     # -- run -------------------------------------------------------------
     def deadline(self, job: Job) -> asyncio.Timeout:
-        """Bounds the whole run, the client's writes included, so a slow reader cannot outlive it."""
+        """Bounds the whole run, queueing and the client's writes included."""
         loop = asyncio.get_running_loop()
         return asyncio.timeout_at(loop.time() + (job.deadline - time.monotonic()))
 
     @staticmethod
     def deadline_error(job: Job) -> APIError:
         if job.record.t_dispatch is None:
-            return deadline_exceeded("the request's deadline passed while it waited for capacity; it was not run")
+            job.record.decision = "dropped:deadline"
+            return deadline_exceeded("the request's deadline passed while it waited in the queue; it was not run")
         return deadline_exceeded()
 
     async def run(self, job: Job) -> AsyncIterator[Delta]:
-        """Deltas from the engine. Run it inside `deadline(job)`; raises APIError on engine failure."""
-        rec, rt = job.record, job.runtime
-        backend = rt.backend
-        assert backend is not None
-        await rt.gate.acquire()
-        rec.t_dispatch = time.monotonic()
-        try:
-            gen = backend.generate(job.engine_id, job.prompt, job.sampling)
-            async with contextlib.aclosing(gen):
-                async for delta in gen:
-                    if delta.num_tokens and rec.t_first_token is None:
-                        rec.t_first_token = time.monotonic()
-                    rec.output_tokens += delta.num_tokens
-                    rec.cached_prompt_tokens = max(rec.cached_prompt_tokens, delta.cached_prompt_tokens)
-                    if delta.finish_reason is not None:
-                        job.finished = True
-                        rec.finish_reason = delta.finish_reason
-                    yield delta
-        except EngineDead as e:
-            raise unavailable(str(e), "engine_dead", retry_after=30) from None
-        except PromptError as e:
-            raise bad_request(str(e)) from None
-        except BackendError as e:
-            raise engine_failed(str(e)) from None
-        finally:
-            if not job.finished:
-                # Disconnect, deadline or error: make sure the engine stops computing it now.
-                with contextlib.suppress(Exception):
-                    await backend.abort(job.engine_id)
-            rt.gate.release()
+        """Deltas from the engine. Run it inside `deadline(job)`; raises APIError on failure."""
+        rec, rt, entry = job.record, job.runtime, job.entry
+        backend, sched = rt.backend, rt.scheduler
+        assert backend is not None and sched is not None
+        prompt, sampling, attempt = job.prompt, job.sampling, 0
+        current = [job.engine_id]
+        entry.abort = lambda: backend.abort(current[0])
+        produced: list[int] = []
+        while True:
+            try:
+                await sched.wait_turn(entry)
+            except Dropped as e:
+                rec.decision = f"dropped:{e.reason}"
+                raise deadline_exceeded(str(e)) from None
+            if rec.t_dispatch is None:
+                rec.t_dispatch = time.monotonic()
+            preempted = False
+            try:
+                gen = backend.generate(current[0], prompt, sampling, PRIORITY[entry.req.klass])
+                async with contextlib.aclosing(gen):
+                    async for delta in gen:
+                        if delta.finish_reason == "abort" and entry.preempt_requested:
+                            preempted = True
+                            break
+                        self._account(job, delta)
+                        produced.extend(delta.token_ids)
+                        yield delta
+            except EngineDead as e:
+                raise unavailable(str(e), "engine_dead", retry_after=30) from None
+            except PromptError as e:
+                raise bad_request(str(e)) from None
+            except BackendError as e:
+                raise engine_failed(str(e)) from None
+            finally:
+                if not job.finished and not preempted:
+                    # Disconnect, deadline or error: make sure the engine stops computing it now.
+                    with contextlib.suppress(Exception):
+                        await backend.abort(current[0])
+                sched.finished(entry)
+            if not preempted:
+                return
+            # Preempted for interactive traffic: queue again and resume from what was produced.
+            rec.preemptions += 1
+            entry.preempt_requested = False
+            attempt += 1
+            current[0] = f"{job.engine_id}-r{attempt}"
+            ids = job.prompt.token_ids + produced
+            prompt = Prompt(token_ids=ids, engine_input={"prompt_token_ids": ids})
+            sampling = _replace_max_tokens(sampling, job.sampling.max_tokens - rec.output_tokens)
+
+    @staticmethod
+    def _account(job: Job, delta: Delta) -> None:
+        rec = job.record
+        if delta.num_tokens and rec.t_first_token is None:
+            rec.t_first_token = time.monotonic()
+        rec.output_tokens += delta.num_tokens
+        rec.cached_prompt_tokens = max(rec.cached_prompt_tokens, delta.cached_prompt_tokens)
+        if delta.num_tokens:
+            assert job.runtime.scheduler is not None
+            job.runtime.scheduler.on_output(job.entry, delta.num_tokens)
+        if delta.finish_reason is not None:
+            job.finished = True
+            rec.finish_reason = delta.finish_reason
+
+
+def _replace_max_tokens(s: Sampling, n: int) -> Sampling:
+    return replace(s, max_tokens=max(1, n))
 
 
 def classify(exc: BaseException) -> tuple[str, int, str | None]:
     """(status, http status, error code) for the request log."""
     if isinstance(exc, APIError):
-        status = "deadline" if exc.code == "deadline_exceeded" else ("rejected" if exc.status < 500 else "error")
+        if exc.code == "deadline_exceeded":
+            status = "deadline"
+        elif exc.status in (429, 503) and getattr(exc, "reason", None):
+            status = "shed"
+        else:
+            status = "rejected" if exc.status < 500 else "error"
         return status, exc.status, exc.code
     if isinstance(exc, asyncio.CancelledError):
         return "cancelled", 499, "client_disconnected"

@@ -6,7 +6,7 @@ import logging
 import sys
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import structlog
 
@@ -27,6 +27,8 @@ def configure_logging(level: str = "info") -> None:
 
 
 log = structlog.get_logger("llmd")
+# Extra consumers of finished request records (metering, tests); each gets the log dict.
+RECORD_SINKS: list[Callable[[dict[str, Any]], None]] = []
 
 
 @dataclass
@@ -48,6 +50,11 @@ class RequestRecord:
     error_code: str | None = None
     deadline_s: float | None = None
     client_request_id: str | None = None
+    tenant: str | None = None
+    key_id: str | None = None
+    priority_class: str | None = None
+    decision: str | None = None  # admitted | shed:<reason> | dropped:<reason>
+    preemptions: int = 0
     t_arrival: float = field(default_factory=time.monotonic)
     t_dispatch: float | None = None
     t_first_token: float | None = None
@@ -68,4 +75,7 @@ class RequestRecord:
 
     def emit(self) -> None:
         self.finish()
-        log.info("request", **self.as_log())
+        d = self.as_log()
+        log.info("request", **d)
+        for sink in RECORD_SINKS:
+            sink(d)

@@ -90,6 +90,17 @@ async def make_server() -> AsyncIterator[Any]:
         await live.server.after_stop()
 
 
+@pytest.fixture
+def records() -> Iterator[list[dict[str, Any]]]:
+    """Every request record emitted while the test runs."""
+    from llmd import telemetry
+
+    out: list[dict[str, Any]] = []
+    telemetry.RECORD_SINKS.append(out.append)
+    yield out
+    telemetry.RECORD_SINKS.remove(out.append)
+
+
 FAKE_TOML = """
 [server]
 default_deadline_s = 30
@@ -98,18 +109,19 @@ name = "fake"
 backend = "fake"
 max_output_tokens = 4096
 default_max_tokens = 16
-max_inflight = {max_inflight}
 [models.engine]
 max_model_len = 4096
 [models.fake]
 step_ms = {step_ms}
 step_ms_per_seq = 0.0
 max_num_seqs = 8
+[models.scheduling]
+max_running = {max_running}
 """
 
 
-def fake_toml(max_inflight: int = 64, step_ms: float = 2.0) -> str:
-    return FAKE_TOML.format(max_inflight=max_inflight, step_ms=step_ms)
+def fake_toml(max_running: int = 8, step_ms: float = 2.0) -> str:
+    return FAKE_TOML.format(max_running=max_running, step_ms=step_ms)
 
 
 # -- subprocess server with the real vLLM engine ------------------------------

@@ -59,6 +59,7 @@ class Delta:
     num_tokens: int
     finish_reason: str | None = None  # "stop" | "length" | "abort" once finished
     cached_prompt_tokens: int = 0
+    token_ids: tuple[int, ...] = ()  # lets a preempted request resume as prompt + output so far
 
 
 @dataclass(frozen=True)
@@ -81,15 +82,22 @@ class EngineStats:
     prefix_hits: int = 0
     steps: int = 0
     preemptions: int = 0
+    generated_tokens: int = 0
     history: deque[StepRecord] = field(default_factory=lambda: deque(maxlen=2048))
+    # (time, seconds) inter-token latencies as the engine measured them, for the ITL controller.
+    itl: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=8192))
 
-    def record(self, rec: StepRecord, prefix_queries: int = 0, prefix_hits: int = 0, preempted: int = 0) -> None:
+    def record(self, rec: StepRecord, prefix_queries: int = 0, prefix_hits: int = 0, preempted: int = 0,
+               itl: list[float] | None = None) -> None:
         self.running, self.waiting, self.kv_usage = rec.running, rec.waiting, rec.kv_usage
         self.prefix_queries += prefix_queries
         self.prefix_hits += prefix_hits
         self.preemptions += preempted
+        self.generated_tokens += rec.generated_tokens
         self.steps += 1
         self.history.append(rec)
+        if itl:
+            self.itl.extend((rec.t, x) for x in itl)
 
     def snapshot(self, since: float | None = None) -> dict[str, Any]:
         hist = [r for r in self.history if since is None or r.t >= since]

@@ -39,6 +39,7 @@ WORDS = (
     "yellow green blue indigo violet black white grey silver gold copper iron tin lead zinc "
     "river lake ocean sea hill mountain valley forest desert meadow cloud rain snow wind sun moon"
 ).split()
+WORD_ID_BASE = 1000  # synthetic token ids for the words: stable, so a resumed request can carry them
 EOS_MARKER = re.compile(r"\[\[eos:(\d+)\]\]")
 
 
@@ -58,9 +59,11 @@ class _Req:
     emitted: int = 0  # chars of `text` already sent
     done: bool = False
 
+    def word_index(self) -> int:
+        return (self.seed + self.generated * (1 + 2 * (self.seed % 7))) % len(WORDS)
+
     def word(self) -> str:
-        i = (self.seed + self.generated * (1 + 2 * (self.seed % 7))) % len(WORDS)
-        return " " + WORDS[i]
+        return " " + WORDS[self.word_index()]
 
 
 class FakeBackend:
@@ -181,7 +184,8 @@ class FakeBackend:
                             yield item
                         item = nxt
                         break
-                    item = Delta(item.text + nxt.text, item.num_tokens + nxt.num_tokens, nxt.finish_reason)
+                    item = Delta(item.text + nxt.text, item.num_tokens + nxt.num_tokens, nxt.finish_reason,
+                                 token_ids=item.token_ids + nxt.token_ids)
                 if isinstance(item, BaseException):
                     raise item
                 yield item
@@ -221,14 +225,15 @@ class FakeBackend:
                     continue
                 while self._waiting and len(self._running) < self.cfg.max_num_seqs:
                     self._running.append(heapq.heappop(self._waiting)[2])
+                t0 = asyncio.get_running_loop().time()
                 await asyncio.sleep(self.step_seconds(len(self._running)))
-                self._step()
+                self._step(asyncio.get_running_loop().time() - t0)
         except asyncio.CancelledError:
             raise
         except Exception as e:  # a bug in the double is an engine crash, not a hang
             self._die(EngineDead(f"engine loop crashed: {e!r}"))
 
-    def _step(self) -> None:
+    def _step(self, took: float = 0.0) -> None:
         batch = list(self._running)  # aborted mid-step requests are already gone
         generated = 0
         for req in batch:
@@ -240,15 +245,18 @@ class FakeBackend:
         ptps = self.cfg.prefill_tokens_per_step
         held = sum(max(0, r.prompt.num_tokens - r.prefill_left * ptps) + r.generated for r in self._running)
         kv = held / (self.cfg.max_num_seqs * self.max_model_len)
-        self.stats.record(StepRecord(t=now(), running=len(batch), waiting=len(self._waiting), kv_usage=min(1.0, kv), generated_tokens=generated))
+        self.stats.record(StepRecord(t=now(), running=len(batch), waiting=len(self._waiting), kv_usage=min(1.0, kv),
+                                     generated_tokens=generated), itl=[took] * generated)
 
     def _emit(self, req: _Req) -> None:
         """One decode step for `req`: append a word (or end it) and queue the delta."""
         finish: str | None = None
         tokens = 1
+        ids: tuple[int, ...] = ()
         if req.eos_after is not None and req.generated >= req.eos_after:
             finish, tokens = "stop", 0  # `[[eos:0]]`: ends at once with nothing generated
         else:
+            ids = (WORD_ID_BASE + req.word_index(),)
             req.text += req.word()
             req.generated += 1
         stops = req.sampling.stop
@@ -267,7 +275,7 @@ class FakeBackend:
                     if req.text.endswith(s[:k]):
                         safe = min(safe, len(req.text) - k)
                         break
-        delta = Delta(text=req.text[req.emitted : safe], num_tokens=tokens, finish_reason=finish)
+        delta = Delta(text=req.text[req.emitted : safe], num_tokens=tokens, finish_reason=finish, token_ids=ids)
         req.emitted = safe
         if finish is not None:
             req.done = True

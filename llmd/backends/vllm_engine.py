@@ -51,10 +51,12 @@ class _StepLogger(StatLoggerBase):
         gen = iteration_stats.num_generation_tokens if iteration_stats is not None else 0
         preempted = getattr(iteration_stats, "num_preempted_reqs", 0) if iteration_stats is not None else 0
         pcs = scheduler_stats.prefix_cache_stats
+        itl = list(getattr(iteration_stats, "inter_token_latencies_iter", None) or [])
         self._stats.record(
             StepRecord(t=now(), running=scheduler_stats.num_running_reqs, waiting=scheduler_stats.num_waiting_reqs,
                        kv_usage=float(scheduler_stats.kv_cache_usage), generated_tokens=gen),
             prefix_queries=getattr(pcs, "queries", 0), prefix_hits=getattr(pcs, "hits", 0), preempted=preempted,
+            itl=itl,
         )
 
     def log_engine_initialized(self) -> None:
@@ -172,7 +174,7 @@ class VllmBackend:
             async for out in engine.generate(prompt.engine_input, params, request_id, priority=priority):
                 c = out.outputs[0]
                 yield Delta(text=c.text, num_tokens=len(c.token_ids), finish_reason=c.finish_reason,
-                            cached_prompt_tokens=out.num_cached_tokens or 0)
+                            cached_prompt_tokens=out.num_cached_tokens or 0, token_ids=tuple(c.token_ids))
         except EngineDeadError as e:
             raise EngineDead(f"engine for {self.model_name} died: {e}") from None
         except (asyncio.CancelledError, GeneratorExit):

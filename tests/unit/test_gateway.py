@@ -135,7 +135,7 @@ async def test_context_window_is_checked_before_the_engine(make_server) -> None:
 
 
 async def test_deadline_passed_while_waiting_never_reaches_engine(make_server) -> None:
-    live = await make_server(fake_toml(max_inflight=1, step_ms=5))
+    live = await make_server(fake_toml(max_running=1, step_ms=5))
     c = sdk(live)
     hog = asyncio.create_task(c.completions.create(model="fake", prompt="long", max_tokens=400))
     assert await async_wait_until(lambda: len(live.backend().submitted) == 1)
@@ -145,7 +145,7 @@ async def test_deadline_passed_while_waiting_never_reaches_engine(make_server) -
     assert r.status_code == 504 and r.json()["error"]["code"] == "deadline_exceeded"
     assert "not run" in r.json()["error"]["message"]
     assert len(live.backend().submitted) == 1 and not any("late-one" in s for s in live.backend().submitted)
-    assert live.service.models["fake"].gate.waiting == 0
+    assert len(live.service.models["fake"].queue) == 0
     hog.cancel()
 
 

@@ -1,6 +1,5 @@
-"""Engine death on the real engine: SIGKILL vLLM's EngineCore mid-stream.
-
-Uses its own server (the shared one must stay alive for the other tests)."""
+"""Tests that need their own real-engine server: one seat (to force preemption), then
+engine death (SIGKILL vLLM's EngineCore mid-stream), in that order."""
 
 from __future__ import annotations
 
@@ -14,6 +13,10 @@ import httpx
 import psutil
 import pytest
 
+import asyncio
+
+import openai
+
 from tests.conftest import ENGINE_TOML, EngineServer, start_server_process, stop_process, wait_until
 
 pytestmark = pytest.mark.engine
@@ -21,7 +24,8 @@ pytestmark = pytest.mark.engine
 
 @pytest.fixture(scope="module")
 def doomed_server(smollm2_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineServer]:
-    srv = start_server_process(ENGINE_TOML, tmp_path_factory.mktemp("doomed"))
+    toml = ENGINE_TOML + "[models.scheduling]\nmax_running = 1\nreserved_seats = 0\n"
+    srv = start_server_process(toml, tmp_path_factory.mktemp("doomed"))
     yield srv
     stop_process(srv.proc)
 
@@ -31,6 +35,29 @@ def _engine_core(pid: int) -> psutil.Process:
         if "EngineCore" in " ".join(child.cmdline()) or "EngineCore" in child.name():
             return child
     raise AssertionError("no EngineCore child process found")
+
+
+def test_preempted_batch_resumes_with_the_same_text(doomed_server: EngineServer) -> None:
+    """Greedy decoding resumed from prompt + tokens so far must continue exactly where it stopped."""
+    c = openai.AsyncOpenAI(base_url=doomed_server.base, api_key="unused", max_retries=0, timeout=120)
+    body = dict(model="smollm2", prompt="The history of the Roman Empire", max_tokens=120, temperature=0,
+                extra_body={"ignore_eos": True})
+
+    async def scenario() -> tuple[str, str, openai.types.Completion]:
+        alone = await c.completions.create(**body, extra_headers={"X-Priority-Class": "batch"})
+        batch = asyncio.create_task(c.completions.create(**body, extra_headers={"X-Priority-Class": "batch"}))
+        await asyncio.sleep(1.0)  # the batch request is generating
+        inter = await c.completions.create(model="smollm2", prompt="Hello", max_tokens=5, temperature=0)
+        return alone.choices[0].text, (await batch).choices[0].text, inter
+
+    alone, resumed, inter = asyncio.run(scenario())
+    assert inter.usage.completion_tokens == 5
+    stats = doomed_server.engine_stats()
+    assert stats["preempted"] == 1
+    assert resumed == alone
+    recs = [json.loads(line) for line in doomed_server.log_lines() if '"event": "request"' in line]
+    assert [r["preemptions"] for r in recs if r["priority_class"] == "batch"] == [0, 1]
+    assert all(r["output_tokens"] == 120 for r in recs if r["priority_class"] == "batch")
 
 
 def test_engine_killed_mid_stream(doomed_server: EngineServer) -> None:

@@ -1,0 +1,103 @@
+"""One model's waiting room: strict priority between classes (interactive before
+batch); inside a class, a fairness policy picks the tenant and the tenant's own
+queue (FIFO or earliest deadline) picks its request."""
+
+from __future__ import annotations
+
+from typing import Callable, Iterator
+
+from llmd.policy.fairness import FairnessPolicy
+from llmd.policy.queue import ORDERINGS, QueuedRequest, RequestQueue
+
+CLASSES = ("interactive", "batch")  # highest priority first
+
+
+class ClassQueue:
+    def __init__(self, fairness: FairnessPolicy, ordering_for: Callable[[str], str]) -> None:
+        self.fairness = fairness
+        self._ordering_for = ordering_for
+        self._tenants: dict[str, RequestQueue] = {}
+        self._count = 0
+
+    def __len__(self) -> int:
+        return self._count
+
+    def __iter__(self) -> Iterator[QueuedRequest]:
+        for q in self._tenants.values():
+            yield from q
+
+    def push(self, req: QueuedRequest) -> None:
+        q = self._tenants.get(req.tenant)
+        if q is None or not len(q):
+            self.fairness.on_backlogged(req.tenant, set(self._tenants))
+            q = q or ORDERINGS[self._ordering_for(req.tenant)]()
+            self._tenants[req.tenant] = q
+        q.push(req)
+        self._count += 1
+
+    def heads(self) -> dict[str, QueuedRequest]:
+        return {t: q.peek() for t, q in self._tenants.items()}
+
+    def pop_next(self, eligible: Callable[[str], bool] | None = None) -> QueuedRequest | None:
+        """The fairness policy's pick among tenants for which `eligible` holds (all by default)."""
+        heads = self.heads()
+        if eligible is not None:
+            heads = {t: r for t, r in heads.items() if eligible(t)}
+        if not heads:
+            return None
+        tenant = self.fairness.pick(heads)
+        req = self._tenants[tenant].pop()
+        self._count -= 1
+        self.fairness.on_dispatch(req)
+        self._forget_if_empty(tenant)
+        return req
+
+    def remove(self, req: QueuedRequest) -> bool:
+        q = self._tenants.get(req.tenant)
+        if q is None or not q.remove(req):
+            return False
+        self._count -= 1
+        self._forget_if_empty(req.tenant)
+        return True
+
+    def _forget_if_empty(self, tenant: str) -> None:
+        if not len(self._tenants[tenant]):
+            del self._tenants[tenant]
+            self.fairness.on_idle(tenant)
+
+
+class ModelQueue:
+    def __init__(self, fairness_factory: Callable[[], FairnessPolicy], ordering_for: Callable[[str], str]) -> None:
+        self.classes = {c: ClassQueue(fairness_factory(), ordering_for) for c in CLASSES}
+
+    def __len__(self) -> int:
+        return sum(len(c) for c in self.classes.values())
+
+    def depth(self, klass: str) -> int:
+        return len(self.classes[klass])
+
+    def push(self, req: QueuedRequest) -> None:
+        self.classes[req.klass].push(req)
+
+    def pop_next(self, eligible: Callable[[str], bool] | None = None) -> QueuedRequest | None:
+        for c in self.classes.values():
+            if len(c) and (req := c.pop_next(eligible)) is not None:
+                return req
+        return None
+
+    def remove(self, req: QueuedRequest) -> bool:
+        return self.classes[req.klass].remove(req)
+
+    def heads(self) -> Iterator[QueuedRequest]:
+        for c in self.classes.values():
+            yield from c.heads().values()
+
+    def ahead_of(self, klass: str) -> Iterator[QueuedRequest]:
+        """Everything a new request of `klass` would wait behind (its class and higher)."""
+        for name, c in self.classes.items():
+            yield from c
+            if name == klass:
+                return
+
+    def on_output(self, req: QueuedRequest, tokens: int) -> None:
+        self.classes[req.klass].fairness.on_output(req.tenant, tokens)

@@ -1,0 +1,115 @@
+"""Ordering *within* one tenant: a small abstract queue with FCFS and earliest-deadline
+implementations (after vLLM's RequestQueue). Fairness *between* tenants lives in
+fairness.py; the two are composed by classes.py."""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from abc import ABC, abstractmethod
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Iterator
+
+_seq = itertools.count()
+
+
+@dataclass(eq=False)
+class QueuedRequest:
+    """What the policies need to know about a waiting request; nothing engine-specific."""
+
+    request_id: str
+    tenant: str
+    klass: str
+    input_tokens: int
+    max_tokens: int
+    deadline: float  # monotonic seconds
+    arrival: float  # monotonic seconds
+    seq: int = field(default_factory=lambda: next(_seq))
+
+    @property
+    def cost(self) -> int:
+        return self.input_tokens + self.max_tokens
+
+
+class RequestQueue(ABC):
+    @abstractmethod
+    def push(self, req: QueuedRequest) -> None: ...
+
+    @abstractmethod
+    def peek(self) -> QueuedRequest: ...
+
+    @abstractmethod
+    def pop(self) -> QueuedRequest: ...
+
+    @abstractmethod
+    def remove(self, req: QueuedRequest) -> bool: ...
+
+    @abstractmethod
+    def __len__(self) -> int: ...
+
+    @abstractmethod
+    def __iter__(self) -> Iterator[QueuedRequest]: ...
+
+
+class FCFSQueue(RequestQueue):
+    def __init__(self) -> None:
+        self._q: deque[QueuedRequest] = deque()
+
+    def push(self, req: QueuedRequest) -> None:
+        self._q.append(req)
+
+    def push_front(self, req: QueuedRequest) -> None:
+        self._q.appendleft(req)
+
+    def peek(self) -> QueuedRequest:
+        return self._q[0]
+
+    def pop(self) -> QueuedRequest:
+        return self._q.popleft()
+
+    def remove(self, req: QueuedRequest) -> bool:
+        try:
+            self._q.remove(req)
+            return True
+        except ValueError:
+            return False
+
+    def __len__(self) -> int:
+        return len(self._q)
+
+    def __iter__(self) -> Iterator[QueuedRequest]:
+        return iter(self._q)
+
+
+class DeadlineQueue(RequestQueue):
+    """Earliest deadline first; ties in arrival order."""
+
+    def __init__(self) -> None:
+        self._h: list[tuple[float, int, QueuedRequest]] = []
+
+    def push(self, req: QueuedRequest) -> None:
+        heapq.heappush(self._h, (req.deadline, req.seq, req))
+
+    def peek(self) -> QueuedRequest:
+        return self._h[0][2]
+
+    def pop(self) -> QueuedRequest:
+        return heapq.heappop(self._h)[2]
+
+    def remove(self, req: QueuedRequest) -> bool:
+        for i, (_, _, r) in enumerate(self._h):
+            if r is req:
+                self._h.pop(i)
+                heapq.heapify(self._h)
+                return True
+        return False
+
+    def __len__(self) -> int:
+        return len(self._h)
+
+    def __iter__(self) -> Iterator[QueuedRequest]:
+        return (r for _, _, r in sorted(self._h, key=lambda e: (e[0], e[1])))
+
+
+ORDERINGS: dict[str, type[RequestQueue]] = {"fifo": FCFSQueue, "deadline": DeadlineQueue}

@@ -1,0 +1,94 @@
+"""Saturation detection: does the engine have headroom for one more sequence?
+
+Kept apart from the scheduler (as in llm-d's flow control) so the signal can
+change without touching queueing. Headroom means: fewer sequences running than
+the seat limit, KV cache below its high-water mark, and the engine's own waiting
+queue empty, so that *our* queue, not the engine's FCFS, decides the order.
+With a target inter-token latency the seat limit adapts (AIMD): it shrinks
+multiplicatively when p95 ITL exceeds the target and grows by one when the
+seats are full and latency has room.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Callable
+
+from llmd.backends.base import EngineStats
+
+
+def p95(values: list[float]) -> float:
+    if not values:
+        return 0.0
+    s = sorted(values)
+    return s[min(len(s) - 1, math.ceil(0.95 * len(s)) - 1)]
+
+
+class ITLController:
+    """AIMD on measured p95 inter-token latency."""
+
+    def __init__(self, target_ms: float, max_seats: int, min_seats: int = 1, window_s: float = 1.5,
+                 interval_s: float = 0.5, decrease: float = 0.8, clock: Callable[[], float] = time.time) -> None:
+        self.target = target_ms / 1000.0
+        self.max_seats = max_seats
+        self.min_seats = min_seats
+        self.limit = float(max_seats)
+        self.window_s = window_s
+        self.interval_s = interval_s
+        self.decrease = decrease
+        self.clock = clock
+        self._next = 0.0
+        self.last_p95: float | None = None
+
+    def update(self, stats: EngineStats, running: int) -> int:
+        now = self.clock()
+        if now >= self._next:
+            self._next = now + self.interval_s
+            recent = [x for t, x in stats.itl if t >= now - self.window_s]
+            if len(recent) >= 8:
+                self.last_p95 = p95(recent)
+                if self.last_p95 > self.target:
+                    self.limit = max(self.min_seats, self.limit * self.decrease)
+                elif running >= int(self.limit) and self.last_p95 < 0.9 * self.target:
+                    self.limit = min(self.max_seats, self.limit + 1)
+        return int(self.limit)
+
+
+class SaturationDetector:
+    def __init__(self, max_seats: int, kv_high: float = 0.95, target_itl_ms: float | None = None,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.max_seats = max_seats
+        self.kv_high = kv_high
+        self.itl = ITLController(target_itl_ms, max_seats, clock=clock) if target_itl_ms else None
+
+    def seat_limit(self, stats: EngineStats, running: int) -> int:
+        return self.itl.update(stats, running) if self.itl else self.max_seats
+
+    def has_headroom(self, stats: EngineStats, running: int) -> bool:
+        if running >= self.seat_limit(stats, running):
+            return False
+        if running == 0:
+            return True  # an idle engine always takes one, whatever stale stats say
+        return stats.kv_usage < self.kv_high and stats.waiting == 0
+
+
+class ThroughputEstimate:
+    """Output tokens per second the engine delivers, for wait estimates (EWMA over busy time)."""
+
+    def __init__(self, prior_tps: float, alpha: float = 0.2, clock: Callable[[], float] = time.monotonic) -> None:
+        self.tps = prior_tps
+        self.alpha = alpha
+        self.clock = clock
+        self._t = clock()
+        self._tokens = 0
+
+    def observe(self, stats: EngineStats, busy: bool) -> None:
+        now = self.clock()
+        dt = now - self._t
+        if dt < 0.5:
+            return
+        produced = stats.generated_tokens - self._tokens
+        self._t, self._tokens = now, stats.generated_tokens
+        if busy and produced > 0:
+            self.tps = (1 - self.alpha) * self.tps + self.alpha * (produced / dt)

@@ -1,0 +1,188 @@
+"""The scheduler: releases requests from our queues into the engine while it has headroom.
+
+It only orchestrates: the queue (classes.py) decides order, the detector
+(saturation.py) decides when, and this loop applies both. It also drops
+requests at the head whose deadline can no longer be met, and preempts
+batch-class sequences when interactive ones wait for a seat.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from dataclasses import dataclass, field
+from typing import Awaitable, Callable
+
+from llmd.backends.base import EngineStats
+from llmd.policy.classes import ModelQueue
+from llmd.policy.queue import QueuedRequest
+from llmd.policy.saturation import SaturationDetector, ThroughputEstimate
+
+
+class Dropped(Exception):
+    """A queued request was dropped before reaching the engine (`reason` says why)."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+@dataclass(eq=False)
+class Entry:
+    """The scheduler's handle on one request while it waits or runs."""
+
+    req: QueuedRequest
+    abort: Callable[[], Awaitable[None]] | None = None
+    dispatched: asyncio.Future[None] | None = None
+    running: bool = False
+    preempt_requested: bool = False
+    preemptions: int = 0
+    output_tokens: int = 0
+    events: list[str] = field(default_factory=list)
+
+
+class Scheduler:
+    TICK_S = 0.01
+
+    def __init__(self, queue: ModelQueue, detector: SaturationDetector, stats: EngineStats,
+                 throughput: ThroughputEstimate, preempt_batch: bool = True, reserved_seats: int = 0,
+                 avg_output_prior: float = 128.0) -> None:
+        self.queue = queue
+        self.detector = detector
+        self.stats = stats
+        self.throughput = throughput
+        self.preempt_batch = preempt_batch
+        self.reserved_seats = reserved_seats
+        self.running: dict[int, Entry] = {}
+        self.tenant_running: dict[str, int] = {}
+        self._waiting: dict[int, Entry] = {}
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self.avg_output = avg_output_prior
+        self.dropped = 0
+        self.preempted = 0
+
+    # -- lifecycle -------------------------------------------------------
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._loop(), name="scheduler")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+    # -- the request's side ----------------------------------------------
+    async def wait_turn(self, t: Entry) -> None:
+        """Queue `t` and return once it may use the engine; raises Dropped, or CancelledError."""
+        t.dispatched = asyncio.get_running_loop().create_future()
+        self._waiting[t.req.seq] = t
+        self.queue.push(t.req)
+        self._tick()
+        if len(self.queue):
+            self._wake.set()  # the loop polls for headroom while anything waits
+        try:
+            await t.dispatched
+        except BaseException:
+            if self._waiting.pop(t.req.seq, None) is not None:
+                self.queue.remove(t.req)
+            if t.running and not t.dispatched.cancelled():
+                self.finished(t)  # dispatched just as it was cancelled
+            raise
+
+    def finished(self, t: Entry) -> None:
+        """The engine is done with `t` (finished, aborted or preempted)."""
+        if self.running.pop(t.req.seq, None) is not None:
+            t.running = False
+            self.tenant_running[t.req.tenant] -= 1
+            if not t.preempt_requested:
+                self.avg_output = 0.9 * self.avg_output + 0.1 * t.output_tokens
+            self._wake.set()
+
+    def on_output(self, t: Entry, tokens: int) -> None:
+        t.output_tokens += tokens
+        self.queue.on_output(t.req, tokens)
+
+    def estimate_wait(self, tenant: str, klass: str, fair: bool) -> float:
+        """Seconds until a new request would start, from the work queued ahead of it."""
+        ahead = 0.0
+        own = sum(1 for r in self.queue.classes[klass] if r.tenant == tenant)
+        per_tenant: dict[str, int] = {}
+        for r in self.queue.ahead_of(klass):
+            if fair and r.klass == klass and r.tenant != tenant:
+                per_tenant[r.tenant] = per_tenant.get(r.tenant, 0) + 1
+                if per_tenant[r.tenant] > own + 1:
+                    continue  # under fair queueing a neighbour's backlog does not all go first
+            ahead += min(r.max_tokens, self.avg_output)
+        if ahead == 0 and len(self.running) < self.detector.max_seats:
+            return 0.0
+        return ahead / max(self.throughput.tps, 1e-6)
+
+    # -- the loop --------------------------------------------------------
+    async def _loop(self) -> None:
+        # Event-driven; polls only while requests wait, since headroom can then appear
+        # from engine stats (KV freed, engine queue drained) without any event of ours.
+        while True:
+            if len(self.queue):
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), self.TICK_S)
+            else:
+                await self._wake.wait()
+            self._wake.clear()
+            self._tick()
+
+    def _tick(self) -> None:
+        self.throughput.observe(self.stats, busy=bool(self.running))
+        self._drop_expired()
+        while len(self.queue) and self.detector.has_headroom(self.stats, len(self.running)):
+            # The last `reserved_seats` seats go only to tenants that have nothing running.
+            limit = self.detector.seat_limit(self.stats, len(self.running))
+            only_idle = limit - len(self.running) <= min(self.reserved_seats, limit // 4)
+            req = self.queue.pop_next(self._is_idle if only_idle else None)
+            if req is None:
+                break
+            self._dispatch(self._waiting.pop(req.seq))
+        if self.preempt_batch and self.queue.depth("interactive"):
+            self._preempt_for_interactive()
+
+    def _is_idle(self, tenant: str) -> bool:
+        return not self.tenant_running.get(tenant)
+
+    def _dispatch(self, t: Entry) -> None:
+        t.running = True
+        self.running[t.req.seq] = t
+        self.tenant_running[t.req.tenant] = self.tenant_running.get(t.req.tenant, 0) + 1
+        assert t.dispatched is not None
+        if not t.dispatched.done():
+            t.dispatched.set_result(None)
+
+    def _drop_expired(self) -> None:
+        now = time.monotonic()
+        itl = max(self.stats.itl[-1][1], 0.001) if self.stats.itl else 0.02
+        for req in list(self.queue.heads()):
+            # Too late even if it started now and got its first token after one step.
+            if now + itl < req.deadline:
+                continue
+            self.queue.remove(req)
+            t = self._waiting.pop(req.seq)
+            self.dropped += 1
+            assert t.dispatched is not None
+            if not t.dispatched.done():
+                t.dispatched.set_exception(Dropped(
+                    "deadline", "the request's deadline could no longer be met while it waited in the queue; it was not run"))
+
+    def _preempt_for_interactive(self) -> None:
+        if self.detector.has_headroom(self.stats, len(self.running)):
+            return
+        victims = [t for t in self.running.values() if t.req.klass == "batch" and not t.preempt_requested]
+        need = self.queue.depth("interactive") - sum(1 for t in self.running.values() if t.preempt_requested)
+        # Newest first: it has the least work to recompute.
+        for t in sorted(victims, key=lambda t: -t.req.seq)[:max(0, need)]:
+            t.preempt_requested = True
+            t.preemptions += 1
+            self.preempted += 1
+            if t.abort is not None:
+                asyncio.get_running_loop().create_task(t.abort())

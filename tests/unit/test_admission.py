@@ -1,0 +1,246 @@
+"""Admission control with a fake clock: token buckets, concurrency, overload shedding."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from llmd.config import TenantConfig
+from llmd.errors import APIError
+from llmd.policy.admission import AdmissionController, Ticket, TokenBucket
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+    def advance(self, s: float) -> None:
+        self.t += s
+
+
+OK: dict[str, Any] = {"queue_depth": 0, "max_queue": 100, "est_wait_s": 0.0, "time_left_s": 60.0}
+
+
+def setup(**tenant: Any) -> tuple[AdmissionController, TenantConfig, FakeClock]:
+    clock = FakeClock()
+    t = TenantConfig(name="acme", **tenant)
+    return AdmissionController([t], clock), t, clock
+
+
+def refused(ac: AdmissionController, t: TenantConfig, cost: int, **kw: Any) -> APIError:
+    with pytest.raises(APIError) as ei:
+        ac.admit(t, cost, **{**OK, **kw})
+    return ei.value
+
+
+def test_token_bucket_refill_and_wait() -> None:
+    clock = FakeClock()
+    b = TokenBucket(600, 10, clock)
+    assert b.level == 600 and b.seconds_until_full() == 0
+    assert b.try_take(600) == 0.0 and b.level == 0
+    assert b.try_take(100) == pytest.approx(10.0) and b.level == 0  # nothing taken
+    clock.advance(5)
+    assert b.level == pytest.approx(50) and b.seconds_until_full() == pytest.approx(55)
+    clock.advance(100)
+    assert b.level == 600  # capped
+    b.adjust(-700)
+    assert b.level == -100
+    b.adjust(10_000)
+    assert b.level == 600
+
+
+def test_rate_limit_429_with_retry_after_then_admitted() -> None:
+    ac, t, clock = setup(tokens_per_minute=600)  # 10 tokens/s
+    ac.admit(t, 600, **OK)
+    e = refused(ac, t, 100)
+    assert (e.status, e.type, e.code) == (429, "rate_limit_error", "rate_limit_exceeded")
+    assert e.reason == "tokens_per_minute"  # type: ignore[attr-defined]
+    assert e.headers["Retry-After"] == "10"
+    assert e.headers["x-ratelimit-limit-tokens"] == "600"
+    assert e.headers["x-ratelimit-remaining-tokens"] == "0"
+    assert e.headers["x-ratelimit-reset-tokens"] == "60.0s"
+    assert "600 tokens per minute" in e.message and "100 tokens" in e.message
+    clock.advance(9.5)
+    assert refused(ac, t, 100).headers["Retry-After"] == "1"
+    clock.advance(0.5)
+    ticket = ac.admit(t, 100, **OK)
+    assert isinstance(ticket, Ticket) and ticket.reserved == 100 and ticket.tenant == "acme"
+
+
+def test_retry_after_rounds_up() -> None:
+    ac, t, clock = setup(tokens_per_minute=600)
+    ac.admit(t, 600, **OK)
+    clock.advance(0.25)  # 2.5 tokens in the bucket; 100 needs 9.75 s more
+    assert refused(ac, t, 100).headers["Retry-After"] == "10"
+
+
+def test_success_headers() -> None:
+    ac, t, clock = setup(tokens_per_minute=600, max_concurrent=3)
+    assert ac.headers(t) == {
+        "x-ratelimit-limit-tokens": "600", "x-ratelimit-remaining-tokens": "600",
+        "x-ratelimit-reset-tokens": "0.0s",
+        "x-ratelimit-limit-requests": "3", "x-ratelimit-remaining-requests": "3"}
+    ac.admit(t, 60, **OK)
+    clock.advance(0.18)  # +1.8 tokens: remaining is floored, reset rounded up
+    h = ac.headers(t)
+    assert h["x-ratelimit-remaining-tokens"] == "541"
+    assert h["x-ratelimit-reset-tokens"] == "5.9s"  # 5.82 s
+    assert h["x-ratelimit-remaining-requests"] == "2"
+
+
+def test_no_limits_no_headers_always_admitted() -> None:
+    ac, t, _ = setup()
+    assert ac.headers(t) == {}
+    for _ in range(1000):
+        ac.admit(t, 10**6, **OK)
+
+
+def test_concurrency_limit_and_release_on_settle() -> None:
+    ac, t, _ = setup(max_concurrent=2)
+    a = ac.admit(t, 10, **OK)
+    ac.admit(t, 10, **OK)
+    e = refused(ac, t, 10)
+    assert (e.status, e.type, e.code) == (429, "rate_limit_error", "concurrency_limit_exceeded")
+    assert e.reason == "concurrency"  # type: ignore[attr-defined]
+    assert e.headers["Retry-After"] == "1"
+    assert e.headers["x-ratelimit-limit-requests"] == "2"
+    assert e.headers["x-ratelimit-remaining-requests"] == "0"
+    assert "x-ratelimit-limit-tokens" not in e.headers
+    ac.settle(a, 10)
+    assert ac.headers(t)["x-ratelimit-remaining-requests"] == "1"
+    ac.admit(t, 10, **OK)
+
+
+def test_settle_refunds_unused_reservation() -> None:
+    ac, t, _ = setup(tokens_per_minute=1000)
+    ticket = ac.admit(t, 1000, **OK)  # reserve the worst case
+    refused(ac, t, 500)
+    ac.settle(ticket, 300)  # used only 300: 700 come back
+    assert ac.headers(t)["x-ratelimit-remaining-tokens"] == "700"
+    ac.admit(t, 500, **OK)
+
+
+def test_settle_charges_overrun_and_level_goes_negative() -> None:
+    ac, t, clock = setup(tokens_per_minute=600)
+    ticket = ac.admit(t, 500, **OK)
+    ac.settle(ticket, 700)  # 100 left, then 200 more charged
+    assert ac.headers(t)["x-ratelimit-remaining-tokens"] == "0"
+    e = refused(ac, t, 100)
+    assert e.headers["Retry-After"] == "20"  # from -100 up to 100 at 10 tokens/s
+    assert ac.headers(t)["x-ratelimit-reset-tokens"] == "70.0s"
+    clock.advance(20)
+    ac.admit(t, 100, **OK)
+
+
+def test_settle_is_idempotent() -> None:
+    ac, t, _ = setup(tokens_per_minute=600, max_concurrent=1)
+    ticket = ac.admit(t, 100, **OK)
+    ac.settle(ticket, 50)
+    assert ticket.settled
+    ac.settle(ticket, 50)
+    ac.settle(ticket, 0)
+    h = ac.headers(t)
+    assert h["x-ratelimit-remaining-tokens"] == "550"
+    assert h["x-ratelimit-remaining-requests"] == "1"
+    ac.admit(t, 10, **OK)
+    refused(ac, t, 10)  # the double settle did not free a second slot
+
+
+def test_request_too_large() -> None:
+    ac, t, clock = setup(tokens_per_minute=600)
+    e = refused(ac, t, 601)
+    assert (e.status, e.code) == (429, "request_too_large")
+    assert e.reason == "request_too_large"  # type: ignore[attr-defined]
+    assert "Retry-After" not in e.headers
+    assert "600" in e.message and "601" in e.message
+    ac.admit(t, 600, **OK)  # exactly the capacity fits
+
+
+def test_queue_full_503() -> None:
+    ac, t, _ = setup(tokens_per_minute=600)
+    e = refused(ac, t, 10, queue_depth=100, max_queue=100, est_wait_s=2.2)
+    assert (e.status, e.type, e.code) == (503, "server_error", "overloaded")
+    assert e.reason == "queue_full"  # type: ignore[attr-defined]
+    assert e.headers["Retry-After"] == "3"
+    assert e.headers["x-ratelimit-remaining-tokens"] == "600"  # nothing taken
+
+
+def test_deadline_unreachable_503() -> None:
+    ac, t, _ = setup()
+    e = refused(ac, t, 10, est_wait_s=12.3, time_left_s=5.0)
+    assert (e.status, e.type, e.code) == (503, "server_error", "overloaded")
+    assert e.reason == "deadline_unreachable"  # type: ignore[attr-defined]
+    assert e.headers["Retry-After"] == "13"
+    assert "12.3s" in e.message and "5.0s" in e.message
+    e = refused(ac, t, 10, est_wait_s=0.2, time_left_s=0.1)
+    assert e.headers["Retry-After"] == "1"  # at least 1
+
+
+def test_check_order() -> None:
+    ac, t, _ = setup(tokens_per_minute=600, max_concurrent=1)
+    ac.admit(t, 600, **OK)
+    bad = {"queue_depth": 5, "max_queue": 5, "est_wait_s": 99.0, "time_left_s": 1.0}
+    assert refused(ac, t, 601, **bad).code == "request_too_large"
+    assert refused(ac, t, 10, **bad).code == "concurrency_limit_exceeded"
+    ac2, t2, _ = setup(tokens_per_minute=600)
+    ac2.admit(t2, 600, **OK)
+    assert refused(ac2, t2, 10, **bad).reason == "queue_full"  # type: ignore[attr-defined]
+    assert refused(ac2, t2, 10, est_wait_s=99.0, time_left_s=1.0).reason == "deadline_unreachable"  # type: ignore[attr-defined]
+    assert refused(ac2, t2, 10).reason == "tokens_per_minute"  # type: ignore[attr-defined]
+
+
+def test_nothing_taken_on_refusal() -> None:
+    ac, t, _ = setup(tokens_per_minute=600, max_concurrent=2)
+    before = ac.headers(t)
+    refused(ac, t, 10, queue_depth=9, max_queue=9)
+    refused(ac, t, 10, est_wait_s=9, time_left_s=1)
+    refused(ac, t, 601)
+    assert ac.headers(t) == before
+    a = ac.admit(t, 590, **OK)
+    refused(ac, t, 20)  # the bucket refusal takes nothing either
+    assert ac.headers(t)["x-ratelimit-remaining-tokens"] == "10"
+    assert ac.headers(t)["x-ratelimit-remaining-requests"] == "1"
+    ac.admit(t, 10, **OK)
+    ac.settle(a, 590)
+
+
+def test_shed_counter() -> None:
+    ac, t, _ = setup(tokens_per_minute=600, max_concurrent=1)
+    other = TenantConfig(name="globex")
+    refused(ac, t, 601)
+    ticket = ac.admit(t, 600, **OK)
+    refused(ac, t, 1)
+    refused(ac, t, 1)
+    ac.settle(ticket, 600)
+    refused(ac, t, 1)
+    refused(ac, other, 1, queue_depth=1, max_queue=1)
+    refused(ac, other, 1, est_wait_s=2, time_left_s=1)
+    assert ac.shed == {("acme", "request_too_large"): 1, ("acme", "concurrency"): 2,
+                       ("acme", "tokens_per_minute"): 1, ("globex", "queue_full"): 1,
+                       ("globex", "deadline_unreachable"): 1}
+
+
+def test_unconfigured_tenant_gets_state_lazily() -> None:
+    clock = FakeClock()
+    ac = AdmissionController([], clock)
+    t = TenantConfig(name="default", tokens_per_minute=60, max_concurrent=1)
+    ticket = ac.admit(t, 60, **OK)
+    assert refused(ac, t, 1).code == "concurrency_limit_exceeded"
+    ac.settle(ticket, 60)
+    assert refused(ac, t, 1).headers["Retry-After"] == "1"
+
+
+def test_requests_per_minute_bucket() -> None:
+    ac, t, clock = setup(requests_per_minute=2)
+    kw: dict[str, Any] = dict(queue_depth=0, max_queue=10, est_wait_s=0.0, time_left_s=60.0)
+    ac.settle(ac.admit(t, 10, **kw), 10)
+    ac.settle(ac.admit(t, 10, **kw), 10)
+    with pytest.raises(APIError) as e:
+        ac.admit(t, 10, **kw)
+    assert e.value.status == 429 and e.value.headers["Retry-After"] == "30"
+    clock.t += 30
+    ac.admit(t, 10, **kw)

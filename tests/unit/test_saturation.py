@@ -1,0 +1,64 @@
+"""Saturation detection and the ITL-target controller, on synthetic engine stats."""
+
+from __future__ import annotations
+
+from llmd.backends.base import EngineStats, StepRecord
+from llmd.policy.saturation import ITLController, SaturationDetector, p95
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def step(stats: EngineStats, clock: Clock, running: int, waiting: int = 0, kv: float = 0.1) -> None:
+    """One engine step whose inter-token latency grows with the batch: 10 ms + 2 ms per sequence."""
+    itl = 0.010 + 0.002 * running
+    clock.t += itl
+    stats.record(StepRecord(clock.t, running, waiting, kv, running), itl=[itl] * running)
+
+
+def test_headroom_rules() -> None:
+    stats = EngineStats()
+    d = SaturationDetector(max_seats=4, kv_high=0.9)
+    assert d.has_headroom(stats, 0)
+    assert d.has_headroom(stats, 3) and not d.has_headroom(stats, 4)
+    stats.record(StepRecord(0, 2, 1, 0.1, 0))
+    assert not d.has_headroom(stats, 2)  # the engine is queueing itself: our queue should hold the order
+    stats.record(StepRecord(0, 2, 0, 0.95, 0))
+    assert not d.has_headroom(stats, 2)  # KV nearly full
+    assert d.has_headroom(stats, 0)  # but an idle engine always takes one
+
+
+def test_aimd_converges_under_target_and_stays_high() -> None:
+    clock, stats = Clock(), EngineStats()
+    ctl = ITLController(target_ms=40, max_seats=64, clock=clock)
+    limits = []
+    for _ in range(4000):
+        limit = ctl.update(stats, running=ctl.limit)
+        step(stats, clock, running=limit)  # saturated: as many run as allowed
+        limits.append(limit)
+    tail = limits[-1000:]
+    # 10 + 2n ms <= 40 ms  <=>  n <= 15: the limit hovers just under the best feasible value.
+    assert max(tail) <= 15
+    assert sum(tail) / len(tail) >= 0.8 * 15
+    recent = [x for _, x in list(stats.itl)[-2000:]]
+    assert p95(recent) <= 0.040 + 1e-9
+
+
+def test_aimd_grows_back_when_latency_allows() -> None:
+    clock, stats = Clock(), EngineStats()
+    ctl = ITLController(target_ms=40, max_seats=64, clock=clock)
+    ctl.limit = 2.0
+    for _ in range(3000):
+        limit = ctl.update(stats, running=int(ctl.limit))
+        step(stats, clock, running=limit)
+    assert ctl.limit >= 12
+
+
+def test_p95() -> None:
+    assert p95([]) == 0.0
+    assert p95([float(i) for i in range(1, 101)]) == 95.0

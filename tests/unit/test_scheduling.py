@@ -1,0 +1,250 @@
+"""Tenants, admission, priority classes and the scheduler, end to end over HTTP with the fake backend."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+
+import httpx
+import openai
+import pytest
+
+from llmd.auth import hash_key
+from tests.conftest import LiveServer, async_wait_until
+
+KEY_A, KEY_B, KEY_ADMIN = "sk-llmd-test-a", "sk-llmd-test-b", "sk-llmd-test-admin"
+
+TENANT_TOML = f"""
+[server]
+default_deadline_s = 30
+[auth]
+admin_keys = ["{hash_key(KEY_ADMIN)}"]
+[[models]]
+name = "fake"
+backend = "fake"
+max_output_tokens = 4096
+[models.engine]
+max_model_len = 4096
+[models.fake]
+step_ms = {{step_ms}}
+step_ms_per_seq = 0.0
+max_num_seqs = 8
+[models.scheduling]
+max_running = {{max_running}}
+max_queue = {{max_queue}}
+[[models]]
+name = "other"
+backend = "fake"
+[[tenants]]
+name = "a"
+keys = ["{hash_key(KEY_A)}"]
+tokens_per_minute = {{tpm}}
+max_concurrent = {{max_concurrent}}
+models = ["fake"]
+[[tenants]]
+name = "b"
+keys = ["{hash_key(KEY_B)}"]
+classes = ["interactive"]
+"""
+
+
+def toml(max_running: int = 8, step_ms: float = 2.0, tpm: int = 1_000_000, max_concurrent: int = 100,
+         max_queue: int = 1000) -> str:
+    return TENANT_TOML.format(max_running=max_running, step_ms=step_ms, tpm=tpm, max_concurrent=max_concurrent,
+                              max_queue=max_queue)
+
+
+def client(live: LiveServer, key: str) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=live.base, api_key=key, max_retries=0, timeout=30)
+
+
+def bearer(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+async def test_auth_and_model_visibility(make_server) -> None:
+    live = await make_server(toml())
+    async with httpx.AsyncClient(base_url=live.base) as h:
+        r = await h.post("/completions", json={"model": "fake", "prompt": "x"})
+        assert r.status_code == 401 and r.json()["error"]["code"] == "missing_api_key"
+        r = await h.post("/completions", json={"model": "fake", "prompt": "x"}, headers=bearer("sk-llmd-wrong"))
+        assert r.status_code == 401 and "sk-llmd-wrong" not in r.text
+        r = await h.get("/models", headers=bearer(KEY_A))
+        assert [m["id"] for m in r.json()["data"]] == ["fake"]  # tenant a may use only "fake"
+        r = await h.post("/completions", json={"model": "other", "prompt": "x"}, headers=bearer(KEY_A))
+        assert r.status_code == 404
+        r = await h.post("/completions", json={"model": "fake", "prompt": "x"}, headers=bearer(KEY_ADMIN))
+        assert r.status_code == 403
+        assert (await h.get(live.url + "/admin/engines", headers=bearer(KEY_A))).status_code == 403
+        assert (await h.get(live.url + "/admin/engines", headers=bearer(KEY_ADMIN))).status_code == 200
+    r = await client(live, KEY_B).completions.create(model="other", prompt="x", max_tokens=3)
+    assert r.usage.completion_tokens == 3
+
+
+async def test_class_bounds(make_server) -> None:
+    live = await make_server(toml())
+    async with httpx.AsyncClient(base_url=live.base) as h:
+        r = await h.post("/completions", json={"model": "fake", "prompt": "x"},
+                         headers=bearer(KEY_B) | {"X-Priority-Class": "batch"})
+        assert r.status_code == 403 and r.json()["error"]["code"] == "class_not_allowed"
+        r = await h.post("/completions", json={"model": "fake", "prompt": "x", "priority_class": "urgent"},
+                         headers=bearer(KEY_A))
+        assert r.status_code == 400 and r.json()["error"]["param"] == "priority_class"
+
+
+async def test_quota_429_with_correct_retry_after(make_server) -> None:
+    # 600 tokens/minute = 10 tokens/s; a 1-token prompt with max_tokens 299 reserves 300 tokens.
+    live = await make_server(toml(tpm=600))
+    c = client(live, KEY_A)
+    for _ in range(2):
+        raw = await c.completions.with_raw_response.create(model="fake", prompt="x", max_tokens=299)
+    assert int(raw.headers["x-ratelimit-limit-tokens"]) == 600
+    with pytest.raises(openai.RateLimitError) as e:
+        await c.completions.create(model="fake", prompt="x", max_tokens=299)
+    h = e.value.response.headers
+    assert e.value.code == "rate_limit_exceeded"
+    # Each used all it reserved (1 + 299): the bucket holds only what refilled meanwhile,
+    # and the 300 tokens this one needs arrive at 10 tokens/s.
+    remaining = int(h["x-ratelimit-remaining-tokens"])
+    assert remaining < 100 and h["x-ratelimit-reset-tokens"].endswith("s")
+    assert abs(int(h["retry-after"]) - math.ceil((300 - remaining) / 10)) <= 1
+    # A request too big for the bucket can never pass: 429 request_too_large, not a retry hint.
+    with pytest.raises(openai.RateLimitError) as e:
+        await c.completions.create(model="fake", prompt="x", max_tokens=700)
+    assert e.value.code == "request_too_large"
+
+
+async def test_unused_reservation_is_refunded(make_server) -> None:
+    live = await make_server(toml(tpm=600))
+    c = client(live, KEY_A)
+    for _ in range(5):  # each reserves 1 + 500 but uses 1 + 3
+        r = await c.completions.create(model="fake", prompt="stop [[eos:3]]", max_tokens=500)
+        assert r.usage.completion_tokens == 3
+
+
+async def test_concurrency_limit(make_server) -> None:
+    live = await make_server(toml(max_concurrent=2, step_ms=10))
+    c = client(live, KEY_A)
+    hogs = [asyncio.create_task(c.completions.create(model="fake", prompt="x", max_tokens=200)) for _ in range(2)]
+    assert await async_wait_until(lambda: len(live.backend().submitted) == 2)
+    with pytest.raises(openai.RateLimitError) as e:
+        await c.completions.create(model="fake", prompt="x", max_tokens=5)
+    assert e.value.code == "concurrency_limit_exceeded" and e.value.response.headers["retry-after"] == "1"
+    await asyncio.gather(*hogs)
+    r = await c.completions.create(model="fake", prompt="x", max_tokens=5)  # slots came back
+    assert r.usage.completion_tokens == 5
+
+
+async def test_overload_503_when_queue_full(make_server) -> None:
+    live = await make_server(toml(max_running=1, max_queue=1, step_ms=10))
+    c = client(live, KEY_B)
+    hog = asyncio.create_task(c.completions.create(model="fake", prompt="x", max_tokens=300))
+    assert await async_wait_until(lambda: len(live.backend().submitted) == 1)
+    waiting = asyncio.create_task(c.completions.create(model="fake", prompt="x", max_tokens=5))
+    assert await async_wait_until(lambda: len(live.service.models["fake"].queue) == 1)
+    with pytest.raises(openai.InternalServerError) as e:
+        await c.completions.create(model="fake", prompt="x", max_tokens=5)
+    assert e.value.status_code == 503 and e.value.code == "overloaded" and int(e.value.response.headers["retry-after"]) >= 1
+    hog.cancel()
+    assert (await waiting).usage.completion_tokens == 5
+
+
+async def test_overload_503_when_deadline_unreachable(make_server) -> None:
+    live = await make_server(toml(max_running=1, step_ms=10))
+    rt = live.service.models["fake"]
+    c = client(live, KEY_B)
+    hog = asyncio.create_task(c.completions.create(model="fake", prompt="x", max_tokens=400))
+    assert await async_wait_until(lambda: len(live.backend().submitted) == 1)
+    queued = [asyncio.create_task(c.completions.create(model="fake", prompt="x", max_tokens=200)) for _ in range(5)]
+    assert await async_wait_until(lambda: len(rt.queue) == 5)
+    assert rt.scheduler.estimate_wait("b", "interactive", True) > 1.0
+    with pytest.raises(openai.InternalServerError) as e:
+        await c.completions.create(model="fake", prompt="x", max_tokens=5, extra_headers={"X-Request-Timeout": "1"})
+    assert e.value.status_code == 503 and "deadline" in e.value.message
+    assert len(live.backend().submitted) == 1  # refused before the engine
+    for t in [hog, *queued]:
+        t.cancel()
+
+
+async def test_interactive_goes_before_batch(make_server) -> None:
+    live = await make_server(toml(max_running=1, step_ms=5))
+    be = live.backend()
+    c = client(live, KEY_A)
+    hog = asyncio.create_task(c.completions.create(model="fake", prompt="x", max_tokens=30, extra_headers={"X-Request-ID": "hog"}))
+    assert await async_wait_until(lambda: len(be.submitted) == 1)
+    order = []
+    for i in range(3):
+        order.append(asyncio.create_task(c.completions.create(
+            model="fake", prompt="x", max_tokens=3, extra_headers={"X-Priority-Class": "batch", "X-Request-ID": f"batch{i}"})))
+    await async_wait_until(lambda: live.service.models["fake"].queue.depth("batch") == 3)
+    for i in range(2):
+        order.append(asyncio.create_task(c.completions.create(
+            model="fake", prompt="x", max_tokens=3, extra_headers={"X-Request-ID": f"inter{i}"})))
+    await asyncio.gather(hog, *order)
+    names = [s.split("-")[0] for s in be.submitted]
+    assert names[1:3] == ["inter0", "inter1"] and names[3:] == ["batch0", "batch1", "batch2"]
+
+
+async def test_batch_is_preempted_and_resumes(make_server) -> None:
+    live = await make_server(toml(max_running=1, step_ms=5))
+    be = live.backend()
+    c = client(live, KEY_A)
+    batch = asyncio.create_task(c.completions.create(model="fake", prompt="x", max_tokens=120,
+                                                     extra_headers={"X-Priority-Class": "batch"}))
+    assert await async_wait_until(lambda: be.stats.generated_tokens >= 20)
+    inter = await c.completions.create(model="fake", prompt="x", max_tokens=5)
+    assert inter.usage.completion_tokens == 5
+    done = await batch
+    # It was preempted (aborted and requeued), then resumed where it stopped: the full output, once.
+    assert len(be.aborted) == 1 and len(be.submitted) == 3
+    assert done.usage.completion_tokens == 120 and done.choices[0].finish_reason == "length"
+    assert len(done.choices[0].text.split()) == 120
+    assert live.service.models["fake"].scheduler.preempted == 1
+
+
+async def test_decisions_are_in_the_request_log(make_server, records) -> None:
+    live = await make_server(toml(tpm=600))
+    c = client(live, KEY_A)
+    await c.completions.create(model="fake", prompt="x", max_tokens=500)
+    with pytest.raises(openai.RateLimitError):
+        await c.completions.create(model="fake", prompt="x", max_tokens=500)
+    lines = records
+    assert [x["decision"] for x in lines[-2:]] == ["admitted", "shed:tokens_per_minute"]
+    assert lines[-1]["tenant"] == "a" and lines[-1]["status"] == "shed" and lines[-1]["http_status"] == 429
+    assert lines[-1]["key_id"] == hash_key(KEY_A)[7:19] and KEY_A not in json.dumps(lines)
+
+
+async def test_newcomer_gets_a_reserved_seat_during_a_flood(make_server) -> None:
+    live = await make_server(toml(max_running=8, step_ms=5))
+    be, rt = live.backend(), live.service.models["fake"]
+    a = client(live, KEY_A)
+    flood = [asyncio.create_task(a.completions.create(model="fake", prompt="x", max_tokens=2000)) for _ in range(20)]
+    # A holds 6 of 8 seats (2 are reserved for tenants with nothing running) and queues the rest.
+    assert await async_wait_until(lambda: len(rt.scheduler.running) == 6 and len(rt.queue) == 14)
+    await asyncio.sleep(0.1)
+    assert len(rt.scheduler.running) == 6
+    t0 = asyncio.get_running_loop().time()
+    r = await client(live, KEY_B).completions.create(model="fake", prompt="x", max_tokens=5)
+    assert r.usage.completion_tokens == 5
+    assert asyncio.get_running_loop().time() - t0 < 1.0  # A's generations take 10 s each; B did not wait for one
+    assert rt.scheduler.tenant_running.get("b", 0) == 0 and len(rt.queue) == 14
+    for f in flood:
+        f.cancel()
+    await asyncio.gather(*flood, return_exceptions=True)
+    assert await async_wait_until(lambda: not rt.scheduler.running and not len(rt.queue))
+
+
+async def test_vtc_serves_a_light_tenant_ahead_of_a_heavy_backlog(make_server) -> None:
+    live = await make_server(toml(max_running=1, step_ms=2).replace("[models.scheduling]", "[models.scheduling]\nreserved_seats = 0"))
+    be = live.backend()
+    a, b = client(live, KEY_A), client(live, KEY_B)
+    hog = asyncio.create_task(a.completions.create(model="fake", prompt="x", max_tokens=50))
+    assert await async_wait_until(lambda: len(be.submitted) == 1)
+    heavy = [asyncio.create_task(a.completions.create(model="fake", prompt="x", max_tokens=50, extra_headers={"X-Request-ID": f"a{i}"}))
+             for i in range(5)]
+    assert await async_wait_until(lambda: len(live.service.models["fake"].queue) == 5)
+    light = asyncio.create_task(b.completions.create(model="fake", prompt="x", max_tokens=5, extra_headers={"X-Request-ID": "b0"}))
+    await asyncio.gather(hog, light, *heavy)
+    order = [s.split("-")[0] for s in be.submitted]
+    assert order.index("b0") == 1  # B's counter is lifted to A's, not above it: B goes next
