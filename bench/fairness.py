@@ -125,6 +125,15 @@ def stop(proc: subprocess.Popen, grace: float = 30.0) -> None:
     proc.wait()
 
 
+def other_engines() -> int:
+    """vLLM engine processes already running on this machine (the box is shared; their load skews results)."""
+    n = 0
+    for d in Path("/proc").glob("[0-9]*"):
+        with contextlib.suppress(OSError):
+            n += (d / "cmdline").read_bytes().startswith(b"VLLM::EngineCore")
+    return n
+
+
 @dataclass
 class Srv:
     """A running server and how to call it."""
@@ -200,6 +209,9 @@ dtype = "float32"
 
     @contextlib.contextmanager
     def _run(self, tag: str, argv: list[str], port: int, ready: str) -> Iterator[Path]:
+        if busy := other_engines():
+            print(f"  WARNING: {busy} other vLLM engine process(es) running on this machine; results will be skewed",
+                  flush=True)
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(self.args.kv_gib), "HF_HUB_OFFLINE": "1"}
         log = self.scratch / f"{tag}-server.log"
         with log.open("w") as f:
@@ -435,7 +447,7 @@ def itl_gaps(results: list[Stream], t0: float, t1: float) -> list[float]:
 def statuses(results: list[Stream]) -> str:
     c: dict[str, int] = {}
     for s in results:
-        key = "timeout" if s.timed_out else (s.error or (str(s.status) if s.status else "cancelled"))
+        key = "timeout" if s.timed_out else (s.error or (str(s.status) if s.status else "cut before response"))
         if s.status == 200 and s.done and not s.error:
             key = "ok"
         elif s.status == 200 and not s.done and not s.error and not s.timed_out:
@@ -470,6 +482,13 @@ def seat_summary(samples: list[dict[str, Any]]) -> str:
     lim = [x["seat_limit"] for x in samples]
     run = [x["scheduler_running"] for x in samples]
     return f"{min(lim)}-{max(lim)} (mean running {statistics.mean(run):.0f})"
+
+
+def seat_trace(samples: list[dict[str, Any]], t0: float, points: int = 40) -> str:
+    """'t:seat_limit/running queued' every few samples, t relative to t0 (negative = before the window)."""
+    step = max(1, len(samples) // points)
+    return ", ".join(f"{x['t'] - t0:.0f}s:{x['seat_limit']}/{x['scheduler_running']} q{sum(x['queued'].values())}"
+                     for x in samples[::step])
 
 
 @dataclass
@@ -520,7 +539,7 @@ async def flood_run(bench: Bench, srv: Srv, label: str, rows: list[dict[str, Any
     row = {"config": label, **chat_stats(out, a.chat_timeout_s),
            "a_tps": output_tokens_between(flood.results, t0, t1) / (t1 - t0),
            "a_statuses": statuses(flood.results), "seats": seat_summary(sampler.between(t0, t1)),
-           "window_s": t1 - t0}
+           "window_s": t1 - t0, "seat_trace": seat_trace(sampler.samples, t0)}
     rows.append(row)
     print(f"    {label}: B TTFT p50 {row['p50']:.3f}s p95 {row['p95']:.3f}s (timeouts {row['timeouts']}); "
           f"A {row['a_tps']:.0f} tok/s; seats {row['seats']}", flush=True)
@@ -566,7 +585,8 @@ async def part_a(bench: Bench) -> PartResult:
              "A's throughput is over B's window (first send to last answer); 'A requests' counts A's streams by outcome "
              "(cut = still running when the flood stopped); 'seat limit' is llmd's seat_limit range from "
              "/admin/engines over that window. ITL = gaps between content chunks.", "",
-             *table(head, body), ""] + [f"- {t}: {verdict(ok)}" for t, ok in verdicts]
+             *table(head, body), "", "seat_limit/running and queue depth with target_itl_ms (t from B's first "
+             f"chat): {rows[2]['seat_trace']}", ""] + [f"- {t}: {verdict(ok)}" for t, ok in verdicts]
     return PartResult("(a) Noisy neighbour", lines, verdicts, {"rows": rows, "target_itl_ms": target})
 
 
@@ -601,21 +621,31 @@ def service_curve(results: list[Stream], t0: float, times: list[float], prompt_d
 
 
 async def calibrate(bench: Bench, srv: Srv) -> float:
-    """The engine's capacity for part b's requests, in requests/s: closed loop at max_num_seqs."""
+    """The engine's capacity for part b's requests, in requests/s: output tokens/s over max_tokens, closed loop
+    at max_num_seqs streams, counted by the engine (/admin/engines history) once 90% of the streams have their
+    first token (so the initial prefill burst is left out), for `calib_s`."""
     a = bench.args
     async with new_client() as client:
         await warm_up(client, srv, "a", a.name)
+        sampler = AdminSampler(client, srv, a.name)
         w = Workers(client, srv, "a", a.max_num_seqs, "/v1/completions",
                     lambda i: medium_body(a.name, "cal", i, a.share_max_tokens), srv.headers("a"), stagger_s=3.0)
-        t0 = time.monotonic()
         w.start()
+        t_give_up = time.monotonic() + 120
+        while sum(1 for s in w.results if s.t_first is not None) < 0.9 * w.n and time.monotonic() < t_give_up:
+            await asyncio.sleep(0.5)
+        u0 = time.time()
         await asyncio.sleep(a.calib_s)
-        t1 = time.monotonic()
+        u1 = time.time()
+        hist = await sampler.history(u0)
         await w.stop()
-    start = t0 + min(10.0, a.calib_s / 3)
-    tps = output_tokens_between(w.results, start, t1) / (t1 - start)
+    tps = sum(r["generated_tokens"] for r in hist if r["t"] <= u1) / (u1 - u0)
     await asyncio.sleep(2)  # let the engine finish aborting
-    return tps / a.share_max_tokens
+    cap = tps / a.share_max_tokens
+    if cap < 0.05:
+        raise RuntimeError(f"calibration measured {tps:.1f} output tokens/s: too little to size part b; "
+                           f"see {srv.log}")
+    return cap
 
 
 async def share_run(bench: Bench, srv: Srv, label: str, sched_a: list[float], sched_b: list[float]) -> dict[str, Any]:
@@ -732,10 +762,13 @@ async def itl_run(bench: Bench, srv: Srv, label: str, warmup_s: float) -> dict[s
     gaps = itl_gaps(w.results, t0, t1)
     steps = [r for r in hist if r["t"] <= u1]
     step_gaps = [b["t"] - x["t"] for x, b in zip(steps, steps[1:]) if b["generated_tokens"] > 0]
+    ratios = [r for s in w.results if (r := s.tokens_per_chunk()) is not None]
     row = {"config": label, "p50": pct(gaps, 50) * 1000, "p95": pct(gaps, 95) * 1000,
            "step_p95": pct(step_gaps, 95) * 1000, "tps": output_tokens_between(w.results, t0, t1) / (t1 - t0),
+           "engine_tps": sum(r["generated_tokens"] for r in steps) / (u1 - u0),
+           "tok_per_chunk": statistics.mean(ratios) if ratios else math.nan,
            "seats": seat_summary(sampler.between(t0, t1)), "statuses": statuses(w.results),
-           "seat_trace": [(round(x["t"] - t0, 1), x["seat_limit"], x["scheduler_running"]) for x in sampler.samples]}
+           "seat_trace": seat_trace(sampler.samples, t0)}
     print(f"    {label}: ITL p50 {row['p50']:.0f} ms p95 {row['p95']:.0f} ms (engine step p95 {row['step_p95']:.0f} ms); "
           f"{row['tps']:.0f} tok/s; seats {row['seats']}", flush=True)
     return row
@@ -767,21 +800,23 @@ async def part_c(bench: Bench) -> PartResult:
     else:
         verdicts.append(("no max_running in the sweep met the target (nothing to compare against)", False))
     rows = [free, aimd, *sweep]
-    head = ["configuration", "ITL p50 ms", "ITL p95 ms", "engine step p95 ms", "out tok/s", "seat limit (mean running)",
-            "requests"]
+    head = ["configuration", "ITL p50 ms", "ITL p95 ms", "engine step p95 ms", "out tok/s", "engine tok/s",
+            "tokens/chunk", "seat limit (mean running)", "requests"]
     body = [[r["config"] + (" (hand-tuned best)" if r is best else ""), f"{r['p50']:.0f}", f"{r['p95']:.0f}",
-             f"{r['step_p95']:.0f}", f1(r["tps"]), r["seats"], r["statuses"]] for r in rows]
-    trace = ", ".join(f"{t:g}s:{lim}/{run}" for t, lim, run in aimd["seat_trace"][:: max(1, len(aimd["seat_trace"]) // 40)])
+             f"{r['step_p95']:.0f}", f1(r["tps"]), f1(r["engine_tps"]), f2(r["tok_per_chunk"]), r["seats"],
+             r["statuses"]] for r in rows]
     lines = [f"{a.itl_concurrency} closed-loop completion streams (max_tokens uniform in "
              f"{int(a.itl_max_tokens * 0.75)}-{int(a.itl_max_tokens * 1.25)}, ignore_eos), one tenant. ITL is measured "
              f"client-side: gaps between consecutive content chunks of a stream (the first chunk's TTFT excluded), "
              f"over a {a.itl_window_s:g} s window after {a.itl_warmup_s:g} s of warm-up ({a.aimd_warmup_s:g} s for AIMD, "
              "which must first shrink its seats while the initial streams run out). 'engine step p95' is the p95 "
-             "interval between engine steps from /admin/engines?since= (for reference). Target = "
+             "interval between engine steps and 'engine tok/s' the tokens the engine generated in the window, both from "
+             "/admin/engines?since= (for reference; 'out tok/s' is counted by the client). Target = "
              + (f"{target:g} ms (given)" if a.itl_target_ms else f"{a.itl_target_factor:g} x unconstrained p95 = {target:g} ms")
              + f". Sweep of static max_running (no target) ascending over {a.sweep}"
              + ("" if a.full_sweep else ", stopping at the first value whose p95 misses the target") + ".", "",
-             *table(head, body), "", f"AIMD seat_limit/running over time (from warm-up start): {trace}", "",
+             *table(head, body), "", "AIMD seat_limit/running and queue depth over time (t from the start of the "
+             f"measured window): {aimd['seat_trace']}", "",
              ] + [f"- {t}: {verdict(ok)}" for t, ok in verdicts]
     return PartResult("(c) ITL target: AIMD vs hand-tuned max_running", lines, verdicts,
                       {"rows": rows, "target_itl_ms": target})
@@ -819,8 +854,8 @@ def write_docs(path: Path, parts: dict[str, list[str]], intro: list[str]) -> Non
 
 
 QUICK = dict(flood_inflight=24, chat_requests=6, chat_interval_s=1.0, buildup_s=5.0, chat_timeout_s=60.0,
-             share_duration_s=15.0, calib_s=10.0, itl_concurrency=24, itl_window_s=6.0, itl_warmup_s=4.0,
-             aimd_warmup_s=8.0, sweep="8,16", flood_max_tokens=64, itl_max_tokens=96)
+             share_duration_s=20.0, calib_s=8.0, itl_concurrency=24, itl_window_s=8.0, itl_warmup_s=5.0,
+             aimd_warmup_s=10.0, sweep="8,16", flood_max_tokens=64, itl_max_tokens=64)
 
 
 def parse_args() -> argparse.Namespace:
@@ -845,7 +880,7 @@ def parse_args() -> argparse.Namespace:
     g.add_argument("--chat-requests", type=int, default=40, help="tenant B's chats")
     g.add_argument("--chat-interval-s", type=float, default=1.5)
     g.add_argument("--chat-max-tokens", type=int, default=16)
-    g.add_argument("--chat-timeout-s", type=float, default=120.0, help="client bound on a chat; counts as its TTFT")
+    g.add_argument("--chat-timeout-s", type=float, default=90.0, help="client bound on a chat; counts as its TTFT")
     g.add_argument("--itl-factor", type=float, default=2.0, help="target_itl_ms = this x B's solo ITL p50")
     g.add_argument("--target-itl-ms", type=float, help="part a's target_itl_ms (default: from --itl-factor)")
     g = p.add_argument_group("part b: fair share under overload")
@@ -855,16 +890,16 @@ def parse_args() -> argparse.Namespace:
     g.add_argument("--share-prompt-tokens", type=int, default=100, help="(the prompt is fixed text of about this size)")
     g.add_argument("--sample-s", type=float, default=5.0, help="service difference sampling interval")
     g.add_argument("--capacity-rps", type=float, help="skip calibration: engine capacity in requests/s")
-    g.add_argument("--calib-s", type=float, default=30.0, help="capacity calibration run (closed loop)")
+    g.add_argument("--calib-s", type=float, default=20.0, help="capacity calibration window (closed loop)")
     g = p.add_argument_group("part c: ITL target")
     g.add_argument("--itl-concurrency", type=int, default=64)
-    g.add_argument("--itl-max-tokens", type=int, default=256, help="mean max_tokens (uniform +-25%%)")
+    g.add_argument("--itl-max-tokens", type=int, default=128, help="mean max_tokens (uniform +-25%%)")
     g.add_argument("--itl-window-s", type=float, default=25.0)
     g.add_argument("--itl-warmup-s", type=float, default=10.0)
-    g.add_argument("--aimd-warmup-s", type=float, default=30.0)
+    g.add_argument("--aimd-warmup-s", type=float, default=35.0)
     g.add_argument("--itl-target-factor", type=float, default=0.6, help="target = this x unconstrained p95 ITL")
     g.add_argument("--itl-target-ms", type=float, help="part c's target (default: from --itl-target-factor)")
-    g.add_argument("--sweep", default="8,12,16,24,32", help="static max_running values, ascending")
+    g.add_argument("--sweep", default="8,16,24,32", help="static max_running values, ascending")
     g.add_argument("--full-sweep", action="store_true", help="do not stop at the first value that misses the target")
     g = p.add_argument_group("output")
     g.add_argument("--docs", default=str(ROOT / "docs" / "benchmarks.md"))

@@ -148,5 +148,52 @@ def keys_new(tenant: str, admin: bool) -> None:
         click.echo(f'keys = ["{h}"]   # in [[tenants]] name = "{tenant}"', err=True)
 
 
+@main.command()
+@click.option("--db", "db_path", default=None, type=click.Path(dir_okay=False, path_type=Path),
+              help="Usage database (default: $LLMD_HOME/llmd.db).")
+@click.option("--tenant", default=None, help="Only this tenant.")
+@click.option("--since", default=None, metavar="YYYY-MM-DD", help="From this UTC day on.")
+@click.option("--until", default=None, metavar="YYYY-MM-DD", help="Up to and including this UTC day.")
+@click.option("--by", "by", default="tenant,model,day", show_default=True,
+              help="Group by any of tenant, model, day, status, version (comma-separated).")
+@click.option("--csv", "as_csv", is_flag=True, help="CSV with a header row.")
+def usage(db_path: Path | None, tenant: str | None, since: str | None, until: str | None, by: str,
+          as_csv: bool) -> None:
+    """Billed usage from the ledger: requests, tokens and cost per group."""
+    import csv
+    import io
+
+    from llmd.metering import usage_report
+    from llmd.store import home
+
+    path = db_path or home() / "llmd.db"
+    groups = [g.strip() for g in by.split(",") if g.strip()]
+    try:
+        rows = usage_report(path, tenant, since, until, groups)
+    except FileNotFoundError:
+        raise click.ClickException(f"no usage database at {path} (the server creates it; or pass --db)") from None
+    except ValueError as e:
+        raise click.ClickException(str(e)) from None
+    except Exception as e:  # sqlite3: not a database, no usage table, locked
+        raise click.ClickException(f"cannot read usage database {path}: {e}") from None
+    cols = [*dict.fromkeys(groups), "requests", "prompt_tokens", "cached_tokens", "output_tokens", "cost"]
+    if as_csv:
+        buf = io.StringIO()
+        w = csv.writer(buf, lineterminator="\n")
+        w.writerow(cols)
+        for r in rows:
+            w.writerow(["" if r[c] is None else (f"{r[c]:.9f}" if c == "cost" else r[c]) for c in cols])
+        click.echo(buf.getvalue(), nl=False)
+        return
+    if not rows:
+        click.echo("no usage recorded for this selection", err=True)
+        return
+    cells = [[("-" if r[c] is None else f"{r[c]:.6f}" if c == "cost" else str(r[c])) for c in cols] for r in rows]
+    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(cols)]
+    numeric = [c not in groups for c in cols]
+    for row in [[c.upper() for c in cols], *cells]:
+        click.echo("  ".join(v.rjust(w) if n else v.ljust(w) for v, w, n in zip(row, widths, numeric)).rstrip())
+
+
 if __name__ == "__main__":
     sys.exit(main())

@@ -7,6 +7,7 @@ operator never has to guess which line of a long config is wrong.
 from __future__ import annotations
 
 import os
+import socket
 import tomllib
 from pathlib import Path
 from typing import Annotated, Literal
@@ -32,6 +33,11 @@ class ServerConfig(_Strict):
     max_deadline_s: Annotated[float, Field(gt=0)] = 600.0
     max_body_bytes: Annotated[int, Field(gt=0)] = 4 * 1024 * 1024
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+    # The SQLite file for usage, telemetry and idempotency (default: $LLMD_HOME/llmd.db).
+    db_path: Path | None = None
+    node: str = Field(default_factory=socket.gethostname)
+    # How long an idempotent run waits for a reader to reconnect before it is cancelled.
+    resume_grace_s: Annotated[float, Field(ge=0)] = 10.0
 
     @model_validator(mode="after")
     def _deadlines(self) -> "ServerConfig":
@@ -86,6 +92,13 @@ class SchedulingConfig(_Strict):
     prior_tokens_per_s: Annotated[float, Field(gt=0)] = 200.0
 
 
+class PricingConfig(_Strict):
+    """Prices per million tokens, for the usage ledger's cost column."""
+
+    input_per_mtok: Annotated[float, Field(ge=0)] = 0.0
+    output_per_mtok: Annotated[float, Field(ge=0)] = 0.0
+
+
 class ModelConfig(_Strict):
     name: Annotated[str, Field(min_length=1, pattern=r"^[A-Za-z0-9][A-Za-z0-9._\-/]*$")]
     # `source` names a model in the weight store; `version` pins one stored version
@@ -100,6 +113,7 @@ class ModelConfig(_Strict):
     engine: EngineConfig = Field(default_factory=EngineConfig)
     fake: FakeEngineConfig = Field(default_factory=FakeEngineConfig)
     scheduling: SchedulingConfig = Field(default_factory=SchedulingConfig)
+    pricing: PricingConfig = Field(default_factory=PricingConfig)
 
     @model_validator(mode="after")
     def _check(self) -> "ModelConfig":

@@ -14,6 +14,7 @@ import contextlib
 import json
 import re
 import uuid
+from datetime import datetime, timezone
 from typing import Any
 
 from sanic import Request, Sanic
@@ -22,10 +23,11 @@ from sanic.handlers import ErrorHandler
 from sanic.response import HTTPResponse, JSONResponse, ResponseStream
 from sanic.response import json as json_response
 
-from llmd import protocol
+from llmd import protocol, streaming
 from llmd.auth import Authenticator, Principal, require_admin
 from llmd.config import Config
 from llmd.errors import APIError, not_found
+from llmd.idempotency import IdempotencyStore, LiveRun, Outcome, request_hash
 from llmd.limits import deadline_seconds
 from llmd.protocol import ChatRequest, CompletionRequest
 from llmd.service import Job, Service, classify
@@ -35,14 +37,6 @@ _CLIENT_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 VERSION_HEADER = "X-LLMD-Model-Version"
 DEADLINE_HEADER = "x-request-timeout"
 CLASS_HEADER = "x-priority-class"
-
-
-def _dumps(obj: Any) -> str:
-    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False)
-
-
-def _sse(obj: Any) -> str:
-    return f"data: {_dumps(obj)}\n\n"
 
 
 def error_response(err: APIError, request_id: str | None) -> JSONResponse:
@@ -56,9 +50,11 @@ class OpenAIErrorHandler(ErrorHandler):
     """Every error, sanic's own (404 route, 413 body, 405) included, as an OpenAI error body."""
 
     def default(self, request: Request, exception: Exception) -> HTTPResponse:
-        rid = getattr(getattr(request, "ctx", None), "request_id", None) if request else None
+        rid = getattr(getattr(request, "ctx", None), "response_id", None) if request else None
         if isinstance(exception, APIError):
             return error_response(exception, rid)
+        if isinstance(exception, asyncio.CancelledError):  # the client left; nobody reads this
+            return error_response(APIError(499, "client closed the request", "server_error", "client_disconnected"), rid)
         if isinstance(exception, SanicException):
             status = exception.status_code
             etype = "invalid_request_error" if status < 500 else "server_error"
@@ -89,15 +85,21 @@ def create_app(config: Config, service: Service, name: str = "llmd", load_models
 
     @app.on_request
     async def _assign_id(request: Request) -> None:
+        # Our id is always unique (the ledger's key); a client's own id is echoed and logged.
         given = request.headers.get("x-request-id")
-        request.ctx.client_request_id = given
-        request.ctx.request_id = given if given and _CLIENT_ID.match(given) else f"req-{uuid.uuid4().hex}"
+        request.ctx.request_id = f"req-{uuid.uuid4().hex}"
+        request.ctx.client_request_id = given if given and _CLIENT_ID.match(given) else None
+        request.ctx.response_id = request.ctx.client_request_id or request.ctx.request_id
 
     @app.on_response
     async def _echo_id(request: Request, response: HTTPResponse) -> None:
-        rid = getattr(request.ctx, "request_id", None)
+        rid = getattr(request.ctx, "response_id", None)
         if rid and "X-Request-ID" not in response.headers:
             response.headers["X-Request-ID"] = rid
+
+    @app.before_server_start
+    async def _ledger(app: Sanic) -> None:
+        await service.open_ledger()
 
     if load_models:
         # Load in the background so /health answers (and /ready says 503) while engines start.
@@ -157,6 +159,32 @@ def create_app(config: Config, service: Service, name: str = "llmd", load_models
                 }
         return json_response(out)
 
+    @app.get("/metrics")
+    async def metrics(request: Request) -> HTTPResponse:
+        body, ctype = service.metrics.render()
+        return HTTPResponse(body, content_type=ctype)
+
+    @app.get("/v1/usage")
+    async def usage(request: Request) -> HTTPResponse:
+        """A tenant sees its own usage; an admin key sees everyone's (or `?tenant=`)."""
+        who = principal(request)
+        tenant = who.tenant.name if who.tenant is not None else request.args.get("tenant")
+        if who.tenant is not None and not who.is_admin and request.args.get("tenant") not in (None, tenant):
+            raise APIError(403, "a tenant key sees only its own usage", "permission_error", "admin_required", "tenant")
+        if who.tenant is None and not who.is_admin:
+            raise APIError(403, "usage needs a tenant or admin key", "permission_error", "admin_required")
+        since, until = _time_arg(request, "since"), _time_arg(request, "until")
+        if request.args.get("rows"):
+            limit = _int_arg(request, "limit", 100, 1, 10000)
+            rows = await service.ledger.rows(tenant, limit, since)
+            return json_response({"object": "list", "data": rows})
+        group_by = [g for g in (request.args.get("group_by") or "tenant,model,day").split(",") if g]
+        bad = [g for g in group_by if g not in USAGE_GROUPS]
+        if bad:
+            raise APIError(400, f"group_by accepts {sorted(USAGE_GROUPS)}, got {bad}", param="group_by")
+        data = await service.ledger.usage(tenant, since, until, group_by)
+        return json_response({"object": "list", "data": data})
+
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> HTTPResponse | None:
         return await _generate(request, service, principal, ChatRequest)
@@ -166,6 +194,35 @@ def create_app(config: Config, service: Service, name: str = "llmd", load_models
         return await _generate(request, service, principal, CompletionRequest)
 
     return app
+
+
+USAGE_GROUPS = {"tenant", "model", "day", "status", "version"}
+
+
+def _time_arg(request: Request, name: str) -> float | None:
+    raw = request.args.get(name)
+    if raw is None:
+        return None
+    try:
+        return float(raw)
+    except ValueError:
+        pass
+    try:
+        dt = datetime.fromisoformat(raw)
+    except ValueError:
+        raise APIError(400, f"{name} must be a unix time or an ISO date, got {raw!r}", param=name) from None
+    return (dt if dt.tzinfo else dt.replace(tzinfo=timezone.utc)).timestamp()
+
+
+def _int_arg(request: Request, name: str, default: int, lo: int, hi: int) -> int:
+    raw = request.args.get(name)
+    try:
+        value = default if raw is None else int(raw)
+    except ValueError:
+        value = lo - 1
+    if not lo <= value <= hi:
+        raise APIError(400, f"{name} must be an integer from {lo} to {hi}", param=name)
+    return value
 
 
 def _model_card(service: Service, name: str) -> dict[str, Any]:
@@ -180,96 +237,170 @@ async def _generate(request: Request, service: Service, principal: Any,
     rid = request.ctx.request_id
     rec = RequestRecord(request_id=rid, endpoint=request.path, client_request_id=request.ctx.client_request_id)
     job: Job | None = None
+    handed_off = False  # an idempotent run owns its record from then on
     try:
         who = principal(request)
         req = protocol.parse(cls, request.body)
         rec.stream = req.stream
         deadline_s = deadline_seconds(service.config.server, request.headers.get(DEADLINE_HEADER))
+        key = request.headers.get("idempotency-key")
+        if key is not None:
+            _check_key(service, who, key)
+            last_id = _last_event_id(request)
+            handed_off = True
+            return await _idempotent(request, service, who, req, rec, key, deadline_s, last_id)
         job = service.prepare(req, rec, deadline_s, who, request.headers.get(CLASS_HEADER))
+        if not req.stream:
+            body = await streaming.complete(service, job, req)
+            return json_response(body, headers=_headers(request, job))
+        await _stream_inline(request, service, job, req)
+        return None
+    except BaseException as e:
+        if not handed_off:
+            rec.status, rec.http_status, rec.error_code = classify(e)
+        if isinstance(e, APIError):
+            return error_response(e, request.ctx.response_id)
+        raise
+    finally:
+        if not handed_off:
+            service.close(job, rec)
+
+
+def _headers(request: Request, job: Job) -> dict[str, str]:
+    return {"X-Request-ID": request.ctx.response_id, VERSION_HEADER: job.record.version or ""} | job.headers
+
+
+def _frame(i: int, payload: str) -> str:
+    return f"id: {i}\ndata: {payload}\n\n"
+
+
+async def _stream_inline(request: Request, service: Service, job: Job, req: ChatRequest | CompletionRequest) -> None:
+    """A stream whose reader is its only owner: a disconnect cancels it (and aborts the engine request)."""
+    response: ResponseStream | None = None
+    n = 0
+
+    async def emit(payload: str) -> None:
+        nonlocal response, n
+        if response is None:
+            response = await request.respond(content_type="text/event-stream",
+                                             headers=_headers(request, job) | {"Cache-Control": "no-cache"})
+        await response.send(_frame(n, payload))
+        n += 1
+
+    await streaming.pump(service, job, req, emit)
+    if response is not None:
+        with contextlib.suppress(Exception):
+            await response.eof()
+
+
+def _check_key(service: Service, who: Principal, key: str) -> None:
+    if who.tenant is None or service.idempotency is None:
+        raise APIError(400, "Idempotency-Key needs a tenant's key and a server with a ledger", param="Idempotency-Key")
+    if not 1 <= len(key) <= 255:
+        raise APIError(400, "Idempotency-Key must be 1 to 255 characters", param="Idempotency-Key")
+
+
+async def _idempotent(request: Request, service: Service, who: Principal, req: ChatRequest | CompletionRequest,
+                      rec: RequestRecord, key: str, deadline_s: float, last_id: int) -> HTTPResponse | None:
+    """Run, attach to, or replay the one generation behind (tenant, key)."""
+    store = service.idempotency
+    assert store is not None and who.tenant is not None
+    k = (who.tenant.name, key)
+    h = request_hash(request.path, json.loads(request.body))
+    run = store.live.get(k)
+    if run is None:
+        run = LiveRun(k, h, req.stream)
+        store.live[k] = run  # reserved before any await: concurrent retries attach to it
+        try:
+            done = await store.lookup(k)
+            if done is None:
+                rec.idempotency_key = key
+                job = service.prepare(req, rec, deadline_s, who, request.headers.get(CLASS_HEADER))
+                run.headers = _headers(request, job)
+                run.task = asyncio.get_running_loop().create_task(_execute(service, store, run, job, req))
+            elif done[0] != h:
+                run.finish(Outcome(409, {}, _conflict().body()))
+            else:
+                log.info("idempotent_replay", tenant=k[0], request_id=rec.request_id)
+                run.headers = done[1].headers
+                run.finish(done[1])
+        except APIError as e:  # refused before it ran: readers get the refusal, the key stays free
+            rec.status, rec.http_status, rec.error_code = classify(e)
+            service.close(None, rec)
+            run.finish(Outcome(e.status, dict(e.headers), e.body()))
+        finally:
+            if run.task is None:
+                store.live.pop(k, None)
+    elif run.req_hash != h:
+        return error_response(_conflict(), request.ctx.response_id)
+    return await _read_run(request, store, run, last_id)
+
+
+def _conflict() -> APIError:
+    return APIError(409, "This Idempotency-Key was already used with a different request body.",
+                    "invalid_request_error", "idempotency_key_reused", "Idempotency-Key")
+
+
+def _last_event_id(request: Request) -> int:
+    raw = request.headers.get("last-event-id")
+    if raw is None:
+        return -1
+    try:
+        return int(raw)
+    except ValueError:
+        raise APIError(400, "Last-Event-ID must be an event id from this stream", param="Last-Event-ID") from None
+
+
+async def _execute(service: Service, store: IdempotencyStore, run: LiveRun, job: Job,
+                   req: ChatRequest | CompletionRequest) -> None:
+    """The run itself, detached from any one reader; it alone meters and records."""
+    rec = job.record
+    outcome: Outcome | None = None
+    try:
         if req.stream:
-            await _stream(request, service, job, req)
-            return None
-        return await _complete(service, job, req)
+            async def emit(payload: str) -> None:
+                run.append(payload)
+
+            await streaming.pump(service, job, req, emit)
+            outcome = Outcome(200, run.headers, None, list(run.events))
+        else:
+            outcome = Outcome(200, run.headers, await streaming.complete(service, job, req))
     except BaseException as e:
         rec.status, rec.http_status, rec.error_code = classify(e)
         if isinstance(e, APIError):
-            return error_response(e, rid)
-        raise
+            outcome = Outcome(e.status, dict(e.headers), e.body(), list(run.events) if run.events else None)
+        elif not isinstance(e, asyncio.CancelledError):
+            log.exception("idempotent_run_failed", request_id=rec.request_id)
+            outcome = Outcome(500, {}, APIError(500, "internal server error", "server_error", "internal_error").body())
+        else:
+            outcome = Outcome(499, {}, APIError(499, "the request was cancelled", "server_error", "cancelled").body(),
+                              list(run.events) if run.events else None)
     finally:
-        if job is not None:
-            service.finish(job)
-        rec.emit()
+        service.close(job, rec)
+        if rec.status != "cancelled" and outcome is not None:
+            with contextlib.suppress(Exception):
+                await store.save(run.key, run.req_hash, outcome)
+        store.live.pop(run.key, None)
+        run.finish(outcome or Outcome(500, {}, None))
 
 
-def _headers(job: Job) -> dict[str, str]:
-    return {"X-Request-ID": job.record.request_id, VERSION_HEADER: job.record.version or ""} | job.headers
-
-
-async def _complete(service: Service, job: Job, req: ChatRequest | CompletionRequest) -> HTTPResponse:
-    parts: list[str] = []
-    finish: str | None = None
+async def _read_run(request: Request, store: IdempotencyStore, run: LiveRun, last_id: int) -> HTTPResponse | None:
+    run.attach()
     try:
-        async with service.deadline(job):
-            async for d in service.run(job):
-                parts.append(d.text)
-                finish = d.finish_reason or finish
-    except TimeoutError:
-        raise service.deadline_error(job) from None
-    rec, model = job.record, job.runtime.cfg.name
-    u = protocol.usage(rec.prompt_tokens, rec.output_tokens, rec.cached_prompt_tokens)
-    build = protocol.chat_response if isinstance(req, ChatRequest) else protocol.completion_response
-    prefix = "chatcmpl-" if isinstance(req, ChatRequest) else "cmpl-"
-    body = build(prefix + rec.request_id, model, protocol.created_now(), "".join(parts), finish, u)
-    return json_response(body, headers=_headers(job))
-
-
-async def _stream(request: Request, service: Service, job: Job, req: ChatRequest | CompletionRequest) -> None:
-    rec, model = job.record, job.runtime.cfg.name
-    is_chat = isinstance(req, ChatRequest)
-    cid = ("chatcmpl-" if is_chat else "cmpl-") + rec.request_id
-    created = protocol.created_now()
-    response: ResponseStream | None = None
-    first = True
-
-    async def start() -> ResponseStream:
-        return await request.respond(content_type="text/event-stream", headers=_headers(job) | {"Cache-Control": "no-cache"})
-
-    try:
-        async with service.deadline(job):
-            async for d in service.run(job):
-                if not d.text and d.finish_reason is None:
-                    continue
-                if response is None:
-                    response = await start()
-                if is_chat:
-                    delta: dict[str, Any] = {"content": d.text}
-                    if first:
-                        delta = {"role": "assistant", "content": d.text}
-                        first = False
-                    chunk = protocol.chat_chunk(cid, model, created, delta, d.finish_reason)
-                else:
-                    chunk = protocol.completion_chunk(cid, model, created, d.text, d.finish_reason)
-                await response.send(_sse(chunk))
-    except TimeoutError:
-        err: APIError = service.deadline_error(job)
-    except APIError as e:
-        err = e
-    else:
-        if response is None:
-            response = await start()
-        if req.include_usage:
-            u = protocol.usage(rec.prompt_tokens, rec.output_tokens, rec.cached_prompt_tokens)
-            obj = "chat.completion.chunk" if is_chat else "text_completion"
-            await response.send(_sse(protocol.usage_chunk(cid, model, created, obj, u)))
-        await response.send("data: [DONE]\n\n")
-        await response.eof()
-        return
-    if response is None:
-        raise err  # nothing sent yet: a plain HTTP error with the right status
-    # Tokens were already delivered: end the stream with a terminal error event.
-    rec.status, rec.http_status, rec.error_code = classify(err)
-    rec.finish_reason = rec.finish_reason or "error"
-    with contextlib.suppress(Exception):
-        await response.send(_sse(err.body()))
-        await response.send("data: [DONE]\n\n")
-        await response.eof()
+        if not run.stream:
+            out = await run.wait_done()
+            return json_response(out.body, status=out.status, headers=out.headers | {"X-Request-ID": request.ctx.response_id})
+        await run.wait_start()
+        if not run.started:  # failed before its first payload: a plain HTTP error
+            out = run.outcome
+            assert out is not None
+            return json_response(out.body, status=out.status, headers=out.headers | {"X-Request-ID": request.ctx.response_id})
+        response = await request.respond(content_type="text/event-stream",
+                                         headers=run.headers | {"Cache-Control": "no-cache"})
+        async for i, payload in run.follow(last_id + 1):
+            await response.send(_frame(i, payload))
+        with contextlib.suppress(Exception):
+            await response.eof()
+        return None
+    finally:
+        run.detach(store.grace_s)

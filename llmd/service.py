@@ -23,6 +23,8 @@ from llmd.backends.base import Delta, Prompt, Sampling
 from llmd.config import Config, ModelConfig, TenantConfig
 from llmd.errors import APIError, bad_request, deadline_exceeded, engine_failed, not_found, unavailable
 from llmd.limits import output_budget
+from llmd.metering import Ledger, Price
+from llmd.metrics import Metrics
 from llmd.policy import admission
 from llmd.policy.classes import ModelQueue
 from llmd.policy.fairness import FAIRNESS
@@ -30,10 +32,13 @@ from llmd.policy.queue import QueuedRequest
 from llmd.policy.saturation import SaturationDetector, ThroughputEstimate
 from llmd.policy.scheduler import Dropped, Entry, Scheduler
 from llmd.protocol import ChatRequest, CompletionRequest
-from llmd.store import WeightStore
+from llmd.idempotency import IdempotencyStore
+from llmd.store import WeightStore, home
 from llmd.telemetry import RequestRecord, log
 
 PRIORITY = {"interactive": 0, "batch": 1}  # vLLM's priority: lower runs first under KV pressure
+PROGRESS_EVERY_S = 1.0  # how often a live request's token count reaches the ledger (crash loss bound)
+LEDGER_STATUS = {"rejected": "error"}  # record status -> ledger status where they differ
 
 
 class ModelRuntime:
@@ -80,6 +85,7 @@ class Job:
     quota: admission.Ticket | None = None
     headers: dict[str, str] = field(default_factory=dict)
     finished: bool = False
+    last_progress: float = 0.0
 
 
 class Service:
@@ -88,8 +94,22 @@ class Service:
         self.store = store or WeightStore()
         self.models = {m.name: ModelRuntime(m, config.tenants) for m in config.models}
         self.admission = admission.AdmissionController(config.tenants)
+        db = config.server.db_path or home() / "llmd.db"
+        prices = {m.name: Price(m.pricing.input_per_mtok, m.pricing.output_per_mtok) for m in config.models}
+        self.ledger = Ledger(db, config.server.node, prices)
+        self.idempotency: IdempotencyStore | None = IdempotencyStore(db.with_suffix(".idempotency.db"),
+                                                                     config.server.resume_grace_s)
+        self.metrics = Metrics(self)
 
     # -- lifecycle -------------------------------------------------------
+    async def open_ledger(self) -> None:
+        """Open the ledger first: rows a crash left open are closed as `interrupted` before anything runs."""
+        recovered = await self.ledger.start()
+        if recovered:
+            log.warning("ledger_recovered", interrupted_rows=recovered)
+        assert self.idempotency is not None
+        await self.idempotency.start()
+
     async def start(self) -> None:
         """Load every model; a model that fails to load is reported, the others still serve."""
         for rt in self.models.values():
@@ -105,11 +125,14 @@ class Service:
             log.info("model_loaded", model=rt.cfg.name, version=backend.version, seconds=round(time.monotonic() - t0, 2))
 
     async def stop(self) -> None:
+        if self.idempotency is not None:
+            await self.idempotency.stop()
         for rt in self.models.values():
             if rt.scheduler is not None:
                 await rt.scheduler.stop()
             if rt.backend is not None:
                 await rt.backend.stop()
+        await self.ledger.stop()
 
     @property
     def ready(self) -> bool:
@@ -174,14 +197,35 @@ class Service:
             record.decision = f"shed:{getattr(e, 'reason', e.code)}"
             raise
         record.decision = "admitted"
+        record.replica = f"{self.config.server.node}/{rt.cfg.name}@{backend.version[:12]}"
+        self.ledger.open(record.request_id, tenant=tenant.name, key_id=who.key_id, model=rt.cfg.name,
+                         version=backend.version, prompt_tokens=prompt.num_tokens, max_tokens=max_tokens,
+                         priority_class=klass, idempotency_key=record.idempotency_key, t_arrival=record.ts)
         qreq = QueuedRequest(record.request_id, tenant.name, klass, prompt.num_tokens, max_tokens, deadline, record.t_arrival)
         engine_id = f"{record.request_id}-{uuid.uuid4().hex[:8]}"
         return Job(engine_id, rt, prompt, sampling, deadline, record, Entry(qreq), quota, self.admission.headers(tenant))
 
-    def finish(self, job: Job) -> None:
-        """Settle the tenant's quota with what was actually used; safe to call more than once."""
-        if job.quota is not None:
-            self.admission.settle(job.quota, job.record.prompt_tokens + job.record.output_tokens)
+    def close(self, job: Job | None, rec: RequestRecord) -> None:
+        """The end of every request: settle its quota with what it used, log it, meter it once."""
+        if job is not None and job.quota is not None:
+            self.admission.settle(job.quota, rec.prompt_tokens + rec.output_tokens)
+        if rec.tenant is not None and rec.model in self.models:
+            price = self.ledger.prices.get(rec.model)
+            rec.cost = price.cost(rec.prompt_tokens, rec.output_tokens) if price else 0.0
+        d = rec.emit()
+        self.metrics.observe(d)
+        if rec.tenant is None:
+            return  # never authenticated: nothing to bill
+        now = time.time()
+        first = rec.ts + (rec.t_first_token - rec.t_arrival) if rec.t_first_token is not None else None
+        self.ledger.close(
+            rec.request_id, status=LEDGER_STATUS.get(rec.status, rec.status), tenant=rec.tenant, key_id=rec.key_id,
+            model=rec.model, version=rec.version, prompt_tokens=rec.prompt_tokens,
+            cached_tokens=rec.cached_prompt_tokens, output_tokens=rec.output_tokens, t_arrival=rec.ts,
+            t_first_token=first, t_end=now, priority_class=rec.priority_class,
+            # A request refused before it ran does not consume its idempotency key.
+            idempotency_key=rec.idempotency_key if job is not None else None)
+        self.ledger.record_request(d)
 
     # -- run -------------------------------------------------------------
     def deadline(self, job: Job) -> asyncio.Timeout:
@@ -247,12 +291,14 @@ class Service:
             prompt = Prompt(token_ids=ids, engine_input={"prompt_token_ids": ids})
             sampling = _replace_max_tokens(sampling, job.sampling.max_tokens - rec.output_tokens)
 
-    @staticmethod
-    def _account(job: Job, delta: Delta) -> None:
+    def _account(self, job: Job, delta: Delta) -> None:
         rec = job.record
-        if delta.num_tokens and rec.t_first_token is None:
-            rec.t_first_token = time.monotonic()
+        now = time.monotonic()
+        rec.on_tokens(delta.num_tokens, now)
         rec.output_tokens += delta.num_tokens
+        if now - job.last_progress >= PROGRESS_EVERY_S:
+            job.last_progress = now
+            self.ledger.progress(rec.request_id, output_tokens=rec.output_tokens, cached_tokens=rec.cached_prompt_tokens)
         rec.cached_prompt_tokens = max(rec.cached_prompt_tokens, delta.cached_prompt_tokens)
         if delta.num_tokens:
             assert job.runtime.scheduler is not None

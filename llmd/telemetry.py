@@ -55,27 +55,57 @@ class RequestRecord:
     priority_class: str | None = None
     decision: str | None = None  # admitted | shed:<reason> | dropped:<reason>
     preemptions: int = 0
+    idempotency_key: str | None = None
+    replica: str | None = None
+    cost: float | None = None
+    ts: float = field(default_factory=time.time)  # wall-clock arrival, for the ledger
     t_arrival: float = field(default_factory=time.monotonic)
     t_dispatch: float | None = None
     t_first_token: float | None = None
     t_end: float | None = None
+    t_last_token: float | None = None
+    itl: list[float] = field(default_factory=list)  # seconds per token after the first
+
+    def on_tokens(self, n: int, now: float) -> None:
+        """Account `n` new tokens arriving together at `now` (engines merge deltas under load)."""
+        if not n:
+            return
+        if self.t_first_token is None:
+            self.t_first_token = now
+            n -= 1
+        elif self.t_last_token is not None and n:
+            gap = (now - self.t_last_token) / n
+            self.itl.extend([gap] * n)
+        self.t_last_token = now
 
     def finish(self) -> None:
         if self.t_end is None:
             self.t_end = time.monotonic()
 
     def as_log(self) -> dict[str, Any]:
+        """The record as logged; `itl_samples` is for metrics and is dropped from the log line."""
         d = asdict(self)
         t0 = d.pop("t_arrival")
         disp, first, end = d.pop("t_dispatch"), d.pop("t_first_token"), d.pop("t_end")
-        d["queue_time_s"] = round(disp - t0, 6) if disp is not None else None
-        d["ttft_s"] = round(first - t0, 6) if first is not None else None
-        d["total_time_s"] = round((end or time.monotonic()) - t0, 6)
+        d.pop("t_last_token")
+        itl = d.pop("itl")
+        d["queue_time_s"] = _r(disp - t0) if disp is not None else None
+        d["prefill_s"] = _r(first - disp) if first is not None and disp is not None else None
+        d["ttft_s"] = _r(first - t0) if first is not None else None
+        d["total_time_s"] = _r((end or time.monotonic()) - t0)
+        d["itl_mean_s"] = _r(sum(itl) / len(itl)) if itl else None
+        d["itl_p95_s"] = _r(sorted(itl)[min(len(itl) - 1, int(0.95 * len(itl)))]) if itl else None
+        d["itl_samples"] = itl
         return d
 
-    def emit(self) -> None:
+    def emit(self) -> dict[str, Any]:
         self.finish()
         d = self.as_log()
-        log.info("request", **d)
+        log.info("request", **{k: v for k, v in d.items() if k != "itl_samples"})
         for sink in RECORD_SINKS:
             sink(d)
+        return d
+
+
+def _r(x: float) -> float:
+    return round(x, 6)

@@ -57,7 +57,7 @@ class LiveServer:
 
 
 @pytest.fixture
-async def make_server() -> AsyncIterator[Any]:
+async def make_server(tmp_path: Path) -> AsyncIterator[Any]:
     """Start the real sanic app on a free loopback port inside the test's event loop."""
     from llmd.gateway import create_app
     from llmd.service import Service
@@ -68,6 +68,8 @@ async def make_server() -> AsyncIterator[Any]:
         port = free_port()
         cfg = Config.model_validate(__import__("tomllib").loads(textwrap.dedent(toml)))
         cfg.server.port = port
+        if cfg.server.db_path is None:
+            cfg.server.db_path = tmp_path / f"llmd-{port}.db"
         service = Service(cfg)
         app = create_app(cfg, service, name=f"llmd_test_{next(_names)}", load_models=False)
         app.config.MOTD = False
@@ -86,6 +88,9 @@ async def make_server() -> AsyncIterator[Any]:
     for live in started:
         await live.server.before_stop()
         live.server.close()
+        # As sanic's own shutdown does: drop keep-alive connections, or wait_closed waits for them.
+        for conn in list(live.server.connections):
+            conn.close_if_idle() or conn.abort()
         await live.server.wait_closed()
         await live.server.after_stop()
 
@@ -99,6 +104,12 @@ def records() -> Iterator[list[dict[str, Any]]]:
     telemetry.RECORD_SINKS.append(out.append)
     yield out
     telemetry.RECORD_SINKS.remove(out.append)
+
+
+def client_ids(engine_ids: list[str], records: list[dict[str, Any]]) -> list[str | None]:
+    """Engine request ids (ours) translated to the clients' X-Request-IDs, via the request records."""
+    by_id = {r["request_id"]: r["client_request_id"] for r in records}
+    return [by_id.get(e[:36]) for e in engine_ids]  # "req-" + 32 hex digits, then our suffixes
 
 
 FAKE_TOML = """
@@ -148,6 +159,7 @@ ENGINE_TOML = """
 host = "127.0.0.1"
 port = {port}
 default_deadline_s = 120
+db_path = "{db}"
 [[models]]
 name = "smollm2"
 source = "smollm2"
@@ -167,7 +179,7 @@ dtype = "float32"
 def start_server_process(toml: str, tmp: Path, ready_timeout: float = 240.0) -> EngineServer:
     port = free_port()
     cfg = tmp / "config.toml"
-    cfg.write_text(toml.format(port=port))
+    cfg.write_text(toml.format(port=port, db=tmp / "llmd.db"))
     log_path = tmp / "server.log"
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     with log_path.open("wb") as log:

@@ -127,8 +127,10 @@ class Scheduler:
         # from engine stats (KV freed, engine queue drained) without any event of ours.
         while True:
             if len(self.queue):
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), self.TICK_S)
+                # asyncio.timeout, not wait_for: 3.11's wait_for can swallow a cancellation.
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(self.TICK_S):
+                        await self._wake.wait()
             else:
                 await self._wake.wait()
             self._wake.clear()

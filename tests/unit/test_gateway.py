@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 
-from tests.conftest import LiveServer, async_wait_until, fake_toml
+from tests.conftest import LiveServer, async_wait_until, client_ids, fake_toml
 
 MSG = [{"role": "user", "content": "hello there"}]
 
@@ -134,7 +134,7 @@ async def test_context_window_is_checked_before_the_engine(make_server) -> None:
     assert r.usage.prompt_tokens + r.usage.completion_tokens <= 64
 
 
-async def test_deadline_passed_while_waiting_never_reaches_engine(make_server) -> None:
+async def test_deadline_passed_while_waiting_never_reaches_engine(make_server, records) -> None:
     live = await make_server(fake_toml(max_running=1, step_ms=5))
     c = sdk(live)
     hog = asyncio.create_task(c.completions.create(model="fake", prompt="long", max_tokens=400))
@@ -144,7 +144,9 @@ async def test_deadline_passed_while_waiting_never_reaches_engine(make_server) -
                          headers={"X-Request-Timeout": "0.3", "X-Request-ID": "late-one"})
     assert r.status_code == 504 and r.json()["error"]["code"] == "deadline_exceeded"
     assert "not run" in r.json()["error"]["message"]
-    assert len(live.backend().submitted) == 1 and not any("late-one" in s for s in live.backend().submitted)
+    late = next(r for r in records if r["client_request_id"] == "late-one")
+    assert late["decision"] == "dropped:deadline" and late["status"] == "deadline"
+    assert len(live.backend().submitted) == 1 and not any(s.startswith(late["request_id"]) for s in live.backend().submitted)
     assert len(live.service.models["fake"].queue) == 0
     hog.cancel()
 

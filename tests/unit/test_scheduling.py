@@ -11,7 +11,7 @@ import openai
 import pytest
 
 from llmd.auth import hash_key
-from tests.conftest import LiveServer, async_wait_until
+from tests.conftest import LiveServer, async_wait_until, client_ids
 
 KEY_A, KEY_B, KEY_ADMIN = "sk-llmd-test-a", "sk-llmd-test-b", "sk-llmd-test-admin"
 
@@ -167,7 +167,7 @@ async def test_overload_503_when_deadline_unreachable(make_server) -> None:
         t.cancel()
 
 
-async def test_interactive_goes_before_batch(make_server) -> None:
+async def test_interactive_goes_before_batch(make_server, records) -> None:
     live = await make_server(toml(max_running=1, step_ms=5))
     be = live.backend()
     c = client(live, KEY_A)
@@ -182,7 +182,7 @@ async def test_interactive_goes_before_batch(make_server) -> None:
         order.append(asyncio.create_task(c.completions.create(
             model="fake", prompt="x", max_tokens=3, extra_headers={"X-Request-ID": f"inter{i}"})))
     await asyncio.gather(hog, *order)
-    names = [s.split("-")[0] for s in be.submitted]
+    names = client_ids(be.submitted, records)
     assert names[1:3] == ["inter0", "inter1"] and names[3:] == ["batch0", "batch1", "batch2"]
 
 
@@ -235,7 +235,7 @@ async def test_newcomer_gets_a_reserved_seat_during_a_flood(make_server) -> None
     assert await async_wait_until(lambda: not rt.scheduler.running and not len(rt.queue))
 
 
-async def test_vtc_serves_a_light_tenant_ahead_of_a_heavy_backlog(make_server) -> None:
+async def test_vtc_serves_a_light_tenant_ahead_of_a_heavy_backlog(make_server, records) -> None:
     live = await make_server(toml(max_running=1, step_ms=2).replace("[models.scheduling]", "[models.scheduling]\nreserved_seats = 0"))
     be = live.backend()
     a, b = client(live, KEY_A), client(live, KEY_B)
@@ -246,5 +246,5 @@ async def test_vtc_serves_a_light_tenant_ahead_of_a_heavy_backlog(make_server) -
     assert await async_wait_until(lambda: len(live.service.models["fake"].queue) == 5)
     light = asyncio.create_task(b.completions.create(model="fake", prompt="x", max_tokens=5, extra_headers={"X-Request-ID": "b0"}))
     await asyncio.gather(hog, light, *heavy)
-    order = [s.split("-")[0] for s in be.submitted]
+    order = client_ids(be.submitted, records)
     assert order.index("b0") == 1  # B's counter is lifted to A's, not above it: B goes next

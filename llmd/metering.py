@@ -1,0 +1,416 @@
+"""Usage ledger: exactly one billing row per request, in SQLite, written by one task.
+
+Why this shape: billing must be exact, yet the serving path must never wait on a disk.
+Callers enqueue plain tuples (sync, O(1)); a single writer task applies them in small
+batches, each ONE transaction (WAL, synchronous=NORMAL). A request's row is opened at
+admission, updated with progress about once a second, and closed (an UPSERT, so requests
+refused before admission get a row too). After a crash the next start() closes every row
+still open as `interrupted` with the tokens last recorded, so at most one progress
+interval of output goes unbilled and nothing is billed twice.
+
+All times are wall-clock epoch seconds (time.time()); RequestRecord keeps monotonic times,
+so convert them with `wall()` before handing them over.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import sqlite3
+import time
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiosqlite
+import structlog
+
+log = structlog.get_logger("llmd.metering")
+
+STATUSES = frozenset({"ok", "cancelled", "filtered", "deadline", "shed", "error", "interrupted"})
+GROUP_KEYS = {"tenant": "tenant", "model": "model", "status": "status", "version": "version",
+              "day": "strftime('%Y-%m-%d', t_arrival, 'unixepoch')"}
+BATCH_MAX = 500
+RETRIES = (0.05, 0.25, 1.0)  # back-off for a batch whose transaction itself fails
+
+# Ordered schema history; PRAGMA user_version = how many have been applied. Append only.
+MIGRATIONS: list[str] = [
+    # 1: the usage ledger
+    """CREATE TABLE usage (
+        request_id TEXT PRIMARY KEY, tenant TEXT, key_id TEXT, model TEXT, version TEXT, node TEXT,
+        status TEXT NOT NULL, prompt_tokens INTEGER NOT NULL DEFAULT 0,
+        cached_tokens INTEGER NOT NULL DEFAULT 0, output_tokens INTEGER NOT NULL DEFAULT 0,
+        max_tokens INTEGER, priority_class TEXT, idempotency_key TEXT, cost REAL NOT NULL DEFAULT 0,
+        t_arrival REAL, t_first_token REAL, t_end REAL, opened_at REAL, closed_at REAL);
+    CREATE INDEX usage_tenant_time ON usage(tenant, t_arrival);""",
+    # 2: discounted tiers; one idempotency key never bills twice; fast recovery scan
+    """ALTER TABLE usage ADD COLUMN cost_multiplier REAL NOT NULL DEFAULT 1.0;
+    CREATE UNIQUE INDEX usage_idempotency ON usage(tenant, idempotency_key)
+        WHERE idempotency_key IS NOT NULL;
+    CREATE INDEX usage_open ON usage(status) WHERE status = 'open';""",
+    # 3: per-request telemetry, one row per request
+    """CREATE TABLE requests (
+        request_id TEXT PRIMARY KEY, ts REAL, tenant TEXT, model TEXT, version TEXT, status TEXT,
+        http_status INTEGER, error_code TEXT, finish_reason TEXT, decision TEXT, priority_class TEXT,
+        prompt_tokens INTEGER, cached_tokens INTEGER, output_tokens INTEGER, queue_s REAL,
+        prefill_s REAL, ttft_s REAL, itl_mean_s REAL, itl_p95_s REAL, total_s REAL,
+        preemptions INTEGER, replica TEXT);
+    CREATE INDEX requests_ts ON requests(ts);""",
+    # 4: a cancelled run frees its idempotency key (nothing was delivered whole), so a retry
+    #    under the same key is a new billable request; every other row keeps the key unique.
+    """DROP INDEX usage_idempotency;
+    CREATE UNIQUE INDEX usage_idempotency ON usage(tenant, idempotency_key)
+        WHERE idempotency_key IS NOT NULL AND status != 'cancelled';""",
+]
+SCHEMA_VERSION = len(MIGRATIONS)
+
+REQUEST_COLS = ("request_id", "ts", "tenant", "model", "version", "status", "http_status", "error_code",
+                "finish_reason", "decision", "priority_class", "prompt_tokens", "cached_tokens",
+                "output_tokens", "queue_s", "prefill_s", "ttft_s", "itl_mean_s", "itl_p95_s", "total_s",
+                "preemptions", "replica")
+# RequestRecord.as_log() spells some columns differently; accept either.
+_ALIASES = {"cached_tokens": "cached_prompt_tokens", "queue_s": "queue_time_s", "total_s": "total_time_s"}
+
+_OPEN_SQL = """INSERT INTO usage (request_id, tenant, key_id, model, version, node, status, prompt_tokens,
+    max_tokens, priority_class, idempotency_key, t_arrival, opened_at)
+    VALUES (?, ?, ?, ?, ?, ?, 'open', ?, ?, ?, ?, ?, ?)"""
+_PROGRESS_SQL = ("UPDATE usage SET output_tokens = ?, cached_tokens = ? "
+                 "WHERE request_id = ? AND status = 'open'")
+_CLOSE_SQL = """INSERT INTO usage (request_id, tenant, key_id, model, version, node, status, prompt_tokens,
+    cached_tokens, output_tokens, priority_class, idempotency_key, cost_multiplier, cost, t_arrival,
+    t_first_token, t_end, closed_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
+    ON CONFLICT(request_id) DO UPDATE SET tenant = excluded.tenant, key_id = excluded.key_id,
+    model = excluded.model, version = excluded.version, status = excluded.status,
+    prompt_tokens = excluded.prompt_tokens, cached_tokens = excluded.cached_tokens,
+    output_tokens = excluded.output_tokens,
+    priority_class = COALESCE(excluded.priority_class, usage.priority_class),
+    idempotency_key = COALESCE(usage.idempotency_key, excluded.idempotency_key),
+    cost_multiplier = excluded.cost_multiplier, cost = excluded.cost, t_arrival = excluded.t_arrival,
+    t_first_token = excluded.t_first_token, t_end = excluded.t_end, closed_at = excluded.closed_at
+    WHERE usage.status = 'open'"""
+_RECORD_SQL = (f"INSERT OR REPLACE INTO requests ({', '.join(REQUEST_COLS)}) "
+               f"VALUES ({', '.join('?' * len(REQUEST_COLS))})")
+# Ops apply in submission order (a close that frees an idempotency key must precede the open
+# that reuses it); consecutive ops of one kind go in one executemany.
+_SQL = {"open": _OPEN_SQL, "progress": _PROGRESS_SQL, "close": _CLOSE_SQL, "record": _RECORD_SQL}
+
+
+def _runs(batch: list["_Op"]) -> list[tuple[str, list["_Op"]]]:
+    out: list[tuple[str, list[_Op]]] = []
+    for op in batch:
+        if out and out[-1][0] == op.kind:
+            out[-1][1].append(op)
+        else:
+            out.append((op.kind, [op]))
+    return out
+
+
+@dataclass
+class Price:
+    """Per-model list price in currency units per million tokens."""
+
+    input_per_mtok: float = 0.0
+    output_per_mtok: float = 0.0
+
+    def cost(self, prompt_tokens: int, output_tokens: int, multiplier: float = 1.0) -> float:
+        return (prompt_tokens * self.input_per_mtok + output_tokens * self.output_per_mtok) / 1e6 * multiplier
+
+
+def wall(t_monotonic: float) -> float:
+    """A time.monotonic() reading as epoch seconds (the ledger stores wall-clock times)."""
+    return time.time() - (time.monotonic() - t_monotonic)
+
+
+class _Op:
+    __slots__ = ("seq", "kind", "params")
+
+    def __init__(self, seq: int, kind: str, params: tuple) -> None:
+        self.seq, self.kind, self.params = seq, kind, params
+
+
+class Ledger:
+    """The only writer of the usage DB; see the module docstring."""
+
+    def __init__(self, path: Path, node: str, prices: dict[str, Price]) -> None:
+        self.path, self.node, self.prices = Path(path), node, prices
+        self._q: deque[_Op] = deque()
+        self._progress: dict[str, _Op] = {}  # queued, not yet taken progress op per request
+        self._seq = 0  # last enqueued
+        self._applied = 0  # last applied (committed or given up on)
+        self._waiters: list[tuple[int, asyncio.Future[None]]] = []
+        self._wake = asyncio.Event()
+        self._db: aiosqlite.Connection | None = None
+        self._ro: aiosqlite.Connection | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._stopping = False
+
+    # -- lifecycle -------------------------------------------------------------------------
+    async def start(self) -> int:
+        """Open, migrate, close rows a crash left open as `interrupted`; returns how many."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._db = await aiosqlite.connect(self.path, isolation_level=None)
+        await self._db.execute("PRAGMA journal_mode=WAL")
+        await self._db.execute("PRAGMA synchronous=NORMAL")
+        await self._db.execute("PRAGMA busy_timeout=5000")
+        await self._migrate(self._db)
+        interrupted = await self._recover(self._db)
+        self._ro = await aiosqlite.connect(self.path)
+        self._ro.row_factory = aiosqlite.Row
+        await self._ro.execute("PRAGMA query_only=ON")
+        self._task = asyncio.create_task(self._writer(), name="usage-ledger-writer")
+        if interrupted:
+            log.warning("usage_rows_interrupted", count=interrupted, db=str(self.path))
+        return interrupted
+
+    async def stop(self) -> None:
+        """Drain the queue, commit, close; ops enqueued later are logged, not written."""
+        self._stopping = True
+        self._wake.set()
+        if self._task is not None:
+            await self._task
+        for conn in (self._ro, self._db):
+            if conn is not None:
+                await conn.close()
+        self._ro = self._db = self._task = None
+
+    @staticmethod
+    async def _migrate(db: aiosqlite.Connection) -> None:
+        async with db.execute("PRAGMA user_version") as cur:
+            have = (await cur.fetchone())[0]
+        if have > SCHEMA_VERSION:
+            raise RuntimeError(f"usage DB schema v{have} is newer than this llmd (v{SCHEMA_VERSION})")
+        for v in range(have + 1, SCHEMA_VERSION + 1):
+            try:
+                await db.executescript(f"BEGIN; {MIGRATIONS[v - 1]}; PRAGMA user_version = {v}; COMMIT;")
+            except sqlite3.Error:
+                if db.in_transaction:
+                    await db.execute("ROLLBACK")
+                raise
+            log.info("usage_schema_migrated", version=v)
+
+    async def _recover(self, db: aiosqlite.Connection) -> int:
+        now = time.time()
+        async with db.execute("SELECT request_id, model, prompt_tokens, output_tokens, cost_multiplier "
+                              "FROM usage WHERE status = 'open'") as cur:
+            rows = await cur.fetchall()
+        params = [(self._price(m).cost(p, o, k), now, rid) for rid, m, p, o, k in rows]
+        await db.execute("BEGIN")
+        await db.executemany("UPDATE usage SET status = 'interrupted', cost = ?, closed_at = ? "
+                             "WHERE request_id = ? AND status = 'open'", params)
+        await db.execute("COMMIT")
+        return len(params)
+
+    def _price(self, model: str | None) -> Price:
+        return self.prices.get(model or "") or Price()
+
+    # -- writes (sync, non-blocking) -------------------------------------------------------
+    def _put(self, kind: str, params: tuple) -> _Op | None:
+        if self._stopping:
+            log.error("usage_op_after_stop", kind=kind, params=params)
+            return None
+        self._seq += 1
+        op = _Op(self._seq, kind, params)
+        self._q.append(op)
+        self._wake.set()
+        return op
+
+    def open(self, request_id: str, *, tenant: str | None, key_id: str | None, model: str,
+             version: str | None, prompt_tokens: int, max_tokens: int | None, priority_class: str | None,
+             idempotency_key: str | None, t_arrival: float) -> None:
+        """Insert the request's row as 'open' when it is admitted."""
+        self._put("open", (request_id, tenant, key_id, model, version, self.node, prompt_tokens, max_tokens,
+                           priority_class, idempotency_key, t_arrival, time.time()))
+
+    def progress(self, request_id: str, *, output_tokens: int, cached_tokens: int) -> None:
+        """Record tokens so far; a queued, not yet applied update for the same id is replaced."""
+        params = (output_tokens, cached_tokens, request_id)
+        op = self._progress.get(request_id)
+        if op is not None:
+            op.params = params
+        elif (op := self._put("progress", params)) is not None:
+            self._progress[request_id] = op
+
+    def close(self, request_id: str, *, status: str, tenant: str | None, key_id: str | None, model: str,
+              version: str | None, prompt_tokens: int, cached_tokens: int, output_tokens: int,
+              t_arrival: float, t_first_token: float | None, t_end: float, idempotency_key: str | None = None,
+              priority_class: str | None = None, cost_multiplier: float = 1.0) -> None:
+        """Final numbers: closes the open row, or inserts a closed one if it was never opened.
+
+        The first close wins: a second close of the same id changes nothing (logged)."""
+        if status not in STATUSES:
+            raise ValueError(f"invalid usage status {status!r}; expected one of {sorted(STATUSES)}")
+        cost = self._price(model).cost(prompt_tokens, output_tokens, cost_multiplier)
+        self._progress.pop(request_id, None)  # the close carries the final numbers
+        self._put("close", (request_id, tenant, key_id, model, version, self.node, status, prompt_tokens,
+                            cached_tokens, output_tokens, priority_class, idempotency_key, cost_multiplier,
+                            cost, t_arrival, t_first_token, t_end, time.time()))
+
+    def record_request(self, rec: dict[str, Any]) -> None:
+        """Telemetry row for one finished request (a RequestRecord.as_log() dict; missing keys → NULL)."""
+        vals = {c: rec.get(c, rec.get(_ALIASES.get(c, ""))) for c in REQUEST_COLS}
+        vals["ts"] = vals["ts"] or time.time()
+        self._put("record", tuple(vals.values()))
+
+    async def flush(self) -> None:
+        """Return once everything enqueued before the call is committed."""
+        target = self._seq
+        if self._applied >= target:
+            return
+        if self._task is None or self._task.done():
+            raise RuntimeError("usage ledger writer is not running")
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiters.append((target, fut))
+        await fut
+
+    # -- the writer ------------------------------------------------------------------------
+    async def _writer(self) -> None:
+        while True:
+            if not self._q:
+                if self._stopping:
+                    return
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            batch: list[_Op] = []
+            while self._q and len(batch) < BATCH_MAX:
+                op = self._q.popleft()
+                if op.kind == "progress" and self._progress.get(op.params[2]) is op:
+                    del self._progress[op.params[2]]
+                batch.append(op)
+            await self._apply(batch)
+            self._applied = batch[-1].seq
+            still = []
+            for target, fut in self._waiters:
+                if target <= self._applied:
+                    if not fut.done():
+                        fut.set_result(None)
+                else:
+                    still.append((target, fut))
+            self._waiters = still
+
+    async def _apply(self, batch: list[_Op]) -> None:
+        """One transaction per batch; a bad op is logged and skipped, a failing commit retried."""
+        assert self._db is not None
+        db = self._db
+        for attempt, backoff in enumerate((*RETRIES, None)):
+            try:
+                try:
+                    await db.execute("BEGIN")
+                    for kind, ops in _runs(batch):
+                        params = [op.params for op in ops]
+                        if params:
+                            cur = await db.executemany(_SQL[kind], params)
+                            if kind == "close" and cur.rowcount < len(params):
+                                log.warning("usage_close_ignored", reason="row already closed",
+                                            count=len(params) - cur.rowcount)
+                    await db.execute("COMMIT")
+                    return
+                except sqlite3.Error as e:
+                    await self._rollback()
+                    log.warning("usage_batch_slow_path", error=str(e))
+                await db.execute("BEGIN")  # op by op: a failing statement undoes only itself
+                for op in batch:
+                    try:
+                        cur = await db.execute(_SQL[op.kind], op.params)
+                        if op.kind == "close" and cur.rowcount == 0:
+                            log.warning("usage_close_ignored", reason="row already closed", request_id=op.params[0])
+                    except sqlite3.Error as e:  # an idempotency conflict keeps the first row
+                        log.error("usage_op_failed", kind=op.kind, error=str(e), params=op.params,
+                                  idempotency_conflict="idempotency_key" in str(e))
+                await db.execute("COMMIT")
+                return
+            except Exception as e:  # the transaction itself failed (disk full, I/O): retry
+                await self._rollback()
+                if backoff is None:
+                    for op in batch:  # last resort: the log line is the record
+                        log.error("usage_op_lost", kind=op.kind, params=op.params)
+                    return
+                log.error("usage_batch_failed", attempt=attempt + 1, error=str(e))
+                await asyncio.sleep(backoff)
+
+    async def _rollback(self) -> None:
+        try:
+            if self._db is not None and self._db.in_transaction:
+                await self._db.execute("ROLLBACK")
+        except sqlite3.Error:
+            log.exception("usage_rollback_failed")
+
+    # -- queries (a separate read-only connection: only committed data) ---------------------
+    async def usage(self, tenant: str | None = None, since: float | None = None, until: float | None = None,
+                    group_by: list[str] | tuple[str, ...] = ("tenant", "model", "day")) -> list[dict[str, Any]]:
+        """Sums per group over rows with since <= t_arrival < until."""
+        sql, params = _usage_sql(tenant, since, until, group_by)
+        return [dict(r) for r in await self._read(sql, params)]
+
+    async def rows(self, tenant: str | None = None, limit: int = 100, since: float | None = None
+                   ) -> list[dict[str, Any]]:
+        """Raw usage rows, newest first."""
+        where, params = _where(tenant, since, None)
+        sql = f"SELECT * FROM usage{where} ORDER BY t_arrival DESC, rowid DESC LIMIT ?"
+        return [dict(r) for r in await self._read(sql, [*params, limit])]
+
+    async def get(self, request_id: str) -> dict[str, Any] | None:
+        rows = await self._read("SELECT * FROM usage WHERE request_id = ?", [request_id])
+        return dict(rows[0]) if rows else None
+
+    async def _read(self, sql: str, params: list[Any]) -> list[Any]:
+        if self._ro is None:
+            raise RuntimeError("usage ledger is not started")
+        async with self._ro.execute(sql, params) as cur:
+            return list(await cur.fetchall())
+
+
+def _where(tenant: str | None, since: float | None, until: float | None) -> tuple[str, list[Any]]:
+    conds, params = [], []
+    for cond, val in (("tenant = ?", tenant), ("t_arrival >= ?", since), ("t_arrival < ?", until)):
+        if val is not None:
+            conds.append(cond)
+            params.append(val)
+    return (" WHERE " + " AND ".join(conds) if conds else ""), params
+
+
+def _usage_sql(tenant: str | None, since: float | None, until: float | None,
+               group_by: list[str] | tuple[str, ...]) -> tuple[str, list[Any]]:
+    bad = [g for g in group_by if g not in GROUP_KEYS]
+    if bad:
+        raise ValueError(f"cannot group by {bad}; choose from {sorted(GROUP_KEYS)}")
+    keys = list(dict.fromkeys(group_by))
+    where, params = _where(tenant, since, until)
+    sel = [f"{GROUP_KEYS[g]} AS {g}" for g in keys]
+    sums = ("COUNT(*) AS requests, COALESCE(SUM(prompt_tokens), 0) AS prompt_tokens, "
+            "COALESCE(SUM(cached_tokens), 0) AS cached_tokens, COALESCE(SUM(output_tokens), 0) AS output_tokens, "
+            "COALESCE(SUM(cost), 0.0) AS cost")
+    sql = f"SELECT {', '.join([*sel, sums])} FROM usage{where}"
+    if keys:
+        order = ", ".join(str(i + 1) for i in range(len(keys)))
+        sql += f" GROUP BY {order} ORDER BY {order}"
+    return sql, params
+
+
+def _day_start(s: str, end: bool = False) -> float:
+    """'YYYY-MM-DD' (UTC) or an ISO datetime → epoch; a bare date as `end` means that whole day."""
+    try:
+        if len(s) == 10:
+            d = dt.datetime.combine(dt.date.fromisoformat(s), dt.time(), dt.timezone.utc)
+            return (d + dt.timedelta(days=1 if end else 0)).timestamp()
+        d = dt.datetime.fromisoformat(s)
+    except ValueError:
+        raise ValueError(f"invalid date {s!r}; expected YYYY-MM-DD") from None
+    return (d if d.tzinfo else d.replace(tzinfo=dt.timezone.utc)).timestamp()
+
+
+def usage_report(path: Path, tenant: str | None, since: str | None, until: str | None,
+                 group_by: list[str]) -> list[dict[str, Any]]:
+    """Ledger.usage() for the CLI, read-only with plain sqlite3; `until` is an inclusive date."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"no usage database at {path}")
+    sql, params = _usage_sql(tenant, _day_start(since) if since else None,
+                             _day_start(until, end=True) if until else None, group_by)
+    conn = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True)
+    try:
+        conn.row_factory = sqlite3.Row
+        return [dict(r) for r in conn.execute(sql, params)]
+    finally:
+        conn.close()

@@ -1,0 +1,200 @@
+"""Prometheus metrics for /metrics, in a private registry.
+
+Names and meanings follow vLLM's own (`vllm:time_to_first_token_seconds` becomes
+`llmd:time_to_first_token_seconds`) so dashboards carry over, but they are measured
+at the gateway, per tenant, and include our queueing. The registry is private because
+vLLM registers its metrics in prometheus_client's global one, in this same process.
+
+Two sources: `observe` takes each finished request record (a telemetry sink), and a
+custom collector reads queues, schedulers and engine stats at scrape time, so live
+gauges are never stale and no background task is needed.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+from collections import defaultdict
+from itertools import accumulate
+from typing import Any, Iterable
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.utils import floatToGoString
+
+from llmd.telemetry import log
+
+# vLLM's defaults (vllm/v1/metrics/buckets.py); ITL gets three finer buckets below
+# 10 ms, since a small model on a GPU decodes faster than vLLM's lowest bucket.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
+               2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+                   120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1) + LATENCY_BUCKETS  # most waits are sub-0.3 s
+
+MT = ("model", "tenant")
+
+
+def _label(v: Any) -> str:
+    return "" if v is None else str(v)
+
+
+class _Live:
+    """Collector reading the service's objects at scrape time."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self.m = metrics
+
+    def describe(self) -> Iterable[Metric]:
+        return self._families(live=False)  # names only: lets the registry reject clashes
+
+    def collect(self) -> Iterable[Metric]:
+        return self._families(live=True)
+
+    def _families(self, live: bool) -> list[Metric]:
+        g, c = GaugeMetricFamily, CounterMetricFamily
+        f = {
+            "depth": g("llmd:queue_depth", "Requests waiting in the gateway's fair queue, by priority class.",
+                       labels=["model", "class"]),
+            "running": g("llmd:num_requests_running", "Number of requests in model execution batches (engine).",
+                         labels=["model"]),
+            "waiting": g("llmd:num_requests_waiting", "Number of requests waiting in the engine's own queue "
+                         "(the gateway's queue is llmd:queue_depth).", labels=["model"]),
+            "sched": g("llmd:scheduler_running", "Requests the gateway scheduler has released to the engine "
+                       "and not yet seen finish.", labels=["model"]),
+            "seats": g("llmd:scheduler_seat_limit", "Current seat limit: max_running, or the adaptive "
+                       "limit when a target ITL is set.", labels=["model"]),
+            "kv": g("llmd:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", labels=["model"]),
+            "pq": c("llmd:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.",
+                    labels=["model"]),
+            "ph": c("llmd:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
+                    labels=["model"]),
+            "pre": c("llmd:num_preemptions", "Cumulative number of preemption from the engine.", labels=["model"]),
+            "spre": c("llmd:scheduler_preemptions", "Batch-class requests the gateway preempted (and "
+                      "requeued) to seat interactive ones.", labels=["model"]),
+            "sdrop": c("llmd:scheduler_dropped", "Queued requests dropped before dispatch because their "
+                       "deadline could no longer be met.", labels=["model"]),
+            "info": g("llmd:model_info", "1 per loaded model, labelled with the version serving it.",
+                      labels=["model", "version"]),
+            "itl": HistogramMetricFamily("llmd:inter_token_latency_seconds", "Histogram of inter-token latency in "
+                                         "seconds (one observation per gap between streamed tokens).",
+                                         labels=list(MT)),
+            "cpm": g("llmd:cost_per_million_tokens", "Realised average cost per million billed tokens "
+                     "(prompt + generated) since start: llmd:cost_total / those requests' tokens x 1e6; "
+                     "only requests that carried a cost count.", labels=list(MT)),
+        }
+        if live:
+            self._fill(f)
+        return list(f.values())
+
+    def _fill(self, f: dict[str, Any]) -> None:
+        for name, rt in self.m.service.models.items():
+            for klass in rt.queue.classes:
+                f["depth"].add_metric([name, klass], rt.queue.depth(klass))
+            sched, backend = rt.scheduler, rt.backend
+            if sched is not None:
+                det = sched.detector
+                seats = det.itl.limit if getattr(det, "itl", None) is not None else det.max_seats
+                f["sched"].add_metric([name], len(sched.running))
+                f["seats"].add_metric([name], int(seats))  # read, not seat_limit(): that steps the AIMD
+                f["spre"].add_metric([name], sched.preempted)
+                f["sdrop"].add_metric([name], sched.dropped)
+            if backend is not None:
+                s = backend.stats
+                f["running"].add_metric([name], s.running)
+                f["waiting"].add_metric([name], s.waiting)
+                f["kv"].add_metric([name], s.kv_usage)
+                f["pq"].add_metric([name], s.prefix_queries)
+                f["ph"].add_metric([name], s.prefix_hits)
+                f["pre"].add_metric([name], s.preemptions)
+                f["info"].add_metric([name, _label(backend.version)], 1)
+        les = [floatToGoString(b) for b in ITL_BUCKETS] + ["+Inf"]
+        for key, counts in self.m._itl_counts.items():
+            f["itl"].add_metric(list(key), list(zip(les, accumulate(counts))), self.m._itl_sum[key])
+        for key, cost in self.m._cost.items():
+            tokens = self.m._cost_tokens[key]
+            if tokens:
+                f["cpm"].add_metric(list(key), cost / tokens * 1e6)
+
+
+class Metrics:
+    """All of llmd's metrics for one Service; `observe` is a RECORD_SINKS callable."""
+
+    def __init__(self, service: Any) -> None:
+        self.service = service
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.ttft = Histogram("llmd:time_to_first_token_seconds", "Histogram of time to first token in seconds "
+                              "(arrival at the gateway to first generated token, queueing included).",
+                              MT, registry=r, buckets=TTFT_BUCKETS)
+        self.tpot = Histogram("llmd:request_time_per_output_token_seconds", "Histogram of time_per_output_token_"
+                              "seconds per request (its mean inter-token gap).", MT, registry=r, buckets=ITL_BUCKETS)
+        self.e2e = Histogram("llmd:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds, "
+                             "for admitted requests.", MT, registry=r, buckets=LATENCY_BUCKETS)
+        self.queue = Histogram("llmd:request_queue_time_seconds", "Histogram of time spent in the gateway's "
+                               "queue before dispatch to the engine.", MT, registry=r, buckets=QUEUE_BUCKETS)
+        self.prefill = Histogram("llmd:request_prefill_time_seconds", "Histogram of time spent in PREFILL phase "
+                                 "for request (dispatch to first token).", MT, registry=r, buckets=LATENCY_BUCKETS)
+        self.prompt = Counter("llmd:prompt_tokens", "Number of prefill tokens processed (requests that "
+                              "reached the engine).", MT, registry=r)
+        self.cached = Counter("llmd:prompt_tokens_cached", "Number of cached prompt tokens.", MT, registry=r)
+        self.generation = Counter("llmd:generation_tokens", "Number of generation tokens processed.", MT, registry=r)
+        self.requests = Counter("llmd:requests", "Finished requests by outcome (ok, shed, rejected, deadline, "
+                                "cancelled, error).", (*MT, "status"), registry=r)
+        self.shed = Counter("llmd:requests_shed", "Requests refused by admission control, by reason.",
+                            ("model", "reason"), registry=r)
+        self.cost = Counter("llmd:cost", "Accumulated cost of requests, in the metering's currency unit.",
+                            MT, registry=r)
+        # ITL is bucketed here and exposed by the collector: a record carries one sample per
+        # token, and Histogram.observe per sample costs ~4x as much on the event loop.
+        self._itl_counts: dict[tuple[str, str], list[int]] = {}
+        self._itl_sum: dict[tuple[str, str], float] = defaultdict(float)
+        self._cost: dict[tuple[str, str], float] = defaultdict(float)
+        self._cost_tokens: dict[tuple[str, str], int] = defaultdict(int)
+        r.register(_Live(self))
+
+    def observe(self, rec: dict[str, Any]) -> None:
+        """Account one finished request record; never raises (it runs inside RequestRecord.emit)."""
+        try:
+            self._observe(rec)
+        except Exception:
+            log.exception("metrics_observe_failed", request_id=rec.get("request_id"))
+
+    def _observe(self, rec: dict[str, Any]) -> None:
+        key = (_label(rec.get("model")), _label(rec.get("tenant")))
+        status = _label(rec.get("status"))
+        decision = rec.get("decision") or ""
+        self.requests.labels(*key, status).inc()
+        if status == "shed":
+            self.shed.labels(key[0], decision.partition("shed:")[2] or _label(rec.get("error_code"))).inc()
+        # Refusals (shed, rejected, unknown model) never queued: their latency would only blur the histograms.
+        admitted = bool(decision) and not decision.startswith("shed:")
+        if admitted and rec.get("total_time_s") is not None:
+            self.e2e.labels(*key).observe(rec["total_time_s"])
+        for hist, field in ((self.ttft, "ttft_s"), (self.queue, "queue_time_s"), (self.prefill, "prefill_s"),
+                            (self.tpot, "itl_mean_s")):
+            if rec.get(field) is not None:
+                hist.labels(*key).observe(rec[field])
+        if samples := rec.get("itl_samples"):
+            total = sum(samples)
+            counts = self._itl_counts.setdefault(key, [0] * (len(ITL_BUCKETS) + 1))
+            for gap in samples:
+                counts[bisect_left(ITL_BUCKETS, gap)] += 1  # le is inclusive, as bisect_left's index
+            self._itl_sum[key] += total
+        prompt, out = rec.get("prompt_tokens") or 0, rec.get("output_tokens") or 0
+        if rec.get("queue_time_s") is not None:  # dispatched: the engine prefilled it
+            self.prompt.labels(*key).inc(prompt)
+        if rec.get("cached_prompt_tokens"):
+            self.cached.labels(*key).inc(rec["cached_prompt_tokens"])
+        if out:
+            self.generation.labels(*key).inc(out)
+        if rec.get("cost") is not None:
+            self.cost.labels(*key).inc(rec["cost"])
+            self._cost[key] += rec["cost"]
+            self._cost_tokens[key] += prompt + out
+
+    def render(self) -> tuple[bytes, str]:
+        """(body, content type) for the /metrics response."""
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+

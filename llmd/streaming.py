@@ -1,0 +1,90 @@
+"""Turning a running job into OpenAI response bodies and SSE payloads (no HTTP here).
+
+`pump` drives one generation and hands each SSE payload to `emit`; the deadline
+covers `emit` too, so a slow reader cannot outlive the request. A failure before
+the first payload is raised (the caller answers with a plain HTTP error); after
+it, the stream ends with a terminal error payload and `[DONE]`.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, AsyncIterator, Awaitable, Callable
+
+from llmd import protocol
+from llmd.errors import APIError
+from llmd.protocol import ChatRequest, CompletionRequest
+from llmd.service import Job, Service, classify
+
+DONE = "[DONE]"
+
+
+def dumps(obj: Any) -> str:
+    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False)
+
+
+def _ids(job: Job, req: ChatRequest | CompletionRequest) -> tuple[str, bool]:
+    is_chat = isinstance(req, ChatRequest)
+    return ("chatcmpl-" if is_chat else "cmpl-") + job.record.request_id, is_chat
+
+
+async def complete(service: Service, job: Job, req: ChatRequest | CompletionRequest) -> dict[str, Any]:
+    """The non-streaming response body; raises APIError (deadline, engine failure)."""
+    parts: list[str] = []
+    finish: str | None = None
+    try:
+        async with service.deadline(job):
+            async for d in service.run(job):
+                parts.append(d.text)
+                finish = d.finish_reason or finish
+    except TimeoutError:
+        raise service.deadline_error(job) from None
+    rec = job.record
+    cid, is_chat = _ids(job, req)
+    u = protocol.usage(rec.prompt_tokens, rec.output_tokens, rec.cached_prompt_tokens)
+    build = protocol.chat_response if is_chat else protocol.completion_response
+    return build(cid, job.runtime.cfg.name, protocol.created_now(), "".join(parts), finish, u)
+
+
+async def _payloads(service: Service, job: Job, req: ChatRequest | CompletionRequest) -> AsyncIterator[str]:
+    rec, model = job.record, job.runtime.cfg.name
+    cid, is_chat = _ids(job, req)
+    created = protocol.created_now()
+    first = True
+    async for d in service.run(job):
+        if not d.text and d.finish_reason is None:
+            continue
+        if is_chat:
+            delta: dict[str, Any] = {"role": "assistant", "content": d.text} if first else {"content": d.text}
+            first = False
+            yield dumps(protocol.chat_chunk(cid, model, created, delta, d.finish_reason))
+        else:
+            yield dumps(protocol.completion_chunk(cid, model, created, d.text, d.finish_reason))
+    if req.include_usage:
+        u = protocol.usage(rec.prompt_tokens, rec.output_tokens, rec.cached_prompt_tokens)
+        obj = "chat.completion.chunk" if is_chat else "text_completion"
+        yield dumps(protocol.usage_chunk(cid, model, created, obj, u))
+    yield DONE
+
+
+async def pump(service: Service, job: Job, req: ChatRequest | CompletionRequest,
+               emit: Callable[[str], Awaitable[None]]) -> None:
+    started = False
+    try:
+        async with service.deadline(job):
+            async for payload in _payloads(service, job, req):
+                started = True
+                await emit(payload)
+        return
+    except TimeoutError:
+        err: APIError = service.deadline_error(job)
+    except APIError as e:
+        err = e
+    if not started:
+        raise err
+    # Tokens were already delivered: end the stream with a terminal error event.
+    rec = job.record
+    rec.status, rec.http_status, rec.error_code = classify(err)
+    rec.finish_reason = rec.finish_reason or "error"
+    await emit(dumps(err.body()))
+    await emit(DONE)

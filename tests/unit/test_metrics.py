@@ -1,0 +1,225 @@
+"""llmd.metrics: request records in, Prometheus text out; live gauges read at scrape time."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from prometheus_client import REGISTRY
+from prometheus_client.parser import text_string_to_metric_families
+
+from llmd.backends.base import EngineStats, StepRecord
+from llmd.metrics import Metrics
+from llmd.policy.classes import ModelQueue
+from llmd.policy.fairness import FAIRNESS
+from llmd.policy.queue import QueuedRequest
+from llmd.policy.saturation import SaturationDetector
+
+
+def _runtime(stats: EngineStats | None, detector: SaturationDetector | None = None) -> SimpleNamespace:
+    queue = ModelQueue(FAIRNESS["fcfs"], lambda t: "fifo")
+    sched = None
+    if stats is not None:
+        sched = SimpleNamespace(running={1: object(), 2: object()}, dropped=3, preempted=4,
+                                detector=detector or SaturationDetector(8))
+    backend = SimpleNamespace(stats=stats, version="v7") if stats is not None else None
+    return SimpleNamespace(queue=queue, scheduler=sched, backend=backend)
+
+
+@pytest.fixture
+def svc() -> SimpleNamespace:
+    stats = EngineStats()
+    stats.record(StepRecord(t=1.0, running=5, waiting=2, kv_usage=0.4, generated_tokens=9),
+                 prefix_queries=100, prefix_hits=60, preempted=1)
+    stats.record(StepRecord(t=2.0, running=6, waiting=1, kv_usage=0.5, generated_tokens=9),
+                 prefix_queries=20, prefix_hits=10, preempted=2)
+    return SimpleNamespace(models={"m": _runtime(stats), "loading": _runtime(None)})
+
+
+def rec(**kw: Any) -> dict[str, Any]:
+    base = dict(request_id="r", endpoint="chat", model="m", version="v7", tenant="a", status="ok",
+                decision="admitted", prompt_tokens=10, cached_prompt_tokens=4, output_tokens=5,
+                queue_time_s=0.02, ttft_s=0.1, total_time_s=0.5, itl_mean_s=0.01, itl_p95_s=0.02,
+                itl_samples=[0.01, 0.01, 0.02, 0.005], prefill_s=0.08, replica=0)
+    base.update(kw)
+    return base
+
+
+def scrape(m: Metrics) -> dict[str, Any]:
+    body, ctype = m.render()
+    assert ctype.startswith("text/plain")
+    return {f.name: f for f in text_string_to_metric_families(body.decode())}
+
+
+def value(fams: dict[str, Any], family: str, sample: str, **labels: str) -> float:
+    hits = [s.value for s in fams[family].samples
+            if s.name == sample and all(s.labels.get(k) == v for k, v in labels.items())]
+    assert len(hits) == 1, (sample, labels, fams[family].samples)
+    return hits[0]
+
+
+def feed(m: Metrics) -> None:
+    m.observe(rec(tenant="a", cost=0.002))
+    m.observe(rec(tenant="a", cost=0.001, prompt_tokens=20, output_tokens=15, total_time_s=1.5))
+    m.observe(rec(tenant="b", itl_samples=None, itl_mean_s=None))
+    # waited, then dropped at its deadline: latency counts, nothing reached the engine
+    m.observe(rec(tenant="b", status="deadline", decision="dropped:deadline", queue_time_s=None, ttft_s=None,
+                  output_tokens=0, cached_prompt_tokens=0, total_time_s=30.0, itl_samples=[], itl_mean_s=None,
+                  prefill_s=None))
+    for reason in ("queue_full", "queue_full", "tokens_per_minute"):
+        m.observe(rec(tenant="b", status="shed", decision=f"shed:{reason}", queue_time_s=None, ttft_s=None,
+                      output_tokens=0, cached_prompt_tokens=0, total_time_s=0.001, itl_samples=None,
+                      itl_mean_s=None, prefill_s=None))
+    m.observe(rec(model=None, tenant=None, status="rejected", decision=None, prompt_tokens=0, queue_time_s=None,
+                  ttft_s=None, output_tokens=0, cached_prompt_tokens=0, itl_samples=None, itl_mean_s=None,
+                  prefill_s=None))
+
+
+def test_requests_tokens_and_shed(svc: SimpleNamespace) -> None:
+    m = Metrics(svc)
+    feed(m)
+    f = scrape(m)
+    req = "llmd:requests_total"
+    assert value(f, "llmd:requests", req, model="m", tenant="a", status="ok") == 2
+    assert value(f, "llmd:requests", req, model="m", tenant="b", status="ok") == 1
+    assert value(f, "llmd:requests", req, model="m", tenant="b", status="shed") == 3
+    assert value(f, "llmd:requests", req, model="m", tenant="b", status="deadline") == 1
+    assert value(f, "llmd:requests", req, model="", tenant="", status="rejected") == 1
+    assert value(f, "llmd:requests_shed", "llmd:requests_shed_total", model="m", reason="queue_full") == 2
+    assert value(f, "llmd:requests_shed", "llmd:requests_shed_total", model="m", reason="tokens_per_minute") == 1
+    # prompt tokens only for dispatched requests; shed and dropped ones never reached the engine
+    assert value(f, "llmd:prompt_tokens", "llmd:prompt_tokens_total", model="m", tenant="a") == 30
+    assert value(f, "llmd:prompt_tokens", "llmd:prompt_tokens_total", model="m", tenant="b") == 10
+    assert value(f, "llmd:generation_tokens", "llmd:generation_tokens_total", model="m", tenant="a") == 20
+    assert value(f, "llmd:generation_tokens", "llmd:generation_tokens_total", model="m", tenant="b") == 5
+    assert value(f, "llmd:prompt_tokens_cached", "llmd:prompt_tokens_cached_total", model="m", tenant="a") == 8
+    assert value(f, "llmd:cost", "llmd:cost_total", model="m", tenant="a") == pytest.approx(0.003)
+    # 0.003 over 10+5+20+15 = 50 tokens -> 60 per million; tenant b carried no cost: no series
+    assert value(f, "llmd:cost_per_million_tokens", "llmd:cost_per_million_tokens", model="m", tenant="a") \
+        == pytest.approx(60.0)
+    assert not [s for s in f["llmd:cost_per_million_tokens"].samples if s.labels["tenant"] == "b"]
+
+
+def test_histograms(svc: SimpleNamespace) -> None:
+    m = Metrics(svc)
+    feed(m)
+    f = scrape(m)
+    ttft, e2e = "llmd:time_to_first_token_seconds", "llmd:e2e_request_latency_seconds"
+    itl = "llmd:inter_token_latency_seconds"
+    assert value(f, ttft, ttft + "_count", model="m", tenant="a") == 2
+    assert value(f, ttft, ttft + "_sum", model="m", tenant="a") == pytest.approx(0.2)
+    assert value(f, ttft, ttft + "_count", model="m", tenant="b") == 1  # shed/dropped have no TTFT
+    # e2e: admitted requests only (the dropped one counts, the shed ones do not)
+    assert value(f, e2e, e2e + "_count", model="m", tenant="a") == 2
+    assert value(f, e2e, e2e + "_sum", model="m", tenant="a") == pytest.approx(2.0)
+    assert value(f, e2e, e2e + "_count", model="m", tenant="b") == 2
+    assert value(f, e2e, e2e + "_sum", model="m", tenant="b") == pytest.approx(30.5)
+    assert value(f, e2e, e2e + "_bucket", model="m", tenant="b", le="0.5") == 1
+    assert value(f, e2e, e2e + "_bucket", model="m", tenant="b", le="+Inf") == 2
+    # ITL: one observation per gap
+    assert value(f, itl, itl + "_count", model="m", tenant="a") == 8
+    assert value(f, itl, itl + "_sum", model="m", tenant="a") == pytest.approx(0.09)
+    assert value(f, itl, itl + "_bucket", model="m", tenant="a", le="0.005") == 2
+    assert not [s for s in f[itl].samples if s.labels.get("tenant") == "b"]
+    q = "llmd:request_queue_time_seconds"
+    assert value(f, q, q + "_count", model="m", tenant="a") == 2
+    assert value(f, q, q + "_count", model="m", tenant="b") == 1
+    tpot = "llmd:request_time_per_output_token_seconds"
+    assert value(f, tpot, tpot + "_count", model="m", tenant="a") == 2
+    pre = "llmd:request_prefill_time_seconds"
+    assert value(f, pre, pre + "_sum", model="m", tenant="a") == pytest.approx(0.16)
+
+
+def test_live_gauges_read_at_scrape(svc: SimpleNamespace) -> None:
+    m = Metrics(svc)
+    rt = svc.models["m"]
+    for i, klass in enumerate(("interactive", "batch", "batch")):
+        rt.queue.push(QueuedRequest(f"q{i}", "a", klass, 10, 10, 1e9, 0.0))
+    f = scrape(m)
+    assert value(f, "llmd:queue_depth", "llmd:queue_depth", model="m", **{"class": "interactive"}) == 1
+    assert value(f, "llmd:queue_depth", "llmd:queue_depth", model="m", **{"class": "batch"}) == 2
+    assert value(f, "llmd:queue_depth", "llmd:queue_depth", model="loading", **{"class": "batch"}) == 0
+    assert value(f, "llmd:num_requests_running", "llmd:num_requests_running", model="m") == 6
+    assert value(f, "llmd:num_requests_waiting", "llmd:num_requests_waiting", model="m") == 1
+    assert value(f, "llmd:kv_cache_usage_perc", "llmd:kv_cache_usage_perc", model="m") == 0.5
+    assert value(f, "llmd:prefix_cache_queries", "llmd:prefix_cache_queries_total", model="m") == 120
+    assert value(f, "llmd:prefix_cache_hits", "llmd:prefix_cache_hits_total", model="m") == 70
+    assert value(f, "llmd:num_preemptions", "llmd:num_preemptions_total", model="m") == 3
+    assert value(f, "llmd:scheduler_running", "llmd:scheduler_running", model="m") == 2
+    assert value(f, "llmd:scheduler_preemptions", "llmd:scheduler_preemptions_total", model="m") == 4
+    assert value(f, "llmd:scheduler_dropped", "llmd:scheduler_dropped_total", model="m") == 3
+    assert value(f, "llmd:scheduler_seat_limit", "llmd:scheduler_seat_limit", model="m") == 8
+    assert value(f, "llmd:model_info", "llmd:model_info", model="m", version="v7") == 1
+    # a model still loading has a queue but no engine series
+    assert not [s for s in f["llmd:num_requests_running"].samples if s.labels["model"] == "loading"]
+
+    # live: the next scrape sees changed objects without any observe()
+    rt.backend.stats.record(StepRecord(t=3.0, running=1, waiting=0, kv_usage=0.1, generated_tokens=1),
+                            prefix_queries=5, prefix_hits=5)
+    rt.scheduler.running.clear()
+    rt.queue.pop_next()
+    f = scrape(m)
+    assert value(f, "llmd:num_requests_running", "llmd:num_requests_running", model="m") == 1
+    assert value(f, "llmd:kv_cache_usage_perc", "llmd:kv_cache_usage_perc", model="m") == 0.1
+    assert value(f, "llmd:prefix_cache_hits", "llmd:prefix_cache_hits_total", model="m") == 75
+    assert value(f, "llmd:scheduler_running", "llmd:scheduler_running", model="m") == 0
+    assert value(f, "llmd:queue_depth", "llmd:queue_depth", model="m", **{"class": "interactive"}) == 0
+
+
+def test_adaptive_seat_limit_is_read_not_stepped(svc: SimpleNamespace) -> None:
+    det = SaturationDetector(8, target_itl_ms=50.0)
+    det.itl.limit = 5.6
+    svc.models["m"].scheduler.detector = det
+    f = scrape(Metrics(svc))
+    assert value(f, "llmd:scheduler_seat_limit", "llmd:scheduler_seat_limit", model="m") == 5
+    assert det.itl._next == 0.0  # scraping did not run an AIMD step
+
+
+def test_private_registry_names_and_isolation(svc: SimpleNamespace) -> None:
+    before = set(REGISTRY._names_to_collectors)
+    a, b = Metrics(svc), Metrics(svc)  # two instances: no duplicate-registration errors
+    feed(a)
+    feed(b)
+    assert set(REGISTRY._names_to_collectors) == before
+    assert not [n for n in before if n.startswith("llmd:")]
+    fams = scrape(a)
+    assert len(fams) >= 20
+    for fam in fams.values():
+        assert fam.name.startswith("llmd:"), fam.name
+        for s in fam.samples:
+            assert s.name.startswith("llmd:"), s.name
+
+
+def test_observe_never_raises(svc: SimpleNamespace) -> None:
+    m = Metrics(svc)
+    m.observe(rec(ttft_s="not a number"))  # a malformed record is logged, not raised into emit()
+    m.observe({})
+    f = scrape(m)
+    assert value(f, "llmd:requests", "llmd:requests_total", model="", tenant="", status="") == 1
+
+
+def test_itl_matches_prometheus_histogram(svc: SimpleNamespace) -> None:
+    """ITL is bucketed by hand for speed; it must render exactly as a prometheus_client Histogram would."""
+    import random
+
+    from prometheus_client import CollectorRegistry, Histogram
+
+    from llmd.metrics import ITL_BUCKETS
+
+    rnd = random.Random(7)
+    samples = [rnd.choice([rnd.expovariate(30.0), rnd.choice(ITL_BUCKETS), 200.0]) for _ in range(500)]
+    m = Metrics(svc)
+    m.observe(rec(itl_samples=samples[:300]))
+    m.observe(rec(itl_samples=samples[300:]))
+    reg = CollectorRegistry()
+    h = Histogram("ref", "", ["model", "tenant"], registry=reg, buckets=ITL_BUCKETS)
+    for x in samples:
+        h.labels("m", "a").observe(x)
+    ref = {(s.name.removeprefix("ref"), s.labels.get("le")): s.value for fam in reg.collect() for s in fam.samples
+           if not s.name.endswith("_created")}
+    name = "llmd:inter_token_latency_seconds"
+    got = {(s.name.removeprefix(name), s.labels.get("le")): s.value for s in scrape(m)[name].samples}
+    assert got.keys() == ref.keys()
+    for k, v in ref.items():
+        assert got[k] == pytest.approx(v), k
