@@ -240,6 +240,7 @@ async def _generate(request: Request, service: Service, principal: Any,
     handed_off = False  # an idempotent run owns its record from then on
     try:
         who = principal(request)
+        rec.tenant, rec.key_id = (who.tenant.name if who.tenant else None), who.key_id
         req = protocol.parse(cls, request.body)
         rec.stream = req.stream
         deadline_s = deadline_seconds(service.config.server, request.headers.get(DEADLINE_HEADER))
