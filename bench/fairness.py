@@ -123,6 +123,12 @@ def stop(proc: subprocess.Popen, grace: float = 30.0) -> None:
     except ProcessLookupError:
         pass
     proc.wait()
+    for _ in range(100):  # until the whole group is gone, so the next server never overlaps this one
+        try:
+            os.killpg(proc.pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
 
 
 def other_engines() -> int:
@@ -522,14 +528,14 @@ def chat_stats(out: list[Stream], timeout: float) -> dict[str, Any]:
             "statuses": statuses(out)}
 
 
-async def flood_run(bench: Bench, srv: Srv, label: str, rows: list[dict[str, Any]]) -> None:
+async def flood_run(bench: Bench, srv: Srv, label: str, flood_class: str) -> dict[str, Any]:
     a = bench.args
     async with new_client() as client:
         await warm_up(client, srv, "b", a.name)
         sampler = AdminSampler(client, srv, a.name)
         sampler.start()
         flood = Workers(client, srv, "a", a.flood_inflight, "/v1/completions",
-                        lambda i: long_body(a.name, i, a.flood_max_tokens), srv.headers("a", a.flood_class))
+                        lambda i: long_body(a.name, i, a.flood_max_tokens), srv.headers("a", flood_class))
         flood.start()
         print(f"    flood: {a.flood_inflight} streams in flight; B starts in {a.buildup_s:.0f}s", flush=True)
         await asyncio.sleep(a.buildup_s)
@@ -540,53 +546,69 @@ async def flood_run(bench: Bench, srv: Srv, label: str, rows: list[dict[str, Any
            "a_tps": output_tokens_between(flood.results, t0, t1) / (t1 - t0),
            "a_statuses": statuses(flood.results), "seats": seat_summary(sampler.between(t0, t1)),
            "window_s": t1 - t0, "seat_trace": seat_trace(sampler.samples, t0)}
-    rows.append(row)
     print(f"    {label}: B TTFT p50 {row['p50']:.3f}s p95 {row['p95']:.3f}s (timeouts {row['timeouts']}); "
           f"A {row['a_tps']:.0f} tok/s; seats {row['seats']}", flush=True)
+    return row
+
+
+A_CONFIGS = ("vtc", "itl", "vllm", "batch")
 
 
 async def part_a(bench: Bench) -> PartResult:
     a = bench.args
-    rows: list[dict[str, Any]] = []
+    rows: dict[str, dict[str, Any]] = {}
     print("part a: noisy neighbour", flush=True)
-    tenants = {"a": {}, "b": {}}
+    tenants: dict[str, dict[str, Any]] = {"a": {}, "b": {}}
     with bench.llmd("a-vtc", {"fairness": "vtc"}, tenants) as srv:
         async with new_client() as client:
             await warm_up(client, srv, "b", a.name)
             out, t0, t1 = await chat_series(client, srv, a)
-        solo = {"config": "llmd, B solo", **chat_stats(out, a.chat_timeout_s), "a_tps": math.nan, "a_statuses": "-",
-                "seats": "-", "window_s": t1 - t0}
-        rows.append(solo)
+        solo = rows["solo"] = {"config": "llmd, B solo", **chat_stats(out, a.chat_timeout_s), "a_tps": math.nan,
+                               "a_statuses": "-", "seats": "-", "window_s": t1 - t0}
         print(f"    solo: B TTFT p50 {solo['p50']:.3f}s p95 {solo['p95']:.3f}s, ITL p50 {solo['itl_p50_ms']:.1f} ms", flush=True)
-        await flood_run(bench, srv, "llmd vtc, A flooding", rows)
+        if "vtc" in a.a_configs:
+            rows["vtc"] = await flood_run(bench, srv, "llmd vtc, A flooding", a.flood_class)
     target = a.target_itl_ms or max(1, round(a.itl_factor * solo["itl_p50_ms"]))
-    with bench.llmd("a-itl", {"fairness": "vtc", "target_itl_ms": float(target)}, tenants) as srv:
-        await flood_run(bench, srv, f"llmd vtc + target_itl_ms {target:g}, A flooding", rows)
-    with bench.vllm("a-vllm") as srv:
-        await flood_run(bench, srv, "vllm serve (FCFS), A flooding", rows)
+    if "itl" in a.a_configs:
+        with bench.llmd("a-itl", {"fairness": "vtc", "target_itl_ms": float(target)}, tenants) as srv:
+            rows["itl"] = await flood_run(bench, srv, f"llmd vtc + target_itl_ms {target:g}, A flooding", a.flood_class)
+    if "batch" in a.a_configs:
+        with bench.llmd("a-batch", {"fairness": "vtc"}, tenants) as srv:
+            rows["batch"] = await flood_run(bench, srv, "llmd vtc, A flooding as class batch", "batch")
+    if "vllm" in a.a_configs:
+        with bench.vllm("a-vllm") as srv:
+            rows["vllm"] = await flood_run(bench, srv, "vllm serve (FCFS), A flooding", a.flood_class)
 
     head = ["configuration", "B TTFT p50 s", "B TTFT p95 s", "B TTFT max s", "B ok/timeouts/errors", "B ITL p50 ms",
             "A out tok/s", "A requests", "seat limit"]
     body = [[r["config"], f"{r['p50']:.3f}", f"{r['p95']:.3f}", f"{r['max']:.3f}", f"{r['ok']}/{r['timeouts']}/{r['errors']}",
-             f1(r["itl_p50_ms"]), f1(r["a_tps"]), r["a_statuses"], r["seats"]] for r in rows]
+             f1(r["itl_p50_ms"]), f1(r["a_tps"]), r["a_statuses"], r["seats"]] for r in rows.values()]
     verdicts: list[tuple[str, bool]] = []
-    for r in rows[1:3]:
+    for key in ("vtc", "itl", "batch"):
+        if (r := rows.get(key)) is None:
+            continue
         for q in ("p50", "p95"):
             verdicts.append((f"{r['config']}: B TTFT {q} {r[q]:.3f}s within +1 s of solo {solo[q]:.3f}s",
                              r[q] <= solo[q] + 1.0))
-    r = rows[2]
-    for q in ("p50", "p95"):
-        verdicts.append((f"{r['config']}: B TTFT {q} {r[q]:.3f}s within 2x of solo {solo[q]:.3f}s", r[q] <= 2 * solo[q]))
+        if key == "itl":
+            for q in ("p50", "p95"):
+                verdicts.append((f"{r['config']}: B TTFT {q} {r[q]:.3f}s within 2x of solo {solo[q]:.3f}s",
+                                 r[q] <= 2 * solo[q]))
     lines = [f"Tenant A keeps {a.flood_inflight} completions in flight (max_tokens {a.flood_max_tokens}, ignore_eos, "
-             f"class {a.flood_class}, resubmitted as each ends); after {a.buildup_s:g} s tenant B sends "
-             f"{a.chat_requests} chats, one every {a.chat_interval_s:g} s (max_tokens {a.chat_max_tokens}, interactive), "
-             f"client timeout {a.chat_timeout_s:g} s (a timeout counts as TTFT = timeout). target_itl_ms = "
-             f"{a.itl_factor:g} x B's solo ITL p50" + (" (overridden)" if a.target_itl_ms else "") + f" = {target:g} ms. "
+             f"class {a.flood_class} unless the row says otherwise, all sent at once and each resubmitted as it ends); "
+             f"after {a.buildup_s:g} s tenant B sends {a.chat_requests} chats, one every {a.chat_interval_s:g} s "
+             f"(max_tokens {a.chat_max_tokens}, interactive), client timeout {a.chat_timeout_s:g} s (a timeout counts "
+             f"as TTFT = timeout). target_itl_ms = {a.itl_factor:g} x B's solo ITL p50"
+             + (" (overridden)" if a.target_itl_ms else "") + f" = {target:g} ms. "
              "A's throughput is over B's window (first send to last answer); 'A requests' counts A's streams by outcome "
-             "(cut = still running when the flood stopped); 'seat limit' is llmd's seat_limit range from "
+             "(cut = still running when the flood stopped; llmd sends no response headers before a request's first "
+             "token, so queued ones are 'cut before response'); 'seat limit' is llmd's seat_limit range from "
              "/admin/engines over that window. ITL = gaps between content chunks.", "",
-             *table(head, body), "", "seat_limit/running and queue depth with target_itl_ms (t from B's first "
-             f"chat): {rows[2]['seat_trace']}", ""] + [f"- {t}: {verdict(ok)}" for t, ok in verdicts]
+             *table(head, body), ""]
+    for key, r in rows.items():
+        if key in ("vtc", "itl", "batch"):
+            lines += [f"seat_limit/running and queue depth, {r['config']} (t from B's first chat): {r['seat_trace']}", ""]
+    lines += [f"- {t}: {verdict(ok)}" for t, ok in verdicts]
     return PartResult("(a) Noisy neighbour", lines, verdicts, {"rows": rows, "target_itl_ms": target})
 
 
@@ -784,12 +806,12 @@ async def part_c(bench: Bench) -> PartResult:
     with bench.llmd("c-aimd", {"fairness": "vtc", "target_itl_ms": float(target)}, tenants) as srv:
         aimd = await itl_run(bench, srv, f"AIMD target_itl_ms {target:g}", a.aimd_warmup_s)
     sweep: list[dict[str, Any]] = []
-    for k in [int(x) for x in a.sweep.split(",") if x.strip()]:
+    for k in sorted({int(x) for x in a.sweep.split(",") if x.strip()}, reverse=True):
         with bench.llmd(f"c-mr{k}", {"fairness": "vtc", "max_running": k}, tenants) as srv:
             row = await itl_run(bench, srv, f"max_running {k}", a.itl_warmup_s)
         sweep.append(row)
-        if row["p95"] > target and not a.full_sweep:
-            print(f"    p95 above the target at max_running {k}: larger values will not meet it; sweep stops", flush=True)
+        if row["p95"] <= target and not a.full_sweep:
+            print(f"    max_running {k} meets the target: smaller values give less throughput; sweep stops", flush=True)
             break
     meeting = [r for r in sweep if r["p95"] <= target]
     best = max(meeting, key=lambda r: r["tps"]) if meeting else None
@@ -813,8 +835,9 @@ async def part_c(bench: Bench) -> PartResult:
              "interval between engine steps and 'engine tok/s' the tokens the engine generated in the window, both from "
              "/admin/engines?since= (for reference; 'out tok/s' is counted by the client). Target = "
              + (f"{target:g} ms (given)" if a.itl_target_ms else f"{a.itl_target_factor:g} x unconstrained p95 = {target:g} ms")
-             + f". Sweep of static max_running (no target) ascending over {a.sweep}"
-             + ("" if a.full_sweep else ", stopping at the first value whose p95 misses the target") + ".", "",
+             + f". Sweep of static max_running (no target) over {a.sweep}, largest first"
+             + ("" if a.full_sweep else ", stopping at the first value whose p95 meets the target (throughput and ITL "
+                "both grow with max_running, so that one is the best hand-tuned setting)") + ".", "",
              *table(head, body), "", "AIMD seat_limit/running and queue depth over time (t from the start of the "
              f"measured window): {aimd['seat_trace']}", "",
              ] + [f"- {t}: {verdict(ok)}" for t, ok in verdicts]
@@ -880,7 +903,10 @@ def parse_args() -> argparse.Namespace:
     g.add_argument("--chat-requests", type=int, default=40, help="tenant B's chats")
     g.add_argument("--chat-interval-s", type=float, default=1.5)
     g.add_argument("--chat-max-tokens", type=int, default=16)
-    g.add_argument("--chat-timeout-s", type=float, default=90.0, help="client bound on a chat; counts as its TTFT")
+    g.add_argument("--chat-timeout-s", type=float, default=60.0, help="client bound on a chat; counts as its TTFT")
+    g.add_argument("--a-configs", default="vtc,itl,vllm",
+                   help=f"flood configurations after B solo, comma list of: {', '.join(A_CONFIGS)} "
+                        "(batch: llmd vtc with A's flood sent as class batch)")
     g.add_argument("--itl-factor", type=float, default=2.0, help="target_itl_ms = this x B's solo ITL p50")
     g.add_argument("--target-itl-ms", type=float, help="part a's target_itl_ms (default: from --itl-factor)")
     g = p.add_argument_group("part b: fair share under overload")
@@ -894,13 +920,13 @@ def parse_args() -> argparse.Namespace:
     g = p.add_argument_group("part c: ITL target")
     g.add_argument("--itl-concurrency", type=int, default=64)
     g.add_argument("--itl-max-tokens", type=int, default=128, help="mean max_tokens (uniform +-25%%)")
-    g.add_argument("--itl-window-s", type=float, default=25.0)
+    g.add_argument("--itl-window-s", type=float, default=20.0)
     g.add_argument("--itl-warmup-s", type=float, default=10.0)
     g.add_argument("--aimd-warmup-s", type=float, default=35.0)
     g.add_argument("--itl-target-factor", type=float, default=0.6, help="target = this x unconstrained p95 ITL")
     g.add_argument("--itl-target-ms", type=float, help="part c's target (default: from --itl-target-factor)")
-    g.add_argument("--sweep", default="8,16,24,32", help="static max_running values, ascending")
-    g.add_argument("--full-sweep", action="store_true", help="do not stop at the first value that misses the target")
+    g.add_argument("--sweep", default="8,16,24,32", help="static max_running values (run largest first)")
+    g.add_argument("--full-sweep", action="store_true", help="run every value, not only down to the first that meets the target")
     g = p.add_argument_group("output")
     g.add_argument("--docs", default=str(ROOT / "docs" / "benchmarks.md"))
     g.add_argument("--no-docs", action="store_true")
@@ -910,6 +936,9 @@ def parse_args() -> argparse.Namespace:
         for k, v in QUICK.items():
             if getattr(args, k) == p.get_default(k):
                 setattr(args, k, v)
+    args.a_configs = [x.strip() for x in args.a_configs.split(",") if x.strip()]
+    if any(x not in A_CONFIGS for x in args.a_configs):
+        p.error(f"--a-configs takes a comma list of {', '.join(A_CONFIGS)}")
     args.part_list = [x.strip() for x in args.parts.split(",") if x.strip()]
     if not args.part_list or any(x not in ("a", "b", "c") for x in args.part_list):
         p.error("--parts takes a comma list of a, b, c")

@@ -49,7 +49,10 @@ class ITLController:
             if len(recent) >= 8:
                 self.last_p95 = p95(recent)
                 if self.last_p95 > self.target:
-                    self.limit = max(self.min_seats, self.limit * self.decrease)
+                    # Judge a cut only once running has come down to it; cutting again before
+                    # that would drive the limit to the floor on latency the last cut will fix.
+                    if running <= self.limit:
+                        self.limit = max(self.min_seats, self.limit * self.decrease)
                 elif running >= int(self.limit) and self.last_p95 < 0.9 * self.target:
                     self.limit = min(self.max_seats, self.limit + 1)
         return int(self.limit)

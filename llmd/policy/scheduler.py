@@ -47,13 +47,14 @@ class Scheduler:
 
     def __init__(self, queue: ModelQueue, detector: SaturationDetector, stats: EngineStats,
                  throughput: ThroughputEstimate, preempt_batch: bool = True, reserved_seats: int = 0,
-                 avg_output_prior: float = 128.0) -> None:
+                 preempt_for_fairness: bool = True, avg_output_prior: float = 128.0) -> None:
         self.queue = queue
         self.detector = detector
         self.stats = stats
         self.throughput = throughput
         self.preempt_batch = preempt_batch
         self.reserved_seats = reserved_seats
+        self.preempt_for_fairness = preempt_for_fairness
         self.running: dict[int, Entry] = {}
         self.tenant_running: dict[str, int] = {}
         self._waiting: dict[int, Entry] = {}
@@ -140,18 +141,24 @@ class Scheduler:
         self.throughput.observe(self.stats, busy=bool(self.running))
         self._drop_expired()
         while len(self.queue) and self.detector.has_headroom(self.stats, len(self.running)):
-            # The last `reserved_seats` seats go only to tenants that have nothing running.
+            # The last `reserved_seats` seats go only to tenants below their fair share of seats,
+            # so one tenant's flood cannot make a newcomer wait for a long generation to end.
             limit = self.detector.seat_limit(self.stats, len(self.running))
-            only_idle = limit - len(self.running) <= min(self.reserved_seats, limit // 4)
-            req = self.queue.pop_next(self._is_idle if only_idle else None)
+            reserve_only = limit - len(self.running) <= min(self.reserved_seats, limit // 4)
+            share = self._fair_share(limit)
+            req = self.queue.pop_next((lambda t: self._holds(t) < share) if reserve_only else None)
             if req is None:
                 break
             self._dispatch(self._waiting.pop(req.seq))
-        if self.preempt_batch and self.queue.depth("interactive"):
-            self._preempt_for_interactive()
+        if self.preempt_batch or self.preempt_for_fairness:
+            self._preempt()
 
-    def _is_idle(self, tenant: str) -> bool:
-        return not self.tenant_running.get(tenant)
+    def _holds(self, tenant: str) -> int:
+        return self.tenant_running.get(tenant, 0)
+
+    def _fair_share(self, limit: int) -> int:
+        active = {t for t, n in self.tenant_running.items() if n} | {r.tenant for r in self.queue.heads()}
+        return max(1, limit // max(1, len(active)))
 
     def _dispatch(self, t: Entry) -> None:
         t.running = True
@@ -176,15 +183,45 @@ class Scheduler:
                 t.dispatched.set_exception(Dropped(
                     "deadline", "the request's deadline could no longer be met while it waited in the queue; it was not run"))
 
-    def _preempt_for_interactive(self) -> None:
-        if self.detector.has_headroom(self.stats, len(self.running)):
+    def _preempt(self) -> None:
+        """Free seats when the engine is full: for waiting interactive requests (batch sequences
+        go), for tenants below their fair share (the most over-share tenant's newest sequence
+        goes, one per tick), and down to a seat limit the ITL controller lowered. A preempted
+        request is aborted, re-queued and later resumed from the tokens it already has."""
+        running = len(self.running)
+        if self.detector.has_headroom(self.stats, running):
             return
-        victims = [t for t in self.running.values() if t.req.klass == "batch" and not t.preempt_requested]
-        need = self.queue.depth("interactive") - sum(1 for t in self.running.values() if t.preempt_requested)
-        # Newest first: it has the least work to recompute.
-        for t in sorted(victims, key=lambda t: -t.req.seq)[:max(0, need)]:
+        pending = sum(1 for t in self.running.values() if t.preempt_requested)
+        live = [t for t in self.running.values() if not t.preempt_requested]
+        limit = self.detector.seat_limit(self.stats, running)
+        share = self._fair_share(limit)
+        chosen: list[Entry] = []
+        if self.preempt_batch:
+            need = self.queue.depth("interactive") - pending
+            batch = sorted((t for t in live if t.req.klass == "batch"), key=lambda t: -t.req.seq)
+            chosen += batch[:max(0, need)]
+        if self.preempt_for_fairness:
+            over = running - pending - len(chosen) - limit
+            starved = any(self._holds(r.tenant) < share for r in self.queue.heads())
+            want = max(over, 1 if starved and not pending and not chosen else 0)
+            for _ in range(want):
+                victim = self._most_over_share(live, chosen, share, strict=over <= 0)
+                if victim is None:
+                    break
+                chosen.append(victim)
+        for t in chosen:
             t.preempt_requested = True
             t.preemptions += 1
             self.preempted += 1
             if t.abort is not None:
                 asyncio.get_running_loop().create_task(t.abort())
+
+    def _most_over_share(self, live: list[Entry], chosen: list[Entry], share: int, strict: bool) -> Entry | None:
+        held = dict(self.tenant_running)
+        for t in chosen:
+            held[t.req.tenant] -= 1
+        cands = [t for t in live if t not in chosen and (not strict or held[t.req.tenant] > share)]
+        if not cands:
+            return None
+        # Batch before interactive, then the tenant holding the most seats, then its newest sequence.
+        return max(cands, key=lambda t: (t.req.klass == "batch", held[t.req.tenant], t.req.seq))

@@ -215,24 +215,44 @@ async def test_decisions_are_in_the_request_log(make_server, records) -> None:
     assert lines[-1]["key_id"] == hash_key(KEY_A)[7:19] and KEY_A not in json.dumps(lines)
 
 
-async def test_newcomer_gets_a_reserved_seat_during_a_flood(make_server) -> None:
+async def test_newcomer_gets_a_seat_during_a_flood(make_server) -> None:
     live = await make_server(toml(max_running=8, step_ms=5))
-    be, rt = live.backend(), live.service.models["fake"]
+    rt = live.service.models["fake"]
     a = client(live, KEY_A)
     flood = [asyncio.create_task(a.completions.create(model="fake", prompt="x", max_tokens=2000)) for _ in range(20)]
-    # A holds 6 of 8 seats (2 are reserved for tenants with nothing running) and queues the rest.
-    assert await async_wait_until(lambda: len(rt.scheduler.running) == 6 and len(rt.queue) == 14)
-    await asyncio.sleep(0.1)
-    assert len(rt.scheduler.running) == 6
+    # Alone, A may use every seat; the rest of its flood queues.
+    assert await async_wait_until(lambda: len(rt.scheduler.running) == 8 and len(rt.queue) == 12)
     t0 = asyncio.get_running_loop().time()
     r = await client(live, KEY_B).completions.create(model="fake", prompt="x", max_tokens=5)
     assert r.usage.completion_tokens == 5
-    assert asyncio.get_running_loop().time() - t0 < 1.0  # A's generations take 10 s each; B did not wait for one
-    assert rt.scheduler.tenant_running.get("b", 0) == 0 and len(rt.queue) == 14
+    # A's generations take 10 s each: B did not wait for one to end. A's newest sequence
+    # was preempted for B (B was below its fair share of seats) and is queued to resume.
+    assert asyncio.get_running_loop().time() - t0 < 1.0
+    assert rt.scheduler.preempted == 1
+    assert await async_wait_until(lambda: len(rt.scheduler.running) == 8 and rt.scheduler.tenant_running["a"] == 8)
     for f in flood:
         f.cancel()
     await asyncio.gather(*flood, return_exceptions=True)
     assert await async_wait_until(lambda: not rt.scheduler.running and not len(rt.queue))
+
+
+async def test_reserved_seats_go_to_tenants_below_their_share(make_server) -> None:
+    live = await make_server(toml(max_running=8, step_ms=5).replace(
+        "[models.scheduling]", "[models.scheduling]\npreempt_for_fairness = false"))
+    rt = live.service.models["fake"]
+    a, b = client(live, KEY_A), client(live, KEY_B)
+    b_hog = asyncio.create_task(b.completions.create(model="fake", prompt="x", max_tokens=2000))
+    assert await async_wait_until(lambda: rt.scheduler.tenant_running.get("b") == 1)
+    flood = [asyncio.create_task(a.completions.create(model="fake", prompt="x", max_tokens=2000)) for _ in range(20)]
+    # Two tenants active: A's share is 4 of 8; it takes the 5 general seats, not the 2 reserved ones.
+    assert await async_wait_until(lambda: rt.scheduler.tenant_running.get("a") == 5)
+    await asyncio.sleep(0.1)
+    assert rt.scheduler.tenant_running["a"] == 5 and len(rt.scheduler.running) == 6
+    r = await b.completions.create(model="fake", prompt="x", max_tokens=5)  # B (1 of its 4) takes a reserved seat
+    assert r.usage.completion_tokens == 5 and rt.scheduler.preempted == 0
+    for f in [b_hog, *flood]:
+        f.cancel()
+    await asyncio.gather(b_hog, *flood, return_exceptions=True)
 
 
 async def test_vtc_serves_a_light_tenant_ahead_of_a_heavy_backlog(make_server, records) -> None:
