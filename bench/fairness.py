@@ -131,6 +131,21 @@ def stop(proc: subprocess.Popen, grace: float = 30.0) -> None:
         time.sleep(0.1)
 
 
+def source_stamp() -> float:
+    """Newest modification time of llmd's sources: servers started before and after an edit run different code."""
+    return max((f.stat().st_mtime for f in (ROOT / "llmd").rglob("*.py")), default=0.0)
+
+
+def code_version() -> str:
+    """The commit llmd runs at, and whether its sources had uncommitted changes."""
+    def git(*argv: str) -> str:
+        r = subprocess.run(["git", *argv], cwd=ROOT, capture_output=True, text=True)
+        return r.stdout.strip() if r.returncode == 0 else ""
+
+    head = git("rev-parse", "--short", "HEAD") or "unknown"
+    return head + (" + uncommitted changes in llmd/" if git("status", "--porcelain", "--", "llmd") else "")
+
+
 def other_engines() -> int:
     """vLLM engine processes already running on this machine (the box is shared; their load skews results)."""
     n = 0
@@ -167,6 +182,8 @@ class Bench:
         self.model = model_dir(args)
         self.scratch = Path(tempfile.mkdtemp(prefix="llmd-fairness-"))
         self.n_servers = 0
+        self.stamp = source_stamp()
+        self.version = code_version()
 
     def engine_toml(self) -> str:
         return f"""[models.engine]
@@ -215,6 +232,11 @@ dtype = "float32"
 
     @contextlib.contextmanager
     def _run(self, tag: str, argv: list[str], port: int, ready: str) -> Iterator[Path]:
+        if source_stamp() != self.stamp:
+            print("  WARNING: llmd's sources changed since this run started; servers from here on run different code",
+                  flush=True)
+            self.stamp = source_stamp()
+            self.version += "; sources changed during the run"
         if busy := other_engines():
             print(f"  WARNING: {busy} other vLLM engine process(es) running on this machine; results will be skewed",
                   flush=True)
@@ -482,6 +504,11 @@ def f2(x: float) -> str:
     return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.2f}"
 
 
+def preempted(samples: list[dict[str, Any]]) -> str:
+    """Preemptions llmd's scheduler made while `samples` were taken (from /admin/engines)."""
+    return str(samples[-1]["preempted"] - samples[0]["preempted"]) if len(samples) > 1 else "-"
+
+
 def seat_summary(samples: list[dict[str, Any]]) -> str:
     if not samples:
         return "-"
@@ -545,9 +572,10 @@ async def flood_run(bench: Bench, srv: Srv, label: str, flood_class: str) -> dic
     row = {"config": label, **chat_stats(out, a.chat_timeout_s),
            "a_tps": output_tokens_between(flood.results, t0, t1) / (t1 - t0),
            "a_statuses": statuses(flood.results), "seats": seat_summary(sampler.between(t0, t1)),
-           "window_s": t1 - t0, "seat_trace": seat_trace(sampler.samples, t0)}
+           "window_s": t1 - t0, "seat_trace": seat_trace(sampler.samples, t0),
+           "preempted": preempted(sampler.between(t0, t1))}
     print(f"    {label}: B TTFT p50 {row['p50']:.3f}s p95 {row['p95']:.3f}s (timeouts {row['timeouts']}); "
-          f"A {row['a_tps']:.0f} tok/s; seats {row['seats']}", flush=True)
+          f"A {row['a_tps']:.0f} tok/s; seats {row['seats']}; preempted {row['preempted']}", flush=True)
     return row
 
 
@@ -564,7 +592,7 @@ async def part_a(bench: Bench) -> PartResult:
             await warm_up(client, srv, "b", a.name)
             out, t0, t1 = await chat_series(client, srv, a)
         solo = rows["solo"] = {"config": "llmd, B solo", **chat_stats(out, a.chat_timeout_s), "a_tps": math.nan,
-                               "a_statuses": "-", "seats": "-", "window_s": t1 - t0}
+                               "a_statuses": "-", "seats": "-", "window_s": t1 - t0, "preempted": "-"}
         print(f"    solo: B TTFT p50 {solo['p50']:.3f}s p95 {solo['p95']:.3f}s, ITL p50 {solo['itl_p50_ms']:.1f} ms", flush=True)
         if "vtc" in a.a_configs:
             rows["vtc"] = await flood_run(bench, srv, "llmd vtc, A flooding", a.flood_class)
@@ -580,9 +608,9 @@ async def part_a(bench: Bench) -> PartResult:
             rows["vllm"] = await flood_run(bench, srv, "vllm serve (FCFS), A flooding", a.flood_class)
 
     head = ["configuration", "B TTFT p50 s", "B TTFT p95 s", "B TTFT max s", "B ok/timeouts/errors", "B ITL p50 ms",
-            "A out tok/s", "A requests", "seat limit"]
+            "A out tok/s", "A requests", "seat limit", "preempted"]
     body = [[r["config"], f"{r['p50']:.3f}", f"{r['p95']:.3f}", f"{r['max']:.3f}", f"{r['ok']}/{r['timeouts']}/{r['errors']}",
-             f1(r["itl_p50_ms"]), f1(r["a_tps"]), r["a_statuses"], r["seats"]] for r in rows.values()]
+             f1(r["itl_p50_ms"]), f1(r["a_tps"]), r["a_statuses"], r["seats"], r["preempted"]] for r in rows.values()]
     verdicts: list[tuple[str, bool]] = []
     for key in ("vtc", "itl", "batch"):
         if (r := rows.get(key)) is None:
@@ -603,7 +631,8 @@ async def part_a(bench: Bench) -> PartResult:
              "A's throughput is over B's window (first send to last answer); 'A requests' counts A's streams by outcome "
              "(cut = still running when the flood stopped; llmd sends no response headers before a request's first "
              "token, so queued ones are 'cut before response'); 'seat limit' is llmd's seat_limit range from "
-             "/admin/engines over that window. ITL = gaps between content chunks.", "",
+             "/admin/engines over that window, 'preempted' the scheduler's preemptions in it (a preempted sequence is "
+             "aborted, re-queued and resumed later). ITL = gaps between content chunks.", "",
              *table(head, body), ""]
     for key, r in rows.items():
         if key in ("vtc", "itl", "batch"):
@@ -613,6 +642,11 @@ async def part_a(bench: Bench) -> PartResult:
 
 
 # -- part (b): fair share under overload -----------------------------------------
+# The baseline: arrival order, and none of llmd's seat-level fairness (reserved seats for tenants below their
+# share, preemption of the most over-share tenant), which otherwise applies whatever the queue's policy.
+PURE_FCFS: dict[str, Any] = {"fairness": "fcfs", "reserved_seats": 0, "preempt_for_fairness": False}
+
+
 def poisson(rate: float, duration: float, rng: random.Random) -> list[float]:
     out, t = [], 0.0
     while True:
@@ -700,9 +734,9 @@ async def share_run(bench: Bench, srv: Srv, label: str, sched_a: list[float], sc
            "max_first_half": max(half) if half else math.nan, "max_second_half": max(second) if second else math.nan,
            "tps": (tok["a"] + tok["b"]) / D, "tps_a": tok["a"] / D, "tps_b": tok["b"] / D,
            "sent": {t: len(v) for t, v in results.items()}, "statuses": {t: statuses(v) for t, v in results.items()},
-           "seats": seat_summary(sampler.samples), "duration": D,
+           "seats": seat_summary(sampler.samples), "duration": D, "preempted": preempted(sampler.samples),
            "fairness_counters": sampler.samples[-1]["fairness"] if sampler.samples else None}
-    print(f"    {label}: max |S_A-S_B| {row['max_diff']:.0f}, final {row['final_diff']:.0f}, "
+    print(f"    {label}: max |S_A-S_B| {row['max_diff']:.0f}, final {row['final_diff']:.0f}, preempted {row['preempted']}, "
           f"{row['tps']:.0f} tok/s (A {row['tps_a']:.0f}, B {row['tps_b']:.0f}); A: {row['statuses']['a']}; "
           f"B: {row['statuses']['b']}", flush=True)
     return row
@@ -714,7 +748,7 @@ async def part_b(bench: Bench) -> PartResult:
     tenants: dict[str, dict[str, Any]] = {"a": {}, "b": {}}
     rng = random.Random(a.seed)
     rows: list[dict[str, Any]] = []
-    with bench.llmd("b-fcfs", {"fairness": "fcfs"}, tenants) as srv:
+    with bench.llmd("b-fcfs", PURE_FCFS, tenants) as srv:
         cap = a.capacity_rps or await calibrate(bench, srv)
         rate = a.overload * cap
         sched_a = poisson(rate / 3, a.share_duration_s, rng)
@@ -726,7 +760,7 @@ async def part_b(bench: Bench) -> PartResult:
         rows.append(await share_run(bench, srv, "vtc", sched_a, sched_b))
     rpm = max(1, round(cap * 60 / 2))
     limited = {t: {"requests_per_minute": rpm} for t in tenants}
-    with bench.llmd("b-rpm", {"fairness": "fcfs"}, limited) as srv:
+    with bench.llmd("b-rpm", PURE_FCFS, limited) as srv:
         rows.append(await share_run(bench, srv, f"fcfs + requests_per_minute {rpm} each", sched_a, sched_b))
 
     fcfs, vtc = rows[0], rows[1]
@@ -740,10 +774,10 @@ async def part_b(bench: Bench) -> PartResult:
         (f"vtc throughput {vtc['tps']:.0f} tok/s >= 0.95 x fcfs's {fcfs['tps']:.0f}", vtc["tps"] >= 0.95 * fcfs["tps"]),
     ]
     head = ["configuration", "max abs(S_A-S_B)", "final abs(S_A-S_B)", "max 1st/2nd half", "S_A final", "S_B final",
-            "out tok/s", "A tok/s", "B tok/s", "A requests", "B requests"]
+            "out tok/s", "A tok/s", "B tok/s", "preempted", "A requests", "B requests"]
     body = [[r["config"], f"{r['max_diff']:.0f}", f"{r['final_diff']:.0f}",
              f"{r['max_first_half']:.0f} / {r['max_second_half']:.0f}", f"{r['S_a'][-1]:.0f}", f"{r['S_b'][-1]:.0f}",
-             f1(r["tps"]), f1(r["tps_a"]), f1(r["tps_b"]), f"{r['sent']['a']} sent: {r['statuses']['a']}",
+             f1(r["tps"]), f1(r["tps_a"]), f1(r["tps_b"]), r["preempted"], f"{r['sent']['a']} sent: {r['statuses']['a']}",
              f"{r['sent']['b']} sent: {r['statuses']['b']}"] for r in rows]
     series_head = ["t s"] + [r["config"] for r in rows]
     series = [[f"{t:g}"] + [f"{r['diff'][k]:.0f}" if k < len(r["diff"]) else "" for r in rows]
@@ -755,7 +789,10 @@ async def part_b(bench: Bench) -> PartResult:
              f"max_tokens {a.share_max_tokens}, ignore_eos, streamed. Service S = input tokens x {W_IN:g} (at the first "
              f"token) + output tokens x {W_OUT:g} (per chunk, scaled to the stream's usage), accumulated from t = 0; "
              "anything still running or queued at the end is cut. default_deadline_s 600, max_queue 100000. "
-             "A 429 is a rejected request (not retried).", "",
+             "A 429 is a rejected request (not retried). The fcfs rows are the baseline: reserved_seats 0 and "
+             "preempt_for_fairness false; the vtc row runs llmd's defaults (reserved seats for tenants below their "
+             "share, preemption of the most over-share tenant). A requests_per_minute bucket starts full (one "
+             "minute's worth), so in a 60 s run it only bites once a tenant has spent that burst.", "",
              *table(head, body), "", f"abs(S_A - S_B) every {a.sample_s:g} s:", "", *table(series_head, series), "",
              ] + [f"- {t}: {verdict(ok)}" for t, ok in verdicts]
     return PartResult("(b) Two tenants at about 2x capacity", lines, verdicts, {"rows": rows, "capacity_rps": cap})
@@ -790,9 +827,9 @@ async def itl_run(bench: Bench, srv: Srv, label: str, warmup_s: float) -> dict[s
            "engine_tps": sum(r["generated_tokens"] for r in steps) / (u1 - u0),
            "tok_per_chunk": statistics.mean(ratios) if ratios else math.nan,
            "seats": seat_summary(sampler.between(t0, t1)), "statuses": statuses(w.results),
-           "seat_trace": seat_trace(sampler.samples, t0)}
+           "seat_trace": seat_trace(sampler.samples, t0), "preempted": preempted(sampler.between(t0, t1))}
     print(f"    {label}: ITL p50 {row['p50']:.0f} ms p95 {row['p95']:.0f} ms (engine step p95 {row['step_p95']:.0f} ms); "
-          f"{row['tps']:.0f} tok/s; seats {row['seats']}", flush=True)
+          f"{row['tps']:.0f} tok/s; seats {row['seats']}; preempted {row['preempted']}", flush=True)
     return row
 
 
@@ -823,10 +860,10 @@ async def part_c(bench: Bench) -> PartResult:
         verdicts.append(("no max_running in the sweep met the target (nothing to compare against)", False))
     rows = [free, aimd, *sweep]
     head = ["configuration", "ITL p50 ms", "ITL p95 ms", "engine step p95 ms", "out tok/s", "engine tok/s",
-            "tokens/chunk", "seat limit (mean running)", "requests"]
+            "tokens/chunk", "seat limit (mean running)", "preempted", "requests"]
     body = [[r["config"] + (" (hand-tuned best)" if r is best else ""), f"{r['p50']:.0f}", f"{r['p95']:.0f}",
              f"{r['step_p95']:.0f}", f1(r["tps"]), f1(r["engine_tps"]), f2(r["tok_per_chunk"]), r["seats"],
-             r["statuses"]] for r in rows]
+             r["preempted"], r["statuses"]] for r in rows]
     lines = [f"{a.itl_concurrency} closed-loop completion streams (max_tokens uniform in "
              f"{int(a.itl_max_tokens * 0.75)}-{int(a.itl_max_tokens * 1.25)}, ignore_eos), one tenant. ITL is measured "
              f"client-side: gaps between consecutive content chunks of a stream (the first chunk's TTFT excluded), "
@@ -959,7 +996,7 @@ async def run(bench: Bench) -> dict[str, PartResult]:
 def main() -> int:
     args = parse_args()
     bench = Bench(args)
-    print(f"model {bench.model}; scratch {bench.scratch}", flush=True)
+    print(f"model {bench.model}; llmd at {bench.version}; scratch {bench.scratch}", flush=True)
     t0 = time.monotonic()
     try:
         results = asyncio.run(run(bench))
@@ -986,8 +1023,8 @@ def main() -> int:
              f"server: model `{args.name}`, dtype float32, eager, max_model_len 2048, max_num_seqs {args.max_num_seqs}, "
              f"max_num_batched_tokens {args.max_num_batched_tokens}, prefix caching on, {args.kv_gib} GiB KV cache; "
              "2-core CPU box, client in the same machine. Each subsection names the run that produced it."]
-    parts = {f"({k})": [f"### {r.title}", "", f"Date: {when}; command: `{cmd}`; this part took "
-                        f"{r.seconds / 60:.1f} min (whole command {elapsed / 60:.1f} min).", "", *r.lines]
+    parts = {f"({k})": [f"### {r.title}", "", f"Date: {when}; llmd at {bench.version}; command: `{cmd}`; this part "
+                        f"took {r.seconds / 60:.1f} min (whole command {elapsed / 60:.1f} min).", "", *r.lines]
              for k, r in results.items()}
     write_docs(Path(args.docs), parts, intro)
     print(f"wrote section to {args.docs}")

@@ -89,7 +89,7 @@ class SchedulingConfig(_Strict):
     target_itl_ms: Annotated[float, Field(gt=0)] | None = None
     preempt_batch: bool = True
     # Preempt (and later resume) the most over-share tenant's newest sequence for a tenant
-    # below its fair share of seats, and down to a seat limit lowered by target_itl_ms.
+    # below its fair share of seats when the engine is full.
     preempt_for_fairness: bool = True
     # Throughput assumed before any is measured, for wait estimates (output tokens/s).
     prior_tokens_per_s: Annotated[float, Field(gt=0)] = 200.0

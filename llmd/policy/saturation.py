@@ -26,10 +26,15 @@ def p95(values: list[float]) -> float:
 
 
 class ITLController:
-    """AIMD on measured p95 inter-token latency."""
+    """AIMD on measured p95 inter-token latency.
 
-    def __init__(self, target_ms: float, max_seats: int, min_seats: int = 1, window_s: float = 1.5,
-                 interval_s: float = 0.5, decrease: float = 0.8, clock: Callable[[], float] = time.time) -> None:
+    A cut is judged only on latency measured after the previous cut took effect: running
+    must have come down to the limit and a full window must have passed, or one noisy
+    window (a burst of prefills, say) would drive the limit to the floor.
+    """
+
+    def __init__(self, target_ms: float, max_seats: int, min_seats: int = 1, window_s: float = 3.0,
+                 interval_s: float = 0.5, decrease: float = 0.9, clock: Callable[[], float] = time.time) -> None:
         self.target = target_ms / 1000.0
         self.max_seats = max_seats
         self.min_seats = min_seats
@@ -39,20 +44,24 @@ class ITLController:
         self.decrease = decrease
         self.clock = clock
         self._next = 0.0
+        self._settled_at = 0.0  # when running last reached the limit after a cut
+        self._cut = False
         self.last_p95: float | None = None
 
-    def update(self, stats: EngineStats, running: int) -> int:
+    def update(self, stats: EngineStats, running: int | float) -> int:
         now = self.clock()
+        if self._cut and running <= self.limit:
+            self._cut, self._settled_at = False, now
         if now >= self._next:
             self._next = now + self.interval_s
-            recent = [x for t, x in stats.itl if t >= now - self.window_s]
+            start = max(now - self.window_s, self._settled_at)
+            recent = [x for t, x in stats.itl if t >= start]
             if len(recent) >= 8:
                 self.last_p95 = p95(recent)
                 if self.last_p95 > self.target:
-                    # Judge a cut only once running has come down to it; cutting again before
-                    # that would drive the limit to the floor on latency the last cut will fix.
-                    if running <= self.limit:
+                    if not self._cut and now - self._settled_at >= self.window_s:
                         self.limit = max(self.min_seats, self.limit * self.decrease)
+                        self._cut = True
                 elif running >= int(self.limit) and self.last_p95 < 0.9 * self.target:
                     self.limit = min(self.max_seats, self.limit + 1)
         return int(self.limit)

@@ -185,9 +185,9 @@ class Scheduler:
 
     def _preempt(self) -> None:
         """Free seats when the engine is full: for waiting interactive requests (batch sequences
-        go), for tenants below their fair share (the most over-share tenant's newest sequence
-        goes, one per tick), and down to a seat limit the ITL controller lowered. A preempted
-        request is aborted, re-queued and later resumed from the tokens it already has."""
+        go) and for tenants below their fair share (the most over-share tenant's newest sequence
+        goes). A preempted request is aborted, re-queued and later resumed from the tokens it
+        already has. A seat limit lowered by the ITL controller is reached by attrition."""
         running = len(self.running)
         if self.detector.has_headroom(self.stats, running):
             return
@@ -200,15 +200,12 @@ class Scheduler:
             need = self.queue.depth("interactive") - pending
             batch = sorted((t for t in live if t.req.klass == "batch"), key=lambda t: -t.req.seq)
             chosen += batch[:max(0, need)]
-        if self.preempt_for_fairness:
-            over = running - pending - len(chosen) - limit
-            starved = any(self._holds(r.tenant) < share for r in self.queue.heads())
-            want = max(over, 1 if starved and not pending and not chosen else 0)
-            for _ in range(want):
-                victim = self._most_over_share(live, chosen, share, strict=over <= 0)
-                if victim is None:
-                    break
-                chosen.append(victim)
+        if self.preempt_for_fairness and not pending and not chosen:
+            # One at a time: each preemption costs a re-prefill, which every running stream feels.
+            if any(self._holds(r.tenant) < share for r in self.queue.heads()):
+                victim = self._most_over_share(live, share)
+                if victim is not None:
+                    chosen.append(victim)
         for t in chosen:
             t.preempt_requested = True
             t.preemptions += 1
@@ -216,12 +213,9 @@ class Scheduler:
             if t.abort is not None:
                 asyncio.get_running_loop().create_task(t.abort())
 
-    def _most_over_share(self, live: list[Entry], chosen: list[Entry], share: int, strict: bool) -> Entry | None:
-        held = dict(self.tenant_running)
-        for t in chosen:
-            held[t.req.tenant] -= 1
-        cands = [t for t in live if t not in chosen and (not strict or held[t.req.tenant] > share)]
+    def _most_over_share(self, live: list[Entry], share: int) -> Entry | None:
+        cands = [t for t in live if self._holds(t.req.tenant) > share]
         if not cands:
             return None
         # Batch before interactive, then the tenant holding the most seats, then its newest sequence.
-        return max(cands, key=lambda t: (t.req.klass == "batch", held[t.req.tenant], t.req.seq))
+        return max(cands, key=lambda t: (t.req.klass == "batch", self._holds(t.req.tenant), t.req.seq))
