@@ -184,6 +184,7 @@ class Bench:
         self.n_servers = 0
         self.stamp = source_stamp()
         self.version = code_version()
+        self.part_versions: list[str] = []  # llmd code each server of the current part started with
 
     def engine_toml(self) -> str:
         return f"""[models.engine]
@@ -233,10 +234,11 @@ dtype = "float32"
     @contextlib.contextmanager
     def _run(self, tag: str, argv: list[str], port: int, ready: str) -> Iterator[Path]:
         if source_stamp() != self.stamp:
-            print("  WARNING: llmd's sources changed since this run started; servers from here on run different code",
+            self.stamp, self.version = source_stamp(), code_version()
+            print(f"  WARNING: llmd's sources changed during this run; servers from here on run {self.version}",
                   flush=True)
-            self.stamp = source_stamp()
-            self.version += "; sources changed during the run"
+        if self.version not in self.part_versions:
+            self.part_versions.append(self.version)
         if busy := other_engines():
             print(f"  WARNING: {busy} other vLLM engine process(es) running on this machine; results will be skewed",
                   flush=True)
@@ -531,6 +533,7 @@ class PartResult:
     verdicts: list[tuple[str, bool]]
     data: dict[str, Any]
     seconds: float = 0.0
+    version: str = ""  # llmd code the part's servers ran
 
 
 # -- part (a): noisy neighbour ----------------------------------------------------
@@ -987,8 +990,11 @@ async def run(bench: Bench) -> dict[str, PartResult]:
     out: dict[str, PartResult] = {}
     for x in bench.args.part_list:
         t0 = time.monotonic()
+        bench.part_versions = []
         out[x] = await fns[x](bench)
         out[x].seconds = time.monotonic() - t0
+        out[x].version = " then ".join(bench.part_versions) + (" (mixed: its servers ran different code)"
+                                                               if len(bench.part_versions) > 1 else "")
         print(f"  part {x} took {out[x].seconds:.0f}s", flush=True)
     return out
 
@@ -1023,7 +1029,7 @@ def main() -> int:
              f"server: model `{args.name}`, dtype float32, eager, max_model_len 2048, max_num_seqs {args.max_num_seqs}, "
              f"max_num_batched_tokens {args.max_num_batched_tokens}, prefix caching on, {args.kv_gib} GiB KV cache; "
              "2-core CPU box, client in the same machine. Each subsection names the run that produced it."]
-    parts = {f"({k})": [f"### {r.title}", "", f"Date: {when}; llmd at {bench.version}; command: `{cmd}`; this part "
+    parts = {f"({k})": [f"### {r.title}", "", f"Date: {when}; llmd at {r.version}; command: `{cmd}`; this part "
                         f"took {r.seconds / 60:.1f} min (whole command {elapsed / 60:.1f} min).", "", *r.lines]
              for k, r in results.items()}
     write_docs(Path(args.docs), parts, intro)
