@@ -271,22 +271,22 @@ def _headers(request: Request, job: Job) -> dict[str, str]:
     return {"X-Request-ID": request.ctx.response_id, VERSION_HEADER: job.record.version or ""} | job.headers
 
 
-def _frame(i: int, payload: str) -> str:
-    return f"id: {i}\ndata: {payload}\n\n"
+def _frame(i: int | None, payload: str) -> str:
+    # Event ids only where they can be used (resumable, idempotent streams): some common SSE
+    # clients, vLLM's own benchmark among them, choke on any line that is not `data:`.
+    return f"data: {payload}\n\n" if i is None else f"id: {i}\ndata: {payload}\n\n"
 
 
 async def _stream_inline(request: Request, service: Service, job: Job, req: ChatRequest | CompletionRequest) -> None:
     """A stream whose reader is its only owner: a disconnect cancels it (and aborts the engine request)."""
     response: ResponseStream | None = None
-    n = 0
 
     async def emit(payload: str) -> None:
-        nonlocal response, n
+        nonlocal response
         if response is None:
             response = await request.respond(content_type="text/event-stream",
                                              headers=_headers(request, job) | {"Cache-Control": "no-cache"})
-        await response.send(_frame(n, payload))
-        n += 1
+        await response.send(_frame(None, payload))
 
     await streaming.pump(service, job, req, emit)
     if response is not None:

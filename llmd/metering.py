@@ -64,6 +64,7 @@ MIGRATIONS: list[str] = [
         WHERE idempotency_key IS NOT NULL AND status != 'cancelled';""",
 ]
 SCHEMA_VERSION = len(MIGRATIONS)
+BATCH_WINDOW_S = 0.02
 
 REQUEST_COLS = ("request_id", "ts", "tenant", "model", "version", "status", "http_status", "error_code",
                 "finish_reason", "decision", "priority_class", "prompt_tokens", "cached_tokens",
@@ -91,19 +92,15 @@ _CLOSE_SQL = """INSERT INTO usage (request_id, tenant, key_id, model, version, n
     WHERE usage.status = 'open'"""
 _RECORD_SQL = (f"INSERT OR REPLACE INTO requests ({', '.join(REQUEST_COLS)}) "
                f"VALUES ({', '.join('?' * len(REQUEST_COLS))})")
-# Ops apply in submission order (a close that frees an idempotency key must precede the open
-# that reuses it); consecutive ops of one kind go in one executemany.
+# Within a batch ops apply by kind in this order (stable within a kind): each kind is one
+# executemany, and a request's open < progress < close order is kept. (An idempotency key is
+# written only by close, so a cancelled run's freed key can be reused in the same batch.)
 _SQL = {"open": _OPEN_SQL, "progress": _PROGRESS_SQL, "close": _CLOSE_SQL, "record": _RECORD_SQL}
+_ORDER = ("open", "progress", "close", "record")
 
 
 def _runs(batch: list["_Op"]) -> list[tuple[str, list["_Op"]]]:
-    out: list[tuple[str, list[_Op]]] = []
-    for op in batch:
-        if out and out[-1][0] == op.kind:
-            out[-1][1].append(op)
-        else:
-            out.append((op.kind, [op]))
-    return out
+    return [(k, ops) for k in _ORDER if (ops := [op for op in batch if op.kind == k])]
 
 
 @dataclass
@@ -272,6 +269,8 @@ class Ledger:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
+            if len(self._q) < BATCH_MAX and not self._stopping and not self._waiters:
+                await asyncio.sleep(BATCH_WINDOW_S)  # fewer, fuller transactions: ~1 thread hop per op kind
             batch: list[_Op] = []
             while self._q and len(batch) < BATCH_MAX:
                 op = self._q.popleft()
@@ -310,7 +309,7 @@ class Ledger:
                     await self._rollback()
                     log.warning("usage_batch_slow_path", error=str(e))
                 await db.execute("BEGIN")  # op by op: a failing statement undoes only itself
-                for op in batch:
+                for op in (op for _, ops in _runs(batch) for op in ops):
                     try:
                         cur = await db.execute(_SQL[op.kind], op.params)
                         if op.kind == "close" and cur.rowcount == 0:

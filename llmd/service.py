@@ -201,7 +201,7 @@ class Service:
         record.replica = f"{self.config.server.node}/{rt.cfg.name}@{backend.version[:12]}"
         self.ledger.open(record.request_id, tenant=tenant.name, key_id=who.key_id, model=rt.cfg.name,
                          version=backend.version, prompt_tokens=prompt.num_tokens, max_tokens=max_tokens,
-                         priority_class=klass, idempotency_key=record.idempotency_key, t_arrival=record.ts)
+                         priority_class=klass, idempotency_key=None, t_arrival=record.ts)  # the key: at close
         qreq = QueuedRequest(record.request_id, tenant.name, klass, prompt.num_tokens, max_tokens, deadline, record.t_arrival)
         engine_id = f"{record.request_id}-{uuid.uuid4().hex[:8]}"
         return Job(engine_id, rt, prompt, sampling, deadline, record, Entry(qreq), quota, self.admission.headers(tenant))

@@ -49,6 +49,14 @@ async def test_stream_with_usage(make_server) -> None:
     assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "length"
 
 
+async def test_plain_stream_sends_only_data_lines(make_server) -> None:
+    live = await make_server(fake_toml())
+    async with httpx.AsyncClient(base_url=live.base) as h:
+        r = await h.post("/completions", json={"model": "fake", "prompt": "x", "max_tokens": 4, "stream": True})
+    lines = [x for x in r.text.splitlines() if x]
+    assert lines and all(x.startswith("data: ") for x in lines) and lines[-1] == "data: [DONE]"
+
+
 async def test_models_health_ready(make_server) -> None:
     live = await make_server(fake_toml())
     async with httpx.AsyncClient(base_url=live.url) as h:
