@@ -34,6 +34,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from common import free_port, model_dir, tail, tool, wait_ready  # bench/ is on sys.path
+
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 SECTION = "## Overhead: llmd vs vllm serve"
@@ -54,25 +56,6 @@ class Server:
     name: str
     ready_path: str
     command: Callable[[int, Path], list[str]]  # (port, scratch dir) -> argv
-
-
-def tool(name: str) -> str:
-    path = BIN / name
-    found = str(path) if path.exists() else shutil.which(name)
-    if not found:
-        sys.exit(f"{name!r} not found next to {sys.executable} or on PATH; run `pip install -e .`")
-    return found
-
-
-def model_dir(args: argparse.Namespace) -> Path:
-    if args.model_dir:
-        return Path(args.model_dir)
-    from llmd.store import StoreError, WeightStore
-
-    try:
-        return WeightStore().resolve(args.source).path
-    except StoreError as e:
-        sys.exit(f"{e}\n(run `make model` first)")
 
 
 def servers(args: argparse.Namespace, model: Path) -> dict[str, Server]:
@@ -106,31 +89,6 @@ dtype = "float32"
         return [tool("llmd"), "serve", "--config", str(cfg)]
 
     return {"vllm": Server("vllm", "/health", vllm), "llmd": Server("llmd", "/ready", llmd)}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_ready(proc: subprocess.Popen, url: str, timeout: float, log: Path) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}; log {log}:\n{tail(log)}")
-        try:
-            with urllib.request.urlopen(url, timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(1)
-    raise RuntimeError(f"server not ready at {url} after {timeout:.0f}s; log {log}:\n{tail(log)}")
-
-
-def tail(path: Path, n: int = 30) -> str:
-    return "\n".join(path.read_text(errors="replace").splitlines()[-n:]) if path.exists() else ""
 
 
 def stop(proc: subprocess.Popen, grace: float = 30.0) -> None:
