@@ -11,7 +11,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from llmd.errors import APIError, bad_request
+from llmd.errors import bad_request
 
 
 class _Body(BaseModel):
@@ -208,7 +208,3 @@ def completion_response(rid: str, model: str, created: int, text: str, finish: s
 
 def created_now() -> int:
     return int(time.time())
-
-
-def error_payload(err: APIError) -> dict[str, Any]:
-    return err.body()

@@ -189,9 +189,3 @@ class VllmBackend:
     async def abort(self, request_id: str) -> None:
         if self._engine is not None and not self._engine.errored:
             await self._engine.abort(request_id)
-
-    def engine_pids(self) -> list[int]:
-        """PIDs of the engine's child processes (for failure tests and diagnostics)."""
-        import psutil
-
-        return [c.pid for c in psutil.Process().children(recursive=True)]
