@@ -87,6 +87,9 @@ class SchedulingConfig(_Strict):
     # make a newcomer wait for a long generation to end before its first token.
     reserved_seats: Annotated[int, Field(ge=0)] = 2
     target_itl_ms: Annotated[float, Field(gt=0)] | None = None
+    # The ITL controller aims at this fraction of target_itl_ms: the engine's ITL is measured
+    # before our streaming path and the network, which add to what a client sees.
+    target_itl_margin: Annotated[float, Field(gt=0, le=1)] = 0.85
     preempt_batch: bool = True
     # Preempt (and later resume) the most over-share tenant's newest sequence for a tenant
     # below its fair share of seats when the engine is full.

@@ -1,8 +1,9 @@
 """Usage ledger: exactly one billing row per request, in SQLite, written by one task.
 
 Why this shape: billing must be exact, yet the serving path must never wait on a disk.
-Callers enqueue plain tuples (sync, O(1)); a single writer task applies them in small
-batches, each ONE transaction (WAL, synchronous=NORMAL). A request's row is opened at
+Callers enqueue plain tuples (sync, O(1)); a single writer task gathers them into batches
+and hands each to a writer process (llmd/ledger_writer.py, which says why a process) that
+commits it as ONE transaction (WAL, synchronous=NORMAL). A request's row is opened at
 admission, updated with progress about once a second, and closed (an UPSERT, so requests
 refused before admission get a row too). After a crash the next start() closes every row
 still open as `interrupted` with the tokens last recorded, so at most one progress
@@ -26,13 +27,14 @@ from typing import Any
 import aiosqlite
 import structlog
 
+from llmd.ledger_writer import REQUEST_COLS, WriterProcess
+
 log = structlog.get_logger("llmd.metering")
 
 STATUSES = frozenset({"ok", "cancelled", "filtered", "deadline", "shed", "error", "interrupted"})
 GROUP_KEYS = {"tenant": "tenant", "model": "model", "status": "status", "version": "version",
               "day": "strftime('%Y-%m-%d', t_arrival, 'unixepoch')"}
 BATCH_MAX = 500
-RETRIES = (0.05, 0.25, 1.0)  # back-off for a batch whose transaction itself fails
 
 # Ordered schema history; PRAGMA user_version = how many have been applied. Append only.
 MIGRATIONS: list[str] = [
@@ -64,39 +66,15 @@ MIGRATIONS: list[str] = [
         WHERE idempotency_key IS NOT NULL AND status != 'cancelled';""",
 ]
 SCHEMA_VERSION = len(MIGRATIONS)
-BATCH_WINDOW_S = 0.02
+BATCH_WINDOW_S = 0.1  # longest a queued op waits (bench/metering.py: fewer round trips)
 
-REQUEST_COLS = ("request_id", "ts", "tenant", "model", "version", "status", "http_status", "error_code",
-                "finish_reason", "decision", "priority_class", "prompt_tokens", "cached_tokens",
-                "output_tokens", "queue_s", "prefill_s", "ttft_s", "itl_mean_s", "itl_p95_s", "total_s",
-                "preemptions", "replica")
 # RequestRecord.as_log() spells some columns differently; accept either.
 _ALIASES = {"cached_tokens": "cached_prompt_tokens", "queue_s": "queue_time_s", "total_s": "total_time_s"}
-
-_OPEN_SQL = """INSERT INTO usage (request_id, tenant, key_id, model, version, node, status, prompt_tokens,
-    max_tokens, priority_class, idempotency_key, t_arrival, opened_at)
-    VALUES (?, ?, ?, ?, ?, ?, 'open', ?, ?, ?, ?, ?, ?)"""
-_PROGRESS_SQL = ("UPDATE usage SET output_tokens = ?, cached_tokens = ? "
-                 "WHERE request_id = ? AND status = 'open'")
-_CLOSE_SQL = """INSERT INTO usage (request_id, tenant, key_id, model, version, node, status, prompt_tokens,
-    cached_tokens, output_tokens, priority_class, idempotency_key, cost_multiplier, cost, t_arrival,
-    t_first_token, t_end, closed_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
-    ON CONFLICT(request_id) DO UPDATE SET tenant = excluded.tenant, key_id = excluded.key_id,
-    model = excluded.model, version = excluded.version, status = excluded.status,
-    prompt_tokens = excluded.prompt_tokens, cached_tokens = excluded.cached_tokens,
-    output_tokens = excluded.output_tokens,
-    priority_class = COALESCE(excluded.priority_class, usage.priority_class),
-    idempotency_key = COALESCE(usage.idempotency_key, excluded.idempotency_key),
-    cost_multiplier = excluded.cost_multiplier, cost = excluded.cost, t_arrival = excluded.t_arrival,
-    t_first_token = excluded.t_first_token, t_end = excluded.t_end, closed_at = excluded.closed_at
-    WHERE usage.status = 'open'"""
-_RECORD_SQL = (f"INSERT OR REPLACE INTO requests ({', '.join(REQUEST_COLS)}) "
-               f"VALUES ({', '.join('?' * len(REQUEST_COLS))})")
 # Within a batch ops apply by kind in this order (stable within a kind): each kind is one
-# executemany, and a request's open < progress < close order is kept. (An idempotency key is
+# statement, and a request's open < progress < close order is kept. (An idempotency key is
 # written only by close, so a cancelled run's freed key can be reused in the same batch.)
-_SQL = {"open": _OPEN_SQL, "progress": _PROGRESS_SQL, "close": _CLOSE_SQL, "record": _RECORD_SQL}
 _ORDER = ("open", "progress", "close", "record")
+WRITER_RESTARTS = 3  # a batch is resent to a fresh writer process this many times
 
 
 def _runs(batch: list["_Op"]) -> list[tuple[str, list["_Op"]]]:
@@ -137,24 +115,26 @@ class Ledger:
         self._applied = 0  # last applied (committed or given up on)
         self._waiters: list[tuple[int, asyncio.Future[None]]] = []
         self._wake = asyncio.Event()
-        self._db: aiosqlite.Connection | None = None
+        self._window: asyncio.Future[None] | None = None  # the writer's batching pause, if in one
+        self._proc: WriterProcess | None = None
         self._ro: aiosqlite.Connection | None = None
         self._task: asyncio.Task[None] | None = None
         self._stopping = False
 
     # -- lifecycle -------------------------------------------------------------------------
     async def start(self) -> int:
-        """Open, migrate, close rows a crash left open as `interrupted`; returns how many."""
+        """Open, migrate, close rows a crash left open as `interrupted`, start the writer
+        process; returns how many rows were interrupted."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._db = await aiosqlite.connect(self.path, isolation_level=None)
-        await self._db.execute("PRAGMA journal_mode=WAL")
-        await self._db.execute("PRAGMA synchronous=NORMAL")
-        await self._db.execute("PRAGMA busy_timeout=5000")
-        await self._migrate(self._db)
-        interrupted = await self._recover(self._db)
+        async with aiosqlite.connect(self.path, isolation_level=None) as db:
+            await db.execute("PRAGMA journal_mode=WAL")
+            await db.execute("PRAGMA busy_timeout=5000")
+            await self._migrate(db)
+            interrupted = await self._recover(db)
         self._ro = await aiosqlite.connect(self.path)
         self._ro.row_factory = aiosqlite.Row
         await self._ro.execute("PRAGMA query_only=ON")
+        self._proc = WriterProcess(str(self.path))
         self._task = asyncio.create_task(self._writer(), name="usage-ledger-writer")
         if interrupted:
             log.warning("usage_rows_interrupted", count=interrupted, db=str(self.path))
@@ -164,12 +144,14 @@ class Ledger:
         """Drain the queue, commit, close; ops enqueued later are logged, not written."""
         self._stopping = True
         self._wake.set()
+        self._end_window()
         if self._task is not None:
             await self._task
-        for conn in (self._ro, self._db):
-            if conn is not None:
-                await conn.close()
-        self._ro = self._db = self._task = None
+        if self._proc is not None:
+            await self._proc.close()
+        if self._ro is not None:
+            await self._ro.close()
+        self._ro = self._proc = self._task = None
 
     @staticmethod
     async def _migrate(db: aiosqlite.Connection) -> None:
@@ -210,6 +192,8 @@ class Ledger:
         op = _Op(self._seq, kind, params)
         self._q.append(op)
         self._wake.set()
+        if len(self._q) >= BATCH_MAX:
+            self._end_window()
         return op
 
     def open(self, request_id: str, *, tenant: str | None, key_id: str | None, model: str,
@@ -258,7 +242,12 @@ class Ledger:
             raise RuntimeError("usage ledger writer is not running")
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._waiters.append((target, fut))
+        self._end_window()
         await fut
+
+    def _end_window(self) -> None:
+        if self._window is not None and not self._window.done():
+            self._window.set_result(None)
 
     # -- the writer ------------------------------------------------------------------------
     async def _writer(self) -> None:
@@ -270,7 +259,13 @@ class Ledger:
                 await self._wake.wait()
                 continue
             if len(self._q) < BATCH_MAX and not self._stopping and not self._waiters:
-                await asyncio.sleep(BATCH_WINDOW_S)  # fewer, fuller transactions: ~1 thread hop per op kind
+                # Fewer, fuller transactions; flush(), stop() or a full batch end the pause early.
+                loop = asyncio.get_running_loop()
+                self._window = loop.create_future()
+                timer = loop.call_later(BATCH_WINDOW_S, self._end_window)
+                await self._window
+                timer.cancel()
+                self._window = None
             batch: list[_Op] = []
             while self._q and len(batch) < BATCH_MAX:
                 op = self._q.popleft()
@@ -289,51 +284,25 @@ class Ledger:
             self._waiters = still
 
     async def _apply(self, batch: list[_Op]) -> None:
-        """One transaction per batch; a bad op is logged and skipped, a failing commit retried."""
-        assert self._db is not None
-        db = self._db
-        for attempt, backoff in enumerate((*RETRIES, None)):
+        """Hand one batch to the writer process and wait until it is committed. A writer that
+        dies is replaced and the batch resent: resending is safe, because a committed open
+        fails its unique key, a close only closes an open row and progress and records
+        overwrite."""
+        runs = [(kind, [op.params for op in ops]) for kind, ops in _runs(batch)]
+        for attempt in range(WRITER_RESTARTS + 1):
+            if self._proc is None or not self._proc.alive():
+                self._proc = WriterProcess(str(self.path))
+            proc = self._proc
             try:
-                try:
-                    await db.execute("BEGIN")
-                    for kind, ops in _runs(batch):
-                        params = [op.params for op in ops]
-                        if params:
-                            cur = await db.executemany(_SQL[kind], params)
-                            if kind == "close" and cur.rowcount < len(params):
-                                log.warning("usage_close_ignored", reason="row already closed",
-                                            count=len(params) - cur.rowcount)
-                    await db.execute("COMMIT")
-                    return
-                except sqlite3.Error as e:
-                    await self._rollback()
-                    log.warning("usage_batch_slow_path", error=str(e))
-                await db.execute("BEGIN")  # op by op: a failing statement undoes only itself
-                for op in (op for _, ops in _runs(batch) for op in ops):
-                    try:
-                        cur = await db.execute(_SQL[op.kind], op.params)
-                        if op.kind == "close" and cur.rowcount == 0:
-                            log.warning("usage_close_ignored", reason="row already closed", request_id=op.params[0])
-                    except sqlite3.Error as e:  # an idempotency conflict keeps the first row
-                        log.error("usage_op_failed", kind=op.kind, error=str(e), params=op.params,
-                                  idempotency_conflict="idempotency_key" in str(e))
-                await db.execute("COMMIT")
+                for level, event, fields in (await proc.commit(runs))["log"]:
+                    getattr(log, level)(event, **fields)
                 return
-            except Exception as e:  # the transaction itself failed (disk full, I/O): retry
-                await self._rollback()
-                if backoff is None:
-                    for op in batch:  # last resort: the log line is the record
-                        log.error("usage_op_lost", kind=op.kind, params=op.params)
-                    return
-                log.error("usage_batch_failed", attempt=attempt + 1, error=str(e))
-                await asyncio.sleep(backoff)
-
-    async def _rollback(self) -> None:
-        try:
-            if self._db is not None and self._db.in_transaction:
-                await self._db.execute("ROLLBACK")
-        except sqlite3.Error:
-            log.exception("usage_rollback_failed")
+            except (OSError, ValueError, KeyError) as e:  # BrokenPipe and ConnectionError are OSErrors
+                log.error("usage_writer_failed", attempt=attempt + 1, error=str(e), pid=proc.pid)
+                proc.kill()
+                self._proc = None
+        for op in batch:  # last resort: the log line is the record
+            log.error("usage_op_lost", kind=op.kind, params=op.params)
 
     # -- queries (a separate read-only connection: only committed data) ---------------------
     async def usage(self, tenant: str | None = None, since: float | None = None, until: float | None = None,
@@ -356,6 +325,8 @@ class Ledger:
     async def _read(self, sql: str, params: list[Any]) -> list[Any]:
         if self._ro is None:
             raise RuntimeError("usage ledger is not started")
+        if self._task is not None and not self._task.done():
+            await self.flush()  # read your writes: what is still queued is committed first
         async with self._ro.execute(sql, params) as cur:
             return list(await cur.fetchall())
 

@@ -64,7 +64,7 @@ class ModelRuntime:
     def attach(self, backend: Backend) -> None:
         sc = self.cfg.scheduling
         seats = sc.max_running or (self.cfg.fake.max_num_seqs if self.cfg.backend == "fake" else self.cfg.engine.max_num_seqs)
-        detector = SaturationDetector(seats, sc.kv_high, sc.target_itl_ms)
+        detector = SaturationDetector(seats, sc.kv_high, sc.target_itl_ms, sc.target_itl_margin)
         self.scheduler = Scheduler(self.queue, detector, backend.stats, ThroughputEstimate(sc.prior_tokens_per_s),
                                    preempt_batch=sc.preempt_batch, reserved_seats=sc.reserved_seats,
                                    preempt_for_fairness=sc.preempt_for_fairness)

@@ -11,7 +11,7 @@ from typing import Any, AsyncIterator
 import pytest
 from click.testing import CliRunner
 
-from llmd import metering
+from llmd import ledger_writer, metering
 from llmd.cli import main
 from llmd.metering import MIGRATIONS, SCHEMA_VERSION, Ledger, Price, usage_report
 from llmd.telemetry import RequestRecord
@@ -117,6 +117,8 @@ async def test_crash_recovery(tmp_path: Path) -> None:
     led._task.cancel()  # the process dies: no stop(), no final close
     with pytest.raises(asyncio.CancelledError):
         await led._task
+    assert led._proc is not None
+    led._proc.kill()
     led2 = Ledger(path, "node-a", PRICES)
     assert await led2.start() == 19
     try:
@@ -129,7 +131,6 @@ async def test_crash_recovery(tmp_path: Path) -> None:
             assert r["cost"] == pytest.approx((100 + i * 10 * 2.0) / 1e6) and r["closed_at"]
     finally:
         await led2.stop()
-        await led._db.close()
         await led._ro.close()
     led3 = Ledger(path, "node-a", PRICES)
     assert await led3.start() == 0  # nothing left open, nothing doubled
@@ -138,15 +139,14 @@ async def test_crash_recovery(tmp_path: Path) -> None:
 
 
 async def test_many_ops_one_batch_one_transaction(ledger: Ledger, monkeypatch: pytest.MonkeyPatch) -> None:
-    commits = 0
-    real = ledger._db.execute
+    batches: list[int] = []
+    real = ledger._apply
 
-    async def counting(sql: str, *a: Any) -> Any:
-        nonlocal commits
-        commits += sql == "COMMIT"
-        return await real(sql, *a)
+    async def counting(batch: list[Any]) -> None:
+        batches.append(len(batch))
+        await real(batch)
 
-    monkeypatch.setattr(ledger._db, "execute", counting)
+    monkeypatch.setattr(ledger, "_apply", counting)
     for i in range(300):
         _open(ledger, f"r{i}")
         ledger.progress(f"r{i}", output_tokens=2, cached_tokens=0)
@@ -154,9 +154,56 @@ async def test_many_ops_one_batch_one_transaction(ledger: Ledger, monkeypatch: p
         ledger.record_request({"request_id": f"r{i}", "status": "ok"})
     assert len(ledger._q) == 1200
     await ledger.flush()
-    assert commits == 3  # 1200 ops, at most 500 per transaction
+    assert batches == [500, 500, 200]  # 1200 ops, at most 500 per transaction
     assert _count(ledger.path, "status = 'ok' AND output_tokens = 3") == 300
     assert (await ledger.usage(group_by=[]))[0]["requests"] == 300
+
+
+class _FlakyCommit:
+    """A sqlite3 connection whose first `fails` COMMITs raise, as a full disk would."""
+
+    def __init__(self, db: sqlite3.Connection, fails: int) -> None:
+        self.db, self.fails = db, fails
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.db, name)
+
+    def execute(self, sql: str, *a: Any) -> Any:
+        if sql == "COMMIT" and self.fails:
+            self.fails -= 1
+            raise sqlite3.OperationalError("disk I/O error")
+        return self.db.execute(sql, *a)
+
+
+def _close_params(rid: str) -> list[Any]:
+    return [rid, "t1", "k1", "m1", "v1", "n", "ok", 100, 0, 10, None, None, 1.0, 0.0, DAY1, None, DAY1, DAY1]
+
+
+async def test_writer_process_killed_batch_is_resent(ledger: Ledger) -> None:
+    for i in range(10):
+        _close(ledger, f"a{i}")
+    await ledger.flush()
+    assert ledger._proc is not None
+    first = ledger._proc.pid
+    ledger._proc.proc.kill()  # the writer dies: the next batch goes to a new one (resent if it was lost)
+    for i in range(10):
+        _close(ledger, f"b{i}")
+    await ledger.flush()
+    assert _count(ledger.path) == 20 and ledger._proc is not None and ledger._proc.pid != first
+
+
+async def test_resent_batch_bills_nothing_twice(tmp_path: Path) -> None:
+    """A writer that committed but died before answering gets the batch again: no row changes."""
+    led = Ledger(tmp_path / "llmd.db", "n", PRICES)
+    await led.start()
+    await led.stop()
+    db = ledger_writer.connect(str(tmp_path / "llmd.db"))
+    runs = [("open", [["r1", "t1", "k1", "m1", "v1", "n", 100, 64, "interactive", None, DAY1, DAY1]]),
+            ("close", [_close_params("r1")])]
+    assert ledger_writer.apply(db, runs) == []
+    log = ledger_writer.apply(db, runs)  # the same batch again
+    assert {e[1] for e in log} >= {"usage_op_failed", "usage_close_ignored"}
+    assert db.execute("SELECT COUNT(*), SUM(output_tokens) FROM usage").fetchone() == (1, 10)
 
 
 async def test_bad_op_does_not_stop_writer(ledger: Ledger) -> None:
@@ -304,17 +351,15 @@ async def test_stop_drains_queue(tmp_path: Path) -> None:
     _close(led, "late")  # after stop: logged, not raised
 
 
-async def test_failed_commit_is_retried_not_lost(ledger: Ledger, monkeypatch: pytest.MonkeyPatch) -> None:
-    real, fails = ledger._db.execute, [2]
-
-    async def flaky(sql: str, *a: Any) -> Any:
-        if sql == "COMMIT" and fails[0]:
-            fails[0] -= 1
-            raise sqlite3.OperationalError("disk I/O error")
-        return await real(sql, *a)
-
-    monkeypatch.setattr(ledger._db, "execute", flaky)
-    for i in range(10):
-        _close(ledger, f"r{i}")
-    await ledger.flush()  # fast path and op-by-op commit fail; the retry commits
-    assert fails == [0] and _count(ledger.path) == 10
+async def test_failed_commit_is_retried_not_lost(tmp_path: Path) -> None:
+    led = Ledger(tmp_path / "llmd.db", "n", PRICES)
+    await led.start()
+    await led.stop()
+    db = _FlakyCommit(ledger_writer.connect(str(tmp_path / "llmd.db")), fails=2)
+    runs = [("close", [_close_params(f"r{i}") for i in range(10)])]
+    log = ledger_writer.apply(db, runs, sleep=lambda s: None)  # type: ignore[arg-type]
+    assert db.fails == 0 and [e[1] for e in log] == ["usage_batch_slow_path", "usage_batch_failed"]
+    assert _count(tmp_path / "llmd.db") == 10
+    db.fails = 99  # never commits: every op is logged as lost, nothing half-written
+    log = ledger_writer.apply(db, [("close", [_close_params("x")])], sleep=lambda s: None)  # type: ignore[arg-type]
+    assert [e[1] for e in log][-1] == "usage_op_lost" and _count(tmp_path / "llmd.db") == 10
