@@ -231,7 +231,7 @@ def main() -> int:
     ap.add_argument("--n", type=int, default=20000, help="open+close pairs (default 20000)")
     ap.add_argument("--live", type=int, default=2000, help="live requests for the progress test")
     ap.add_argument("--rounds", type=int, default=10, help="progress rounds")
-    ap.add_argument("--serve-rounds", type=int, default=10, help="serving-overhead rounds per side")
+    ap.add_argument("--serve-rounds", type=int, default=16, help="serving-overhead rounds per side")
     ap.add_argument("--serve-seconds", type=float, default=4.0, help="seconds per serving round")
     ap.add_argument("--concurrency", type=int, default=32, help="concurrent clients in the serving test")
     ap.add_argument("--no-write", action="store_true", help="do not update docs/benchmarks.md")
