@@ -105,6 +105,49 @@ class PricingConfig(_Strict):
     output_per_mtok: Annotated[float, Field(ge=0)] = 0.0
 
 
+class FilterSpec(_Strict):
+    """One named filter (`[[filters]]`); models and tenants list the names they run."""
+
+    name: Annotated[str, Field(min_length=1, pattern=r"^[A-Za-z0-9][A-Za-z0-9._\-]*$")]
+    type: Literal["blocklist", "pii", "degenerate", "classifier"]
+    action: Literal["block", "redact"] = "block"  # blocklist and pii
+    words: list[str] = Field(default_factory=list)  # blocklist: matched on folded text, word-bounded
+    patterns: list[str] = Field(default_factory=list)  # blocklist: regexes over folded (lower-case) text
+    kinds: list[Literal["email", "phone", "card", "secret"]] = Field(
+        default_factory=lambda: ["email", "phone", "card", "secret"])  # pii
+    min_repeats: Annotated[int, Field(ge=2)] = 8  # degenerate
+    max_period: Annotated[int, Field(ge=1, le=1000)] = 64
+    min_chars: Annotated[int, Field(ge=1)] = 48
+    model: str | None = None  # classifier: a model this llmd serves
+    timeout_ms: Annotated[float, Field(gt=0)] = 2000.0
+    on_error: Literal["open", "closed"] = "open"
+    unsafe_answer: str = "unsafe"
+
+    @model_validator(mode="after")
+    def _check(self) -> "FilterSpec":
+        import re
+        for p in self.patterns:
+            try:
+                re.compile(p)
+            except re.error as e:
+                raise ValueError(f"pattern {p!r} is not a valid regex: {e}") from None
+        if self.type == "blocklist" and not (self.words or self.patterns):
+            raise ValueError("a blocklist filter needs `words` or `patterns`")
+        if self.type == "classifier" and not self.model:
+            raise ValueError("a classifier filter needs `model` (a model this llmd serves)")
+        return self
+
+
+class FilteringConfig(_Strict):
+    """Which filters a model runs: `input` on the prompt before admission, `output` on a
+    sliding window of the stream; output is released only after passing every filter,
+    held back by at most `holdback_tokens`."""
+
+    input: list[str] = Field(default_factory=list)
+    output: list[str] = Field(default_factory=list)
+    holdback_tokens: Annotated[int, Field(ge=0, le=256)] = 8
+
+
 class ModelConfig(_Strict):
     name: Annotated[str, Field(min_length=1, pattern=r"^[A-Za-z0-9][A-Za-z0-9._\-/]*$")]
     # `source` names a model in the weight store; `version` pins one stored version
@@ -120,6 +163,7 @@ class ModelConfig(_Strict):
     fake: FakeEngineConfig = Field(default_factory=FakeEngineConfig)
     scheduling: SchedulingConfig = Field(default_factory=SchedulingConfig)
     pricing: PricingConfig = Field(default_factory=PricingConfig)
+    filters: FilteringConfig = Field(default_factory=FilteringConfig)
 
     @model_validator(mode="after")
     def _check(self) -> "ModelConfig":
@@ -148,6 +192,9 @@ class TenantConfig(_Strict):
     default_class: PriorityClass = "interactive"
     classes: list[PriorityClass] = Field(default_factory=lambda: ["interactive", "batch"])
     ordering: Literal["fifo", "deadline"] = "fifo"
+    # Filters this tenant's requests run in addition to the model's (names from [[filters]]).
+    input_filters: list[str] = Field(default_factory=list)
+    output_filters: list[str] = Field(default_factory=list)
 
     @model_validator(mode="after")
     def _check(self) -> "TenantConfig":
@@ -169,6 +216,7 @@ class Config(_Strict):
     models: list[ModelConfig] = Field(min_length=1)
     # No tenants = open mode: one implicit tenant, no API key needed (single user, loopback).
     tenants: list[TenantConfig] = Field(default_factory=list)
+    filters: list[FilterSpec] = Field(default_factory=list)
     path: Path | None = Field(default=None, exclude=True)
 
     @model_validator(mode="after")
@@ -191,7 +239,28 @@ class Config(_Strict):
             for m in t.models:
                 if m != "*" and self.model(m) is None:
                     raise ValueError(f"tenant {t.name!r} allows unknown model {m!r}")
+        self._check_filters()
         return self
+
+    def _check_filters(self) -> None:
+        specs = {f.name: f for f in self.filters}
+        if len(specs) != len(self.filters):
+            raise ValueError("filters: a filter name appears twice")
+        for f in self.filters:
+            if f.type == "classifier" and self.model(f.model or "") is None:
+                raise ValueError(f"filter {f.name!r}: classifier model {f.model!r} is not a configured model")
+        uses = [(f"model {m.name!r} filters.input", n, "input") for m in self.models for n in m.filters.input]
+        uses += [(f"model {m.name!r} filters.output", n, "output") for m in self.models for n in m.filters.output]
+        uses += [(f"tenant {t.name!r} input_filters", n, "input") for t in self.tenants for n in t.input_filters]
+        uses += [(f"tenant {t.name!r} output_filters", n, "output") for t in self.tenants for n in t.output_filters]
+        for where, name, side in uses:
+            if name not in specs:
+                raise ValueError(f"{where}: unknown filter {name!r} (define it under [[filters]])")
+            kind = specs[name].type
+            if side == "output" and kind == "classifier":
+                raise ValueError(f"{where}: a classifier filter screens prompts only")
+            if side == "input" and kind == "degenerate":
+                raise ValueError(f"{where}: the degenerate filter screens output only")
 
     @property
     def open_mode(self) -> bool:

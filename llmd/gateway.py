@@ -250,7 +250,7 @@ async def _generate(request: Request, service: Service, principal: Any,
             last_id = _last_event_id(request)
             handed_off = True
             return await _idempotent(request, service, who, req, rec, key, deadline_s, last_id)
-        job = service.prepare(req, rec, deadline_s, who, request.headers.get(CLASS_HEADER))
+        job = await service.admit(req, rec, deadline_s, who, request.headers.get(CLASS_HEADER))
         if not req.stream:
             body = await streaming.complete(service, job, req)
             return json_response(body, headers=_headers(request, job))
@@ -316,7 +316,7 @@ async def _idempotent(request: Request, service: Service, who: Principal, req: C
             done = await store.lookup(k)
             if done is None:
                 rec.idempotency_key = key
-                job = service.prepare(req, rec, deadline_s, who, request.headers.get(CLASS_HEADER))
+                job = await service.admit(req, rec, deadline_s, who, request.headers.get(CLASS_HEADER))
                 run.headers = _headers(request, job)
                 run.task = asyncio.get_running_loop().create_task(_execute(service, store, run, job, req))
             elif done[0] != h:

@@ -22,6 +22,7 @@ from llmd.backends import Backend, BackendError, EngineDead, PromptError, build_
 from llmd.backends.base import Delta, Prompt, Sampling
 from llmd.config import Config, ModelConfig, TenantConfig
 from llmd.errors import APIError, bad_request, deadline_exceeded, engine_failed, not_found, unavailable
+from llmd.filters import GUARD_PROMPT, ContentFiltered, Filters, OutputWindow, screen_prompt
 from llmd.limits import output_budget
 from llmd.metering import Ledger, Price
 from llmd.metrics import Metrics
@@ -87,6 +88,7 @@ class Job:
     headers: dict[str, str] = field(default_factory=dict)
     finished: bool = False
     last_progress: float = 0.0
+    window: OutputWindow | None = None  # the output filters, when the model or tenant has any
 
 
 class Service:
@@ -101,6 +103,7 @@ class Service:
         self.idempotency: IdempotencyStore | None = IdempotencyStore(db.with_suffix(".idempotency.db"),
                                                                      config.server.resume_grace_s)
         self.metrics = Metrics(self)
+        self.filters = Filters(config, self.ask_guard)
 
     # -- lifecycle -------------------------------------------------------
     async def open_ledger(self) -> None:
@@ -162,6 +165,47 @@ class Service:
                            "permission_error", "class_not_allowed", "priority_class")
         return klass
 
+    async def admit(self, req: ChatRequest | CompletionRequest, record: RequestRecord, deadline_s: float,
+                    who: Principal, asked_class: str | None = None) -> Job:
+        """Screen the prompt, then `prepare`: a blocked prompt never costs engine time."""
+        if who.tenant is not None:
+            rt = self.runtime(req.model, who.tenant)
+            chain = self.filters.input_chain(rt.cfg, who.tenant)
+            if chain:
+                if isinstance(req, ChatRequest):
+                    text = "\n".join(m["content"] for m in req.chat_messages())
+                elif isinstance(p := req.single_prompt(), str):
+                    text = p
+                else:
+                    raise bad_request("this model screens prompts: send the prompt as text, not token ids", "prompt")
+                hit = await screen_prompt(chain, text)
+                if hit is not None:
+                    record.filter, record.decision = hit.label, f"filtered:{hit.label}"
+                    raise ContentFiltered(hit, "The prompt was blocked by a content filter.", status=400)
+        return self.prepare(req, record, deadline_s, who, asked_class)
+
+    async def ask_guard(self, model: str, text: str, timeout_s: float) -> str:
+        """A classifier filter's question to a guard model served here (outside the fair queue:
+        it is a few tokens, and a prompt waiting on it holds no seat)."""
+        rt = self.runtime(model)
+        backend = rt.backend
+        assert backend is not None
+        prompt = backend.render_chat([{"role": "system", "content": GUARD_PROMPT}, {"role": "user", "content": text}])
+        rid = f"guard-{uuid.uuid4().hex[:12]}"
+        parts: list[str] = []
+        gen = backend.generate(rid, prompt, Sampling(max_tokens=3, temperature=0.0), PRIORITY["interactive"])
+        finished = False
+        try:
+            async with contextlib.aclosing(gen):
+                async for d in gen:
+                    parts.append(d.text)
+                    finished = d.finish_reason is not None
+        finally:
+            if not finished:
+                with contextlib.suppress(Exception):
+                    await backend.abort(rid)
+        return "".join(parts)
+
     def prepare(self, req: ChatRequest | CompletionRequest, record: RequestRecord, deadline_s: float,
                 who: Principal, asked_class: str | None = None) -> Job:
         tenant = who.tenant
@@ -204,7 +248,8 @@ class Service:
                          priority_class=klass, idempotency_key=None, t_arrival=record.ts)  # the key: at close
         qreq = QueuedRequest(record.request_id, tenant.name, klass, prompt.num_tokens, max_tokens, deadline, record.t_arrival)
         engine_id = f"{record.request_id}-{uuid.uuid4().hex[:8]}"
-        return Job(engine_id, rt, prompt, sampling, deadline, record, Entry(qreq), quota, self.admission.headers(tenant))
+        return Job(engine_id, rt, prompt, sampling, deadline, record, Entry(qreq), quota, self.admission.headers(tenant),
+                   window=self.filters.output_window(rt.cfg, tenant))
 
     def close(self, job: Job | None, rec: RequestRecord) -> None:
         """The end of every request: settle its quota with what it used, log it, meter it once."""
@@ -292,6 +337,28 @@ class Service:
             prompt = Prompt(token_ids=ids, engine_input={"prompt_token_ids": ids})
             sampling = _replace_max_tokens(sampling, job.sampling.max_tokens - rec.output_tokens)
 
+    async def screened(self, job: Job) -> AsyncIterator[Delta]:
+        """`run`'s deltas after the output filters: text is released only once every filter
+        has seen it (held back by at most holdback_tokens), redacted where a filter says so;
+        a blocking match raises ContentFiltered and aborts the engine request."""
+        window = job.window
+        async with contextlib.aclosing(self.run(job)) as deltas:
+            if window is None:
+                async for d in deltas:
+                    yield d
+                return
+            async for d in deltas:
+                text, hit = window.feed(d.text, d.num_tokens, d.finish_reason is not None)
+                if window.redactions:
+                    job.record.redacted = ",".join(dict.fromkeys(window.redactions))
+                if hit is not None:
+                    rec = job.record
+                    rec.filter, rec.finish_reason = hit.label, "content_filter"
+                    rec.status, rec.http_status, rec.error_code = "filtered", 200, "content_filter"
+                    raise ContentFiltered(hit, "The output was stopped by a content filter.")
+                if text or d.finish_reason is not None:
+                    yield replace(d, text=text)
+
     def _account(self, job: Job, delta: Delta) -> None:
         rec = job.record
         now = time.monotonic()
@@ -318,6 +385,8 @@ def classify(exc: BaseException) -> tuple[str, int, str | None]:
     if isinstance(exc, APIError):
         if exc.code == "deadline_exceeded":
             status = "deadline"
+        elif exc.code == "content_filter":
+            status = "filtered"
         elif exc.status in (429, 503) and getattr(exc, "reason", None):
             status = "shed"
         else:

@@ -13,6 +13,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 
 from llmd import protocol
 from llmd.errors import APIError
+from llmd.filters import ContentFiltered
 from llmd.protocol import ChatRequest, CompletionRequest
 from llmd.service import Job, Service, classify
 
@@ -34,11 +35,13 @@ async def complete(service: Service, job: Job, req: ChatRequest | CompletionRequ
     finish: str | None = None
     try:
         async with service.deadline(job):
-            async for d in service.run(job):
+            async for d in service.screened(job):
                 parts.append(d.text)
                 finish = d.finish_reason or finish
     except TimeoutError:
         raise service.deadline_error(job) from None
+    except ContentFiltered:
+        finish = "content_filter"  # the text that passed every filter, as OpenAI does
     rec = job.record
     cid, is_chat = _ids(job, req)
     u = protocol.usage(rec.prompt_tokens, rec.output_tokens, rec.cached_prompt_tokens)
@@ -51,19 +54,30 @@ async def _payloads(service: Service, job: Job, req: ChatRequest | CompletionReq
     cid, is_chat = _ids(job, req)
     created = protocol.created_now()
     first = True
-    async for d in service.run(job):
-        if not d.text and d.finish_reason is None:
-            continue
+    stopped: ContentFiltered | None = None
+    try:
+        async for d in service.screened(job):
+            if not d.text and d.finish_reason is None:
+                continue
+            if is_chat:
+                delta: dict[str, Any] = {"role": "assistant", "content": d.text} if first else {"content": d.text}
+                first = False
+                yield dumps(protocol.chat_chunk(cid, model, created, delta, d.finish_reason))
+            else:
+                yield dumps(protocol.completion_chunk(cid, model, created, d.text, d.finish_reason))
+    except ContentFiltered as e:  # the last chunk says why, then a terminal error event
+        stopped = e
         if is_chat:
-            delta: dict[str, Any] = {"role": "assistant", "content": d.text} if first else {"content": d.text}
-            first = False
-            yield dumps(protocol.chat_chunk(cid, model, created, delta, d.finish_reason))
+            delta = {"role": "assistant", "content": ""} if first else {}
+            yield dumps(protocol.chat_chunk(cid, model, created, delta, "content_filter"))
         else:
-            yield dumps(protocol.completion_chunk(cid, model, created, d.text, d.finish_reason))
+            yield dumps(protocol.completion_chunk(cid, model, created, "", "content_filter"))
     if req.include_usage:
         u = protocol.usage(rec.prompt_tokens, rec.output_tokens, rec.cached_prompt_tokens)
         obj = "chat.completion.chunk" if is_chat else "text_completion"
         yield dumps(protocol.usage_chunk(cid, model, created, obj, u))
+    if stopped is not None:
+        yield dumps(stopped.body())
     yield DONE
 
 

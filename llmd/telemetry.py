@@ -59,6 +59,8 @@ class RequestRecord:
     idempotency_key: str | None = None
     replica: str | None = None
     cost: float | None = None
+    filter: str | None = None  # filter/rule that blocked the prompt or stopped the output
+    redacted: str | None = None  # filter/rule labels that redacted output (never the text itself)
     ts: float = field(default_factory=time.time)  # wall-clock arrival, for the ledger
     t_arrival: float = field(default_factory=time.monotonic)
     t_dispatch: float | None = None

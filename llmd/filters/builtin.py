@@ -1,0 +1,176 @@
+"""The built-in filters: blocklist/regex, PII, degenerate output, and a guard-model classifier.
+
+Each is small and pure (the classifier gets an `ask` callable, not a server), so each is
+testable alone; `llmd/filters/chain.py` builds them from config and runs them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+from typing import Awaitable, Callable, Iterable
+
+from llmd.filters.base import Action, FilterError, Match
+from llmd.filters.normalize import fold, folded
+
+
+class Blocklist:
+    """Words/phrases and regexes matched on folded text (see normalize.py), so `ＢＡＤ`,
+    `b\u200dad` and `BaD` all match `bad`. Words match on word boundaries; `patterns`
+    are regexes over the folded text (write them in lower case)."""
+
+    def __init__(self, name: str, words: Iterable[str] = (), patterns: Iterable[str] = (),
+                 action: Action = "block") -> None:
+        self.name, self.action = name, action
+        self.rules: list[tuple[str, re.Pattern[str]]] = []
+        for w in words:
+            body = r"\s+".join(re.escape(part) for part in folded(w).split())
+            self.rules.append((f"word:{len(self.rules)}", re.compile(rf"(?<!\w){body}(?!\w)")))
+        for p in patterns:
+            self.rules.append((f"pattern:{len(self.rules)}", re.compile(p)))
+
+    def _matches(self, text: str, final: bool) -> list[Match]:
+        f, where = fold(text)
+        out = []
+        for rule, rx in self.rules:
+            for m in rx.finditer(f):
+                if m.end() == len(f) and not final and self.action == "redact":
+                    continue  # might still grow ("secret" -> "secrets"): wait for more text
+                start = where[m.start()]
+                end = where[m.end() - 1] + 1 if m.end() > m.start() else start
+                out.append(Match(self.name, rule, self.action, start, end, "[REDACTED]"))
+        return out
+
+    async def check_prompt(self, text: str) -> Match | None:
+        found = self._matches(text, True)
+        return found[0] if found else None
+
+    def scan(self, text: str, final: bool) -> list[Match]:
+        return self._matches(text, final)
+
+
+def luhn_ok(digits: str) -> bool:
+    total = 0
+    for i, ch in enumerate(reversed(digits)):
+        d = int(ch)
+        if i % 2:
+            d = d * 2 - 9 if d > 4 else d * 2
+        total += d
+    return total % 10 == 0
+
+
+_PII: dict[str, re.Pattern[str]] = {
+    "email": re.compile(r"[A-Za-z0-9._%+-]+@[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)*\.[A-Za-z]{2,}"),
+    "card": re.compile(r"(?<!\d)\d(?:[ -]?\d){12,18}(?!\d)"),
+    "phone": re.compile(r"(?<![\w+])\+?\d{1,3}?[ .-]?\(?\d{2,4}\)?[ .-]?\d{3,4}[ .-]?\d{3,4}(?![\w])"),
+    "secret": re.compile(r"\b(?:sk-[A-Za-z0-9_-]{20,}|AKIA[0-9A-Z]{16}|gh[pousr]_[A-Za-z0-9]{36,}"
+                         r"|xox[baprs]-[A-Za-z0-9-]{10,}|llmd-[A-Za-z0-9_-]{20,}"
+                         r"|-----BEGIN [A-Z ]*PRIVATE KEY-----)"),
+}
+
+
+_DIGIT = re.compile(r"\d")
+_MAY_GROW = re.compile(r"[\s.()-]*")
+
+
+class PII:
+    """E-mail addresses, phone numbers, payment cards (Luhn-checked) and API-key-like secrets;
+    `action` block or redact (replaced by `[REDACTED:<kind>]`). Matched on the raw text (after
+    NFKC, so full-width digits count) because redaction must cut the original span."""
+
+    def __init__(self, name: str, kinds: Iterable[str] = ("email", "phone", "card", "secret"),
+                 action: Action = "redact") -> None:
+        self.name, self.action = name, action
+        bad = [k for k in kinds if k not in _PII]
+        if bad:
+            raise ValueError(f"unknown PII kinds {bad}; choose from {sorted(_PII)}")
+        self.kinds = list(kinds)
+
+    def scan(self, text: str, final: bool) -> list[Match]:
+        out: list[Match] = []
+        taken: list[tuple[int, int]] = []
+        digits = _DIGIT.search(text) is not None
+        for kind in ("secret", "email", "card", "phone"):  # a card is not also a phone
+            if kind not in self.kinds or (kind == "email" and "@" not in text) or (
+                    kind in ("card", "phone") and not digits):
+                continue
+            for m in _PII[kind].finditer(text):
+                if not final and _MAY_GROW.fullmatch(text, m.end()):
+                    continue  # only separators follow: it might go on, so decide with more text
+                if kind == "card" and not luhn_ok(re.sub(r"\D", "", m.group())):
+                    continue
+                if any(s < m.end() and m.start() < e for s, e in taken):
+                    continue
+                taken.append(m.span())
+                out.append(Match(self.name, kind, self.action, m.start(), m.end(), f"[REDACTED:{kind}]"))
+        return out
+
+    async def check_prompt(self, text: str) -> Match | None:
+        found = self.scan(text, True)
+        return found[0] if found else None
+
+
+class Degenerate:
+    """Stops a looping generation: the text ends in the same span repeated `min_repeats`
+    times (a span of 1 to `max_period` characters, covering at least `min_chars`)."""
+
+    action: Action = "block"
+
+    def __init__(self, name: str, min_repeats: int = 8, max_period: int = 64, min_chars: int = 48) -> None:
+        self.name, self.min_repeats, self.max_period, self.min_chars = name, min_repeats, max_period, min_chars
+
+    def scan(self, text: str, final: bool) -> list[Match]:
+        n = len(text)
+        if n < 8:
+            return []
+        # Candidate periods: where the last 4 characters occurred before (str.rfind, C speed);
+        # a tail repeating with period p has them again p characters back.
+        suffix, lo = text[n - 4:], max(0, n - 4 - self.max_period)
+        end = n - 1
+        while (i := text.rfind(suffix, lo, end)) >= 0:
+            end = i + 3
+            p = n - 4 - i
+            span = p * max(self.min_repeats, -(-self.min_chars // p))
+            if span > n:
+                break
+            tail = text[n - p:]
+            if tail.strip() and text[n - span:] == tail * (span // p):
+                return [Match(self.name, f"repeat:{p}", "block", n - span, n)]
+        return []
+
+
+Ask = Callable[[str, str, float], Awaitable[str]]  # (model, text, timeout_s) -> the model's answer
+
+GUARD_PROMPT = ("You are a content safety classifier. Answer with one word: 'unsafe' if the user text "
+                "asks for or contains harmful content, otherwise 'safe'.")
+
+
+class Classifier:
+    """Asks a guard model served by this llmd whether a prompt is unsafe. Its answer is
+    unsafe when it starts with `unsafe_answer`; a timeout or an error applies `on_error`:
+    'open' lets the prompt through (logged), 'closed' refuses it."""
+
+    def __init__(self, name: str, model: str, ask: Ask, timeout_ms: float = 2000, on_error: str = "open",
+                 unsafe_answer: str = "unsafe") -> None:
+        self.name, self.model, self.ask = name, model, ask
+        self.timeout_s, self.on_error, self.unsafe = timeout_ms / 1000, on_error, unsafe_answer.lower()
+        self.last_error: str | None = None
+        self.last_latency_s = 0.0
+
+    async def check_prompt(self, text: str) -> Match | None:
+        t0 = time.monotonic()
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                answer = await self.ask(self.model, text, self.timeout_s)
+        except (TimeoutError, FilterError, Exception) as e:  # noqa: B014 - every failure takes the policy
+            self.last_error = "timeout" if isinstance(e, TimeoutError) else f"{type(e).__name__}: {e}"
+            if self.on_error == "closed":
+                return Match(self.name, "unavailable", "block")
+            return None
+        finally:
+            self.last_latency_s = time.monotonic() - t0
+        self.last_error = None
+        if answer.strip().lower().startswith(self.unsafe):
+            return Match(self.name, "unsafe", "block")
+        return None

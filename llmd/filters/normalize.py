@@ -1,0 +1,44 @@
+"""Unicode folding so trivial evasions fail: full-width letters, zero-width joiners, mixed
+case and look-alike letters all fold to plain lower-case ASCII-ish text.
+
+`fold` keeps a map from each folded character back to the original index, so a match on
+the folded text can still redact the original span.
+"""
+
+from __future__ import annotations
+
+import unicodedata
+
+# Invisible characters that split words without showing: zero-width space/joiners, word
+# joiner, BOM, soft hyphen, Mongolian vowel separator, and the bidi marks.
+INVISIBLE = frozenset("\u200b\u200c\u200d\u2060\ufeff\u00ad\u180e\u200e\u200f\u202a\u202b\u202c\u202d\u202e")
+# Look-alikes NFKC leaves alone (Cyrillic and Greek letters that read as Latin ones).
+CONFUSABLES = str.maketrans({
+    "а": "a", "в": "b", "е": "e", "ё": "e", "к": "k", "м": "m", "н": "h", "о": "o", "р": "p", "с": "c",
+    "т": "t", "у": "y", "х": "x", "і": "i", "ј": "j", "ѕ": "s", "ԁ": "d", "ɡ": "g", "ӏ": "l",
+    "α": "a", "β": "b", "ε": "e", "ι": "i", "κ": "k", "ν": "v", "ο": "o", "ρ": "p", "τ": "t", "υ": "u",
+    "χ": "x", "ѵ": "v", "ԛ": "q", "ԝ": "w",
+})
+
+
+def fold(text: str) -> tuple[str, list[int]]:
+    """(folded text, index in `text` of each folded character)."""
+    if text.isascii():  # the common case, at C speed: only case folds
+        return text.lower(), list(range(len(text)))
+    out: list[str] = []
+    where: list[int] = []
+    for i, ch in enumerate(text):
+        if ch in INVISIBLE:
+            continue
+        if ch.isascii():
+            f = ch.lower()
+        else:
+            f = unicodedata.normalize("NFKC", ch).casefold().translate(CONFUSABLES)
+            f = "".join(c for c in unicodedata.normalize("NFKD", f) if not unicodedata.combining(c))
+        out.append(f)
+        where.extend([i] * len(f))
+    return "".join(out), where
+
+
+def folded(text: str) -> str:
+    return fold(text)[0]
