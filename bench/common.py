@@ -57,3 +57,53 @@ def wait_ready(proc: subprocess.Popen, url: str, timeout: float, log: Path) -> N
 
 def tail(path: Path, n: int = 30) -> str:
     return "\n".join(path.read_text(errors="replace").splitlines()[-n:]) if path.exists() else ""
+
+
+def write_section(doc: Path, section: str) -> None:
+    """Replace the `## ` section that `section` starts with in `doc` (or append it); the
+    other sections are kept."""
+    import re
+
+    title = section.splitlines()[0]
+    text = doc.read_text(encoding="utf-8") if doc.exists() else "# Benchmarks\n"
+    m = re.search(rf"^{re.escape(title)}\n.*?(?=^## |\Z)", text, flags=re.M | re.S)
+    if m:
+        rest = text[m.end():]
+        text = text[: m.start()] + section.rstrip("\n") + ("\n\n" if rest else "\n") + rest
+    else:
+        text = text.rstrip("\n") + "\n\n" + section
+    doc.write_text(text, encoding="utf-8")
+
+
+async def start_inprocess(cfg: object, name: str) -> tuple[object, object, int]:
+    """The real gateway and service for `cfg` on a free loopback port, in this event loop
+    (fake-backend benches): (server, service, port)."""
+    import logging
+
+    from llmd.gateway import create_app
+    from llmd.service import Service
+    from llmd.telemetry import configure_logging
+
+    configure_logging("warning")
+    logging.getLogger("sanic").setLevel(logging.WARNING)
+    service = Service(cfg)  # type: ignore[arg-type]
+    app = create_app(cfg, service, name=name, load_models=False)  # type: ignore[arg-type]
+    app.config.MOTD = False
+    app.config.TOUCHUP = False
+    server = await app.create_server(host="127.0.0.1", port=0, return_asyncio_server=True, access_log=False)
+    assert server is not None
+    await server.startup()
+    await server.before_start()
+    await server.after_start()
+    await service.start()
+    return server, service, server.server.sockets[0].getsockname()[1]
+
+
+async def stop_inprocess(server: object) -> None:
+    s = server  # an AsyncioServer from start_inprocess
+    await s.before_stop()  # type: ignore[attr-defined]
+    s.close()  # type: ignore[attr-defined]
+    for conn in list(s.connections):  # type: ignore[attr-defined]
+        conn.close_if_idle() or conn.abort()
+    await s.wait_closed()  # type: ignore[attr-defined]
+    await s.after_stop()  # type: ignore[attr-defined]

@@ -26,7 +26,6 @@ import argparse
 import asyncio
 import datetime as dt
 import os
-import re
 import sys
 import tempfile
 import time
@@ -34,6 +33,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from common import start_inprocess, stop_inprocess, write_section  # noqa: E402  (bench/ is on sys.path)
 from llmd.metering import BATCH_WINDOW_S, Ledger, Price  # noqa: E402
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
@@ -149,30 +149,15 @@ reserved_seats = 0
 async def serving_overhead(tmp: Path, rounds: int, seconds: float, concurrency: int) -> dict[str, object]:
     """Requests/s through the real gateway (in-process sanic, fake backend), with and without
     the ledger, alternating rounds; the cost is 1 - median(with / without)."""
-    import logging
     import statistics
     import tomllib
 
     import httpx
 
     from llmd.config import Config
-    from llmd.gateway import create_app
-    from llmd.service import Service
-    from llmd.telemetry import configure_logging
 
-    configure_logging("warning")
-    logging.getLogger("sanic").setLevel(logging.WARNING)
     cfg = Config.model_validate(tomllib.loads(SERVE_TOML.format(db=tmp / "serve.db")))
-    service = Service(cfg)
-    app = create_app(cfg, service, name="bench_metering", load_models=False)
-    app.config.MOTD = False
-    server = await app.create_server(host="127.0.0.1", port=0, return_asyncio_server=True, access_log=False)
-    assert server is not None
-    await server.startup()
-    await server.before_start()
-    await server.after_start()
-    await service.start()
-    port = server.server.sockets[0].getsockname()[1]
+    server, service, port = await start_inprocess(cfg, "bench_metering")
     real, null = service.ledger, _NullLedger(service.ledger)
     body = {"model": "fake", "prompt": "hello", "max_tokens": 16}
     results: dict[str, list[float]] = {"with": [], "without": []}
@@ -203,27 +188,11 @@ async def serving_overhead(tmp: Path, rounds: int, seconds: float, concurrency: 
                     results[label].append(await run(label))
     finally:
         service.ledger = real
-        await server.before_stop()
-        server.close()
-        for conn in list(server.connections):
-            conn.close_if_idle() or conn.abort()
-        await server.wait_closed()
-        await server.after_stop()
+        await stop_inprocess(server)
     ratios = [w / wo for w, wo in zip(results["with"], results["without"])]
     return {"with": results["with"], "without": results["without"], "ratio": statistics.median(ratios),
             "ratios": ratios, "pooled": sum(results["with"]) / sum(results["without"]),
             "rounds": rounds, "seconds": seconds, "concurrency": concurrency}
-
-
-def write_doc(section: str) -> None:
-    text = DOC.read_text(encoding="utf-8") if DOC.exists() else "# Benchmarks\n"
-    m = re.search(r"^## Metering\n.*?(?=^## |\Z)", text, flags=re.M | re.S)
-    if m:
-        rest = text[m.end():]
-        text = text[: m.start()] + section.rstrip("\n") + ("\n\n" if rest else "\n") + rest
-    else:
-        text = text.rstrip("\n") + "\n\n" + section
-    DOC.write_text(text, encoding="utf-8")
 
 
 def main() -> int:
@@ -294,7 +263,7 @@ def main() -> int:
     section = "\n".join(lines)
     print(section)
     if not args.no_write:
-        write_doc(section)
+        write_section(DOC, section)
         print(f"written to {DOC}", file=sys.stderr)
     return 0 if verdict == serve_verdict == "PASS" else 1
 

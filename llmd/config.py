@@ -7,12 +7,13 @@ operator never has to guess which line of a long config is wrong.
 from __future__ import annotations
 
 import os
+import re
 import socket
 import tomllib
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 DEFAULT_CONFIG_ENV = "LLMD_CONFIG"
 
@@ -123,14 +124,18 @@ class FilterSpec(_Strict):
     on_error: Literal["open", "closed"] = "open"
     unsafe_answer: str = "unsafe"
 
-    @model_validator(mode="after")
-    def _check(self) -> "FilterSpec":
-        import re
-        for p in self.patterns:
+    @field_validator("patterns")
+    @classmethod
+    def _regexes(cls, patterns: list[str]) -> list[str]:
+        for p in patterns:
             try:
                 re.compile(p)
             except re.error as e:
-                raise ValueError(f"pattern {p!r} is not a valid regex: {e}") from None
+                raise ValueError(f"{p!r} is not a valid regex: {e}") from None
+        return patterns
+
+    @model_validator(mode="after")
+    def _check(self) -> "FilterSpec":
         if self.type == "blocklist" and not (self.words or self.patterns):
             raise ValueError("a blocklist filter needs `words` or `patterns`")
         if self.type == "classifier" and not self.model:
@@ -292,7 +297,7 @@ def _format(err: ValidationError, path: Path, raw: dict) -> str:
 
 
 def _entry_name(raw: dict, loc: tuple[int | str, ...]) -> str | None:
-    if len(loc) >= 2 and loc[0] in ("models", "tenants") and isinstance(loc[1], int):
+    if len(loc) >= 2 and loc[0] in ("models", "tenants", "filters") and isinstance(loc[1], int):
         try:
             return raw[loc[0]][loc[1]].get("name")
         except (IndexError, KeyError, AttributeError, TypeError):

@@ -170,6 +170,7 @@ class Service:
         """Screen the prompt, then `prepare`: a blocked prompt never costs engine time."""
         if who.tenant is not None:
             rt = self.runtime(req.model, who.tenant)
+            record.model = rt.cfg.name
             chain = self.filters.input_chain(rt.cfg, who.tenant)
             if chain:
                 if isinstance(req, ChatRequest):
@@ -178,7 +179,9 @@ class Service:
                     text = p
                 else:
                     raise bad_request("this model screens prompts: send the prompt as text, not token ids", "prompt")
-                hit = await screen_prompt(chain, text)
+                t0 = time.monotonic()
+                hit, notes = await screen_prompt(chain, text)
+                record.screened, record.screen_s = ",".join(notes), round(time.monotonic() - t0, 6)
                 if hit is not None:
                     record.filter, record.decision = hit.label, f"filtered:{hit.label}"
                     raise ContentFiltered(hit, "The prompt was blocked by a content filter.", status=400)

@@ -60,6 +60,8 @@ class RequestRecord:
     replica: str | None = None
     cost: float | None = None
     filter: str | None = None  # filter/rule that blocked the prompt or stopped the output
+    screened: str | None = None  # input filters consulted ("name" or "name!error" when it failed open)
+    screen_s: float | None = None  # time the prompt spent in input filters
     redacted: str | None = None  # filter/rule labels that redacted output (never the text itself)
     ts: float = field(default_factory=time.time)  # wall-clock arrival, for the ledger
     t_arrival: float = field(default_factory=time.monotonic)

@@ -41,6 +41,11 @@ WORDS = (
 ).split()
 WORD_ID_BASE = 1000  # synthetic token ids for the words: stable, so a resumed request can carry them
 EOS_MARKER = re.compile(r"\[\[eos:(\d+)\]\]")
+# `[[say:TEXT]]` in a prompt: the output is TEXT, 3 characters per token, then stop;
+# `[[repeat:TEXT]]`: TEXT once per token until max_tokens (a looping model). A `|` in TEXT
+# is left out of the output, so a prompt can ask for text its own screen would refuse.
+SAY_MARKER = re.compile(r"\[\[(say|repeat):(.*?)\]\]", re.S)
+SAY_CHARS = 3
 
 
 @dataclass(eq=False)
@@ -58,12 +63,21 @@ class _Req:
     text: str = ""
     emitted: int = 0  # chars of `text` already sent
     done: bool = False
+    script: tuple[str, str] | None = None  # ("say" | "repeat", text) from SAY_MARKER
 
     def word_index(self) -> int:
         return (self.seed + self.generated * (1 + 2 * (self.seed % 7))) % len(WORDS)
 
     def word(self) -> str:
+        if self.script is not None:
+            kind, text = self.script
+            if kind == "repeat":
+                return text
+            return text[self.generated * SAY_CHARS:(self.generated + 1) * SAY_CHARS]
         return " " + WORDS[self.word_index()]
+
+    def script_done(self) -> bool:
+        return self.script is not None and self.script[0] == "say" and self.generated * SAY_CHARS >= len(self.script[1])
 
 
 class FakeBackend:
@@ -147,6 +161,7 @@ class FakeBackend:
             raise ValueError("max_tokens must be at least 1")
         text = prompt.engine_input if isinstance(prompt.engine_input, str) else self.tokenizer.decode(prompt.token_ids)
         m = EOS_MARKER.search(text)
+        say = SAY_MARKER.search(text)
         req = _Req(
             request_id=request_id,
             prompt=prompt,
@@ -156,6 +171,7 @@ class FakeBackend:
             eos_after=int(m.group(1)) if m and not sampling.ignore_eos else None,
             seed=int.from_bytes(hashlib.blake2b(repr(prompt.token_ids).encode(), digest_size=8).digest(), "big"),
             prefill_left=math.ceil(prompt.num_tokens / self.cfg.prefill_tokens_per_step),
+            script=(say.group(1), say.group(2).replace("|", "")) if say else None,
         )
         return self._stream(req)
 
@@ -253,7 +269,7 @@ class FakeBackend:
         finish: str | None = None
         tokens = 1
         ids: tuple[int, ...] = ()
-        if req.eos_after is not None and req.generated >= req.eos_after:
+        if (req.eos_after is not None and req.generated >= req.eos_after) or req.script_done():
             finish, tokens = "stop", 0  # `[[eos:0]]`: ends at once with nothing generated
         else:
             ids = (WORD_ID_BASE + req.word_index(),)
@@ -263,7 +279,7 @@ class FakeBackend:
         hit = min((i for s in stops if s and (i := req.text.find(s)) >= 0), default=-1)
         if hit >= 0:
             req.text, finish = req.text[:hit], "stop"
-        elif finish is None and req.eos_after is not None and req.generated >= req.eos_after:
+        elif finish is None and ((req.eos_after is not None and req.generated >= req.eos_after) or req.script_done()):
             finish = "stop"
         elif finish is None and req.generated >= req.max_new:
             finish = "length"

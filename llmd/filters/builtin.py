@@ -62,8 +62,10 @@ def luhn_ok(digits: str) -> bool:
 
 _PII: dict[str, re.Pattern[str]] = {
     "email": re.compile(r"[A-Za-z0-9._%+-]+@[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)*\.[A-Za-z]{2,}"),
-    "card": re.compile(r"(?<!\d)\d(?:[ -]?\d){12,18}(?!\d)"),
-    "phone": re.compile(r"(?<![\w+])\+?\d{1,3}?[ .-]?\(?\d{2,4}\)?[ .-]?\d{3,4}[ .-]?\d{3,4}(?![\w])"),
+    # Digit runs are matched whole: never a piece of a longer group ("1111 1111" inside a card).
+    "card": re.compile(r"(?<!\d)(?<!\d[ -])\d(?:[ -]?\d){12,18}(?![ -]?\d)"),
+    "phone": re.compile(r"(?<![\w+])(?<!\d[ .-])\+?\d{1,3}?[ .-]?\(?\d{2,4}\)?[ .-]?\d{3,4}[ .-]?\d{3,4}"
+                        r"(?![ .-]?\d)(?!\w)"),
     "secret": re.compile(r"\b(?:sk-[A-Za-z0-9_-]{20,}|AKIA[0-9A-Z]{16}|gh[pousr]_[A-Za-z0-9]{36,}"
                          r"|xox[baprs]-[A-Za-z0-9-]{10,}|llmd-[A-Za-z0-9_-]{20,}"
                          r"|-----BEGIN [A-Z ]*PRIVATE KEY-----)"),

@@ -54,11 +54,17 @@ class Filters:
         return OutputWindow(chain, model.filters.holdback_tokens) if chain else None
 
 
-async def screen_prompt(chain: Sequence[InputFilter], text: str) -> Match | None:
+async def screen_prompt(chain: Sequence[InputFilter], text: str) -> tuple[Match | None, list[str]]:
+    """The first match, and a note per filter consulted for the request record: its name,
+    with `!<error>` where it could not decide and its fail policy applied."""
+    notes: list[str] = []
     for f in chain:
-        if (m := await f.check_prompt(text)) is not None:
-            return m
-    return None
+        m = await f.check_prompt(text)
+        err = getattr(f, "last_error", None)
+        notes.append(f"{f.name}!{err}" if err else f.name)
+        if m is not None:
+            return m, notes
+    return None, notes
 
 
 @dataclass

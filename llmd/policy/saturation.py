@@ -34,11 +34,13 @@ class ITLController:
     below half), so a limit far too high converges in a few windows, not dozens. A cut
     is judged only on latency measured after the previous cut took effect: running must
     have come down to the limit and a full window must have passed, or one noisy window
-    (a burst of prefills, say) would drive the limit to the floor.
+    (a burst of prefills, say) would drive the limit to the floor. A cut that did not lower
+    p95 (by 5%) is undone and the limit held there for `hold_s`: when the stalls come from
+    prefills, not from the batch, fewer seats only cost throughput (and preemptions).
     """
 
     def __init__(self, target_ms: float, max_seats: int, min_seats: int = 1, window_s: float = 3.0,
-                 interval_s: float = 0.5, decrease: float = 0.9, margin: float = 0.85,
+                 interval_s: float = 0.5, decrease: float = 0.9, margin: float = 0.85, hold_s: float = 30.0,
                  clock: Callable[[], float] = time.time) -> None:
         self.target = target_ms / 1000.0 * margin
         self.max_seats = max_seats
@@ -51,6 +53,9 @@ class ITLController:
         self._next = 0.0
         self._settled_at = 0.0  # when running last reached the limit after a cut
         self._cut = False
+        self._before: tuple[float, float] | None = None  # (limit, p95) before the last cut
+        self.hold_s = hold_s
+        self._floor, self._floor_until = 0.0, 0.0  # no cut below _floor until _floor_until
         self.last_p95: float | None = None
 
     def update(self, stats: EngineStats, running: int | float) -> int:
@@ -65,12 +70,27 @@ class ITLController:
                 self.last_p95 = p95(recent)
                 if self.last_p95 > self.target:
                     if not self._cut and now - self._settled_at >= self.window_s:
-                        factor = min(self.decrease, max(0.5, self.target / self.last_p95))
-                        self.limit = max(self.min_seats, self.limit * factor)
-                        self._cut = True
-                elif running >= int(self.limit) and self.last_p95 < 0.9 * self.target:
-                    self.limit = min(self.max_seats, self.limit + 1)
+                        self._cut_or_undo(now)
+                else:
+                    self._before = None
+                    if running >= int(self.limit) and self.last_p95 < 0.9 * self.target:
+                        self.limit = min(self.max_seats, self.limit + 1)
         return int(self.limit)
+
+    def _cut_or_undo(self, now: float) -> None:
+        assert self.last_p95 is not None
+        if self._before is not None and self.last_p95 >= 0.95 * self._before[1]:
+            self.limit, self._before = self._before[0], None  # futile: undo it, and hold
+            self._floor, self._floor_until = self.limit, now + self.hold_s
+            self._settled_at = now
+            return
+        floor = self._floor if now < self._floor_until else self.min_seats
+        if self.limit <= floor:
+            return
+        factor = min(self.decrease, max(0.5, self.target / self.last_p95))
+        self._before = (self.limit, self.last_p95)
+        self.limit = max(floor, self.min_seats, self.limit * factor)
+        self._cut = True
 
 
 class SaturationDetector:

@@ -54,6 +54,14 @@ def test_good_config_and_env_var(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
         (GOOD.replace("port = 9000", "default_deadline_s = 900"), "default_deadline_s must not exceed"),
         (GOOD + "max_prompt_tokens = 5000\n", "max_prompt_tokens must be below"),
         ("[server\n", "not valid TOML"),
+        (GOOD + '[models.filters]\noutput = ["nope"]\n', "model 'm' filters.output: unknown filter 'nope'"),
+        (GOOD + '[[filters]]\nname = "b"\ntype = "blocklist"\npatterns = ["(unclosed"]\n',
+         "filters[0].patterns"),
+        (GOOD + '[[filters]]\nname = "b"\ntype = "blocklist"\n', "needs `words` or `patterns`"),
+        (GOOD + '[[filters]]\nname = "g"\ntype = "classifier"\nmodel = "x"\n', "classifier model 'x'"),
+        (GOOD + '[models.filters]\noutput = ["g"]\n[[filters]]\nname = "g"\ntype = "classifier"\nmodel = "m"\n',
+         "a classifier filter screens prompts only"),
+        (GOOD + '[[filters]]\nname = "p"\ntype = "pii"\nkinds = ["ssn"]\n', "filters[0].kinds[0]"),
     ],
 )
 def test_errors_name_file_and_key(tmp_path: Path, text: str, expected: str) -> None:

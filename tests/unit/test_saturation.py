@@ -72,6 +72,21 @@ def test_aimd_grows_back_when_latency_allows() -> None:
     assert ctl.limit >= 10  # it grows while p95 < 0.9 x the aim (34 ms): 10 + 2n < 30.6 ms
 
 
+def test_a_futile_cut_is_undone() -> None:
+    """Every 10th step stalls 60 ms on a prefill, whatever the batch: p95 stays above the
+    40 ms target at any seat count, so cutting below ~25 seats only loses throughput."""
+    clock, stats = Clock(), EngineStats()
+    ctl = ITLController(target_ms=40, max_seats=64, margin=1.0, clock=clock)
+    limits = []
+    for i in range(6000):
+        limits.append(ctl.update(stats, running=ctl.limit))
+        itl = 0.060 if i % 10 == 0 else 0.010 + 0.001 * limits[-1]
+        clock.t += itl
+        stats.record(StepRecord(clock.t, limits[-1], 0, 0.1, limits[-1]), itl=[itl] * limits[-1])
+    assert min(limits) >= 16  # 64 -> 32 helped (p95 74 -> 60 ms); 32 -> 16 did not, and was undone
+    assert limits[-1] >= 25
+
+
 def test_p95() -> None:
     assert p95([]) == 0.0
     assert p95([float(i) for i in range(1, 101)]) == 95.0

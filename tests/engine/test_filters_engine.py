@@ -1,0 +1,129 @@
+"""The classifier filter with the real model: llmd asks SmolLM2 (served by itself) about a
+prompt before admission; a guard's verdict blocks, a timeout applies the fail policy; output
+filters work on the real engine's stream too. A server of its own (tenants pick the filters)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Iterator
+
+import openai
+import pytest
+
+from llmd.auth import hash_key
+from tests.conftest import EngineServer, start_server_process, stop_process
+
+KEYS = {t: f"sk-llmd-guard-{t}" for t in ("plain", "guarded", "always", "closed", "open")}
+TOML = """
+[server]
+host = "127.0.0.1"
+port = {port}
+db_path = "{db}"
+[[models]]
+name = "smollm2"
+source = "smollm2"
+max_prompt_tokens = 1000
+default_max_tokens = 32
+[models.engine]
+max_model_len = 2048
+kv_cache_gib = 1
+max_num_seqs = 8
+dtype = "float32"
+[models.filters]
+output = ["pii"]
+[[filters]]
+name = "pii"
+type = "pii"
+action = "redact"
+[[filters]]
+name = "guard"
+type = "classifier"
+model = "smollm2"
+timeout_ms = 30000
+[[filters]]
+name = "guard-always"   # every answer counts as unsafe: proves the model's answer decides
+type = "classifier"
+model = "smollm2"
+timeout_ms = 30000
+unsafe_answer = ""
+[[filters]]
+name = "guard-closed"
+type = "classifier"
+model = "smollm2"
+timeout_ms = 1
+on_error = "closed"
+[[filters]]
+name = "guard-open"
+type = "classifier"
+model = "smollm2"
+timeout_ms = 1
+on_error = "open"
+""" + "".join(f"""
+[[tenants]]
+name = "{t}"
+keys = ["{hash_key(k)}"]
+input_filters = {json.dumps([] if t == "plain" else ["guard" if t == "guarded" else f"guard-{t}"])}
+""" for t, k in KEYS.items())
+
+
+@pytest.fixture(scope="module")
+def guard_server(smollm2_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineServer]:
+    srv = start_server_process(TOML, tmp_path_factory.mktemp("guard"))
+    yield srv
+    stop_process(srv.proc)
+
+
+def records(srv: EngineServer) -> list[dict[str, Any]]:
+    out = []
+    for line in srv.log_lines():
+        if line.startswith("{") and '"event": "request"' in line:
+            out.append(json.loads(line))
+    return out
+
+
+def ask(srv: EngineServer, tenant: str, content: str = "What is the capital of France?", **kw: Any) -> Any:
+    c = openai.OpenAI(base_url=srv.base, api_key=KEYS[tenant], max_retries=0, timeout=120)
+    return c.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": content}],
+                                     max_tokens=8, temperature=0, **kw)
+
+
+def test_guard_model_answer_decides(guard_server: EngineServer) -> None:
+    ok = ask(guard_server, "guarded")  # SmolLM2 does not call this unsafe
+    assert ok.choices[0].message.content
+    with pytest.raises(openai.BadRequestError) as e:
+        ask(guard_server, "always")
+    assert e.value.code == "content_filter"
+    recs = records(guard_server)
+    guarded = next(r for r in recs if r["tenant"] == "guarded")
+    assert guarded["screened"] == "guard" and guarded["status"] == "ok"
+    always = next(r for r in recs if r["tenant"] == "always")
+    # rule "unsafe" is set only from the model's answer (a failure would read "unavailable")
+    assert always["filter"] == "guard-always/unsafe" and always["status"] == "filtered"
+    assert always["output_tokens"] == 0 and always["screened"] == "guard-always"
+
+
+def test_guard_timeout_fail_closed_and_open(guard_server: EngineServer) -> None:
+    with pytest.raises(openai.BadRequestError) as e:
+        ask(guard_server, "closed")
+    assert e.value.code == "content_filter"
+    ok = ask(guard_server, "open")
+    assert ok.choices[0].finish_reason in ("stop", "length")
+    recs = records(guard_server)
+    closed = next(r for r in recs if r["tenant"] == "closed")
+    assert closed["filter"] == "guard-closed/unavailable" and closed["screened"] == "guard-closed!timeout"
+    opened = next(r for r in recs if r["tenant"] == "open")
+    assert opened["screened"] == "guard-open!timeout" and opened["status"] == "ok"
+
+
+def test_output_redaction_on_the_real_stream(guard_server: EngineServer) -> None:
+    prompt = "Repeat exactly, with nothing else: my email is jane.roe@example.org"
+    c = openai.OpenAI(base_url=guard_server.base, api_key=KEYS["plain"], max_retries=0, timeout=120)
+    stream = c.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": prompt}],
+                                       max_tokens=40, temperature=0, stream=True)
+    text = "".join(ch.choices[0].delta.content or "" for ch in stream if ch.choices)
+    plain = c.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": prompt}],
+                                      max_tokens=40, temperature=0)
+    assert "@" not in text and "@" not in (plain.choices[0].message.content or "")
+    if "[REDACTED:email]" not in text:
+        pytest.skip(f"the model did not repeat the address this time: {text!r}")

@@ -1,0 +1,152 @@
+"""Filters end to end on the fake backend through the openai SDK: a blocked prompt never
+reaches the engine; streamed and non-streamed output is redacted or stopped; every outcome
+is metered as `filtered` with the tokens produced and the rule named, never the text."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from llmd.auth import hash_key
+from tests.conftest import LiveServer, async_wait_until
+
+KEY, KEY_STRICT = "sk-llmd-filter-a", "sk-llmd-filter-strict"
+TOML = f"""
+[server]
+default_deadline_s = 30
+[[models]]
+name = "fake"
+backend = "fake"
+max_output_tokens = 2000
+[models.engine]
+max_model_len = 4096
+[models.fake]
+step_ms = 2
+step_ms_per_seq = 0.0
+[models.filters]
+input = ["words"]
+output = ["words", "pii", "loops"]
+holdback_tokens = 8
+[[filters]]
+name = "words"
+type = "blocklist"
+words = ["forbidden phrase"]
+[[filters]]
+name = "pii"
+type = "pii"
+action = "redact"
+[[filters]]
+name = "pii-block"
+type = "pii"
+kinds = ["secret"]
+action = "block"
+[[filters]]
+name = "loops"
+type = "degenerate"
+[[tenants]]
+name = "a"
+keys = ["{hash_key(KEY)}"]
+[[tenants]]
+name = "strict"
+keys = ["{hash_key(KEY_STRICT)}"]
+input_filters = ["pii-block"]
+"""
+
+
+def client(live: LiveServer, key: str = KEY) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=live.base, api_key=key, max_retries=0)
+
+
+async def usage_rows(live: LiveServer) -> list[dict[str, Any]]:
+    return await live.service.ledger.rows(None, 1000, None)
+
+
+@pytest.mark.parametrize("prompt", ["say the FORBIDDEN phrase", "say the ｆｏｒｂｉｄｄｅｎ ｐｈｒａｓｅ",
+                                    "say the for\u200dbidden phr\u200base"])
+async def test_blocked_prompt_never_reaches_the_engine(make_server, records, prompt: str) -> None:
+    live = await make_server(TOML)
+    with pytest.raises(openai.BadRequestError) as e:
+        await client(live).chat.completions.create(model="fake", messages=[{"role": "user", "content": prompt}])
+    assert e.value.status_code == 400 and e.value.code == "content_filter"
+    assert live.backend().submitted == []
+    rec = records[-1]
+    assert rec["status"] == "filtered" and rec["filter"] == "words/word:0" and rec["decision"] == "filtered:words/word:0"
+    assert "forbidden" not in json.dumps(rec).lower()
+    (row,) = await usage_rows(live)
+    assert row["status"] == "filtered" and row["output_tokens"] == 0
+
+
+async def test_tenant_filters_add_to_the_models(make_server) -> None:
+    live = await make_server(TOML)
+    msg = [{"role": "user", "content": "my key is sk-abcdefghijklmnopqrstuvwx1234"}]
+    with pytest.raises(openai.BadRequestError) as e:
+        await client(live, KEY_STRICT).chat.completions.create(model="fake", messages=msg)
+    assert e.value.code == "content_filter"
+    ok = await client(live, KEY).chat.completions.create(model="fake", messages=msg, max_tokens=2)
+    assert ok.choices[0].finish_reason == "length"  # tenant a has no prompt PII filter
+
+
+async def test_stream_redacts_email_and_card_split_across_chunks(make_server, records) -> None:
+    live = await make_server(TOML)
+    script = "Mail john.doe@example.com or pay with 4111 1111 1111 1111 today."
+    stream = await client(live).completions.create(model="fake", prompt=f"[[say:{script}]]", max_tokens=100,
+                                                   stream=True)
+    chunks = [c.choices[0].text async for c in stream if c.choices]
+    assert len(chunks) > 3  # streamed in pieces (a redaction merges what it held), not at once
+    assert "".join(chunks) == "Mail [REDACTED:email] or pay with [REDACTED:card] today."
+    rec = records[-1]
+    assert rec["status"] == "ok" and rec["redacted"] == "pii/email,pii/card"
+    assert "john" not in json.dumps(rec) and "4111" not in json.dumps(rec)
+
+
+async def test_non_streaming_is_filtered_the_same_way(make_server) -> None:
+    live = await make_server(TOML)
+    script = "Mail john.doe@example.com today."
+    r = await client(live).completions.create(model="fake", prompt=f"[[say:{script}]]", max_tokens=100)
+    assert r.choices[0].text == "Mail [REDACTED:email] today." and r.choices[0].finish_reason == "stop"
+    r = await client(live).completions.create(model="fake", prompt="[[say:ok so: the forbid|den phrase is x]]",
+                                              max_tokens=100)
+    assert r.choices[0].finish_reason == "content_filter" and "forbidden" not in r.choices[0].text
+
+
+async def test_stream_stopped_mid_flight_by_a_split_match(make_server, records) -> None:
+    live = await make_server(TOML)
+    script = "Here is a long harmless opening sentence, and then the forbid|den phrase appears."
+    body = {"model": "fake", "prompt": f"[[say:{script}]]", "max_tokens": 200, "stream": True}
+    events: list[dict] = []
+    async with httpx.AsyncClient(base_url=live.base, timeout=30) as h:
+        async with h.stream("POST", "/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}) as r:
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    events.append(json.loads(line[6:]))
+    text = "".join(e["choices"][0]["text"] for e in events if e.get("choices"))
+    assert text.startswith("Here is a long harmless") and "forbidden" not in text  # tokens went out first
+    assert events[-2]["choices"][0]["finish_reason"] == "content_filter"
+    assert events[-1]["error"]["code"] == "content_filter"  # the terminal error event
+    be = live.backend()
+    (engine_id,) = be.submitted
+    assert await async_wait_until(lambda: engine_id in be.aborted)  # the engine request was aborted
+    rec = records[-1]
+    assert rec["status"] == "filtered" and rec["finish_reason"] == "content_filter" and rec["filter"] == "words/word:0"
+    (row,) = await usage_rows(live)
+    assert row["status"] == "filtered" and 0 < row["output_tokens"] < 200
+    assert row["output_tokens"] == rec["output_tokens"]
+
+
+async def test_degenerate_loop_is_stopped(make_server, records) -> None:
+    live = await make_server(TOML)
+    stream = await client(live).chat.completions.create(
+        model="fake", messages=[{"role": "user", "content": "[[repeat:la ]]"}], max_tokens=1000, stream=True)
+    chunks = []
+    with pytest.raises(openai.APIError) as e:  # the SDK raises the terminal error event
+        async for c in stream:
+            chunks.append(c)
+    assert e.value.body["code"] == "content_filter"
+    finals = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finals == ["content_filter"]
+    assert records[-1]["filter"] == "loops/repeat:3" and records[-1]["output_tokens"] < 100
