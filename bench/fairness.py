@@ -920,7 +920,7 @@ def parse_args() -> argparse.Namespace:
     g.add_argument("--itl-max-tokens", type=int, default=128, help="mean max_tokens (uniform +-25%%)")
     g.add_argument("--itl-window-s", type=float, default=20.0)
     g.add_argument("--itl-warmup-s", type=float, default=10.0)
-    g.add_argument("--aimd-warmup-s", type=float, default=35.0)
+    g.add_argument("--aimd-warmup-s", type=float, default=60.0)
     g.add_argument("--itl-target-factor", type=float, default=0.6, help="target = this x unconstrained p95 ITL")
     g.add_argument("--itl-target-ms", type=float, help="part c's target (default: from --itl-target-factor)")
     g.add_argument("--sweep", default="8,16,24,32", help="static max_running values (run largest first)")

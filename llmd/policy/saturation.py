@@ -40,7 +40,7 @@ class ITLController:
     """
 
     def __init__(self, target_ms: float, max_seats: int, min_seats: int = 1, window_s: float = 3.0,
-                 interval_s: float = 0.5, decrease: float = 0.9, margin: float = 0.85, hold_s: float = 30.0,
+                 interval_s: float = 0.5, decrease: float = 0.9, margin: float = 0.85, hold_s: float = 10.0,
                  clock: Callable[[], float] = time.time) -> None:
         self.target = target_ms / 1000.0 * margin
         self.max_seats = max_seats
@@ -69,7 +69,9 @@ class ITLController:
             if len(recent) >= 8:
                 self.last_p95 = p95(recent)
                 if self.last_p95 > self.target:
-                    if not self._cut and now - self._settled_at >= self.window_s:
+                    # Only a binding limit is to blame: while sequences ramp up (running well
+                    # below it) the stalls are prefills, and a cut would only be undone.
+                    if not self._cut and now - self._settled_at >= self.window_s and running >= 0.9 * self.limit:
                         self._cut_or_undo(now)
                 else:
                     self._before = None

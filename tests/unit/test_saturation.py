@@ -84,7 +84,8 @@ def test_a_futile_cut_is_undone() -> None:
         clock.t += itl
         stats.record(StepRecord(clock.t, limits[-1], 0, 0.1, limits[-1]), itl=[itl] * limits[-1])
     assert min(limits) >= 16  # 64 -> 32 helped (p95 74 -> 60 ms); 32 -> 16 did not, and was undone
-    assert limits[-1] >= 25
+    tail = limits[-2000:]
+    assert sum(tail) / len(tail) >= 25  # it tries a cut again after each hold, and undoes it again
 
 
 def test_p95() -> None:
