@@ -61,7 +61,8 @@ def luhn_ok(digits: str) -> bool:
 
 
 _PII: dict[str, re.Pattern[str]] = {
-    "email": re.compile(r"[A-Za-z0-9._%+-]+@[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)*\.[A-Za-z]{2,}"),
+    # The top-level domain is optional: a stream cut at max_tokens ("ann@example") still names someone.
+    "email": re.compile(r"[A-Za-z0-9._%+-]+@[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)*"),
     # Digit runs are matched whole: never a piece of a longer group ("1111 1111" inside a card).
     "card": re.compile(r"(?<!\d)(?<!\d[ -])\d(?:[ -]?\d){12,18}(?![ -]?\d)"),
     "phone": re.compile(r"(?<![\w+])(?<!\d[ .-])\+?\d{1,3}?[ .-]?\(?\d{2,4}\)?[ .-]?\d{3,4}[ .-]?\d{3,4}"
@@ -73,7 +74,10 @@ _PII: dict[str, re.Pattern[str]] = {
 
 
 _DIGIT = re.compile(r"\d")
-_MAY_GROW = re.compile(r"[\s.()-]*")
+# What may follow a match that could still grow into a longer one: a card or phone number
+# goes on after a space or dash, an address after a dot ("a@b.co" -> "a@b.com").
+_MAY_GROW = {"card": re.compile(r"[ .()-]*"), "phone": re.compile(r"[ .()-]*"), "email": re.compile(r"[.-]*"),
+             "secret": re.compile(r"")}
 
 
 class PII:
@@ -98,7 +102,7 @@ class PII:
                     kind in ("card", "phone") and not digits):
                 continue
             for m in _PII[kind].finditer(text):
-                if not final and _MAY_GROW.fullmatch(text, m.end()):
+                if not final and _MAY_GROW[kind].fullmatch(text, m.end()):
                     continue  # only separators follow: it might go on, so decide with more text
                 if kind == "card" and not luhn_ok(re.sub(r"\D", "", m.group())):
                     continue

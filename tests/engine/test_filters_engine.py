@@ -117,13 +117,16 @@ def test_guard_timeout_fail_closed_and_open(guard_server: EngineServer) -> None:
 
 
 def test_output_redaction_on_the_real_stream(guard_server: EngineServer) -> None:
-    prompt = "Repeat exactly, with nothing else: my email is jane.roe@example.org"
+    """A few-shot list makes the model write an address; the stream and the plain response
+    both come out redacted, whatever the tokens' boundaries."""
+    prompt = ("Name: Alice Smith, Email: alice.smith@example.com\nName: Bob Jones, Email: bob.jones@example.com\n"
+              "Name: Carol White, Email:")
     c = openai.OpenAI(base_url=guard_server.base, api_key=KEYS["plain"], max_retries=0, timeout=120)
-    stream = c.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": prompt}],
-                                       max_tokens=40, temperature=0, stream=True)
-    text = "".join(ch.choices[0].delta.content or "" for ch in stream if ch.choices)
-    plain = c.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": prompt}],
-                                      max_tokens=40, temperature=0)
-    assert "@" not in text and "@" not in (plain.choices[0].message.content or "")
-    if "[REDACTED:email]" not in text:
-        pytest.skip(f"the model did not repeat the address this time: {text!r}")
+    stream = c.completions.create(model="smollm2", prompt=prompt, max_tokens=24, temperature=0, stream=True)
+    chunks = [ch.choices[0].text for ch in stream if ch.choices]
+    text = "".join(chunks)
+    plain = c.completions.create(model="smollm2", prompt=prompt, max_tokens=24, temperature=0).choices[0].text
+    assert text.count("[REDACTED:email]") == 2 and "@" not in text, text  # the 2nd is cut by max_tokens
+    assert plain == text
+    recs = [r for r in records(guard_server) if r["tenant"] == "plain" and r["endpoint"] == "/v1/completions"]
+    assert len(recs) == 2 and all(r["redacted"] == "pii/email" and r["status"] == "ok" for r in recs)
