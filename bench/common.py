@@ -90,13 +90,14 @@ async def start_inprocess(cfg: object, name: str) -> tuple[object, object, int]:
     app = create_app(cfg, service, name=name, load_models=False)  # type: ignore[arg-type]
     app.config.MOTD = False
     app.config.TOUCHUP = False
-    server = await app.create_server(host="127.0.0.1", port=0, return_asyncio_server=True, access_log=False)
+    port = free_port()  # sanic reads port=0 as "the default", 8000
+    server = await app.create_server(host="127.0.0.1", port=port, return_asyncio_server=True, access_log=False)
     assert server is not None
     await server.startup()
     await server.before_start()
     await server.after_start()
     await service.start()
-    return server, service, server.server.sockets[0].getsockname()[1]
+    return server, service, port
 
 
 async def stop_inprocess(server: object) -> None:
