@@ -110,7 +110,10 @@ class FilterSpec(_Strict):
     """One named filter (`[[filters]]`); models and tenants list the names they run."""
 
     name: Annotated[str, Field(min_length=1, pattern=r"^[A-Za-z0-9][A-Za-z0-9._\-]*$")]
-    type: Literal["blocklist", "pii", "degenerate", "classifier"]
+    # A built-in, or your own class as "package.module:Class", built as Class(name=..., **options).
+    type: Literal["blocklist", "pii", "degenerate", "classifier"] | Annotated[
+        str, Field(pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")]
+    options: dict[str, object] = Field(default_factory=dict)  # for your own filter class
     action: Literal["block", "redact"] = "block"  # blocklist and pii
     words: list[str] = Field(default_factory=list)  # blocklist: matched on folded text, word-bounded
     patterns: list[str] = Field(default_factory=list)  # blocklist: regexes over folded (lower-case) text
@@ -136,6 +139,14 @@ class FilterSpec(_Strict):
 
     @model_validator(mode="after")
     def _check(self) -> "FilterSpec":
+        if ":" in self.type:
+            import importlib
+            mod, _, cls = self.type.partition(":")
+            try:
+                if not callable(getattr(importlib.import_module(mod), cls)):
+                    raise AttributeError(cls)
+            except (ImportError, AttributeError) as e:
+                raise ValueError(f"cannot load filter class {self.type!r}: {e}") from None
         if self.type == "blocklist" and not (self.words or self.patterns):
             raise ValueError("a blocklist filter needs `words` or `patterns`")
         if self.type == "classifier" and not self.model:

@@ -9,10 +9,11 @@ already released, enough for its longest match (and, for the loop detector, its 
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from llmd.config import Config, FilterSpec, ModelConfig, TenantConfig
+from llmd.config import Config, ConfigError, FilterSpec, ModelConfig, TenantConfig
 from llmd.filters.base import InputFilter, Match, OutputFilter
 from llmd.filters.builtin import PII, Ask, Blocklist, Classifier, Degenerate
 
@@ -22,6 +23,12 @@ LOOKBACK = {Blocklist: 64, PII: 48}
 
 
 def build(spec: FilterSpec, ask: Ask) -> InputFilter | OutputFilter:
+    if ":" in spec.type:  # a team's own filter: "package.module:Class"
+        mod, _, cls = spec.type.partition(":")
+        f = getattr(importlib.import_module(mod), cls)(name=spec.name, **spec.options)
+        if not isinstance(f, (InputFilter, OutputFilter)):
+            raise TypeError(f"filter {spec.name!r}: {spec.type} has neither check_prompt nor scan")
+        return f  # type: ignore[no-any-return]
     if spec.type == "blocklist":
         return Blocklist(spec.name, spec.words, spec.patterns, spec.action)
     if spec.type == "pii":
@@ -43,6 +50,13 @@ class Filters:
 
     def __init__(self, config: Config, ask: Ask) -> None:
         self.by_name = {s.name: build(s, ask) for s in config.filters}
+        uses = [(n, InputFilter, "prompts") for m in config.models for n in m.filters.input]
+        uses += [(n, OutputFilter, "output") for m in config.models for n in m.filters.output]
+        uses += [(n, InputFilter, "prompts") for t in config.tenants for n in t.input_filters]
+        uses += [(n, OutputFilter, "output") for t in config.tenants for n in t.output_filters]
+        for name, proto, what in uses:  # a team's own class may implement one side only
+            if not isinstance(self.by_name[name], proto):
+                raise ConfigError(f"{config.path or 'config'}: filter {name!r} cannot screen {what}")
 
     def input_chain(self, model: ModelConfig, tenant: TenantConfig | None) -> list[InputFilter]:
         names = [*model.filters.input, *(tenant.input_filters if tenant else [])]

@@ -62,6 +62,7 @@ def test_good_config_and_env_var(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
         (GOOD + '[models.filters]\noutput = ["g"]\n[[filters]]\nname = "g"\ntype = "classifier"\nmodel = "m"\n',
          "a classifier filter screens prompts only"),
         (GOOD + '[[filters]]\nname = "p"\ntype = "pii"\nkinds = ["ssn"]\n', "filters[0].kinds[0]"),
+        (GOOD + '[[filters]]\nname = "x"\ntype = "no_such_pkg.mod:Filter"\n', "cannot load filter class"),
     ],
 )
 def test_errors_name_file_and_key(tmp_path: Path, text: str, expected: str) -> None:

@@ -12,6 +12,7 @@ import openai
 import pytest
 
 from llmd.auth import hash_key
+from llmd.filters import Match
 from tests.conftest import LiveServer, async_wait_until
 
 KEY, KEY_STRICT = "sk-llmd-filter-a", "sk-llmd-filter-strict"
@@ -47,6 +48,10 @@ action = "block"
 [[filters]]
 name = "loops"
 type = "degenerate"
+[[filters]]
+name = "shout"
+type = "tests.unit.test_filters_http:NoShouting"
+options = {{ marks = 3 }}
 [[tenants]]
 name = "a"
 keys = ["{hash_key(KEY)}"]
@@ -54,7 +59,19 @@ keys = ["{hash_key(KEY)}"]
 name = "strict"
 keys = ["{hash_key(KEY_STRICT)}"]
 input_filters = ["pii-block"]
+output_filters = ["shout"]
 """
+
+
+class NoShouting:
+    """A team's own output filter, in a few lines: `marks` exclamation marks in a row end the stream."""
+
+    def __init__(self, name: str, marks: int) -> None:
+        self.name, self.marks = name, marks
+
+    def scan(self, text: str, final: bool) -> list[Match]:
+        i = text.find("!" * self.marks)
+        return [Match(self.name, "shouting", "block", i, i + self.marks)] if i >= 0 else []
 
 
 def client(live: LiveServer, key: str = KEY) -> openai.AsyncOpenAI:
@@ -150,3 +167,13 @@ async def test_degenerate_loop_is_stopped(make_server, records) -> None:
     finals = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
     assert finals == ["content_filter"]
     assert records[-1]["filter"] == "loops/repeat:3" and records[-1]["output_tokens"] < 100
+
+
+async def test_a_teams_own_filter_from_config(make_server, records) -> None:
+    live = await make_server(TOML)
+    r = await client(live, KEY_STRICT).completions.create(model="fake", prompt="[[say:calm down!!! now]]",
+                                                          max_tokens=50)
+    assert r.choices[0].finish_reason == "content_filter" and "!!!" not in r.choices[0].text
+    assert records[-1]["filter"] == "shout/shouting"
+    r = await client(live, KEY).completions.create(model="fake", prompt="[[say:calm down!!! now]]", max_tokens=50)
+    assert r.choices[0].text == "calm down!!! now"  # tenant a does not run it
