@@ -90,7 +90,7 @@ class SchedulingConfig(_Strict):
     target_itl_ms: Annotated[float, Field(gt=0)] | None = None
     # The ITL controller aims at this fraction of target_itl_ms: the engine's ITL is measured
     # before our streaming path and the network, which add to what a client sees.
-    target_itl_margin: Annotated[float, Field(gt=0, le=1)] = 0.85
+    target_itl_margin: Annotated[float, Field(gt=0, le=1)] = 0.92
     preempt_batch: bool = True
     # Preempt (and later resume) the most over-share tenant's newest sequence for a tenant
     # below its fair share of seats when the engine is full.

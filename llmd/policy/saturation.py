@@ -29,7 +29,7 @@ class ITLController:
     """AIMD on measured p95 inter-token latency.
 
     The engine measures ITL where its outputs reach our process; a client sees that plus
-    our streaming path and its own read loop (12-16% more at p95 in bench/fairness.py (c)),
+    our streaming path and its own read loop (5-16% more at p95 in bench/fairness.py (c)),
     so the controller aims at `margin` x target. A cut scales with the overshoot (never
     below half), so a limit far too high converges in a few windows, not dozens. A cut
     is judged only on latency measured after the previous cut took effect: running must
@@ -40,7 +40,7 @@ class ITLController:
     """
 
     def __init__(self, target_ms: float, max_seats: int, min_seats: int = 1, window_s: float = 3.0,
-                 interval_s: float = 0.5, decrease: float = 0.9, margin: float = 0.85, hold_s: float = 10.0,
+                 interval_s: float = 0.5, decrease: float = 0.9, margin: float = 0.92, hold_s: float = 10.0,
                  clock: Callable[[], float] = time.time) -> None:
         self.target = target_ms / 1000.0 * margin
         self.max_seats = max_seats
@@ -97,7 +97,7 @@ class ITLController:
 
 class SaturationDetector:
     def __init__(self, max_seats: int, kv_high: float = 0.95, target_itl_ms: float | None = None,
-                 itl_margin: float = 0.85, clock: Callable[[], float] = time.time) -> None:
+                 itl_margin: float = 0.92, clock: Callable[[], float] = time.time) -> None:
         self.max_seats = max_seats
         self.kv_high = kv_high
         self.itl = (ITLController(target_itl_ms, max_seats, margin=itl_margin, clock=clock)

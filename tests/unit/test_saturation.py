@@ -35,7 +35,7 @@ def test_headroom_rules() -> None:
 
 def test_aimd_converges_under_target_and_stays_high() -> None:
     clock, stats = Clock(), EngineStats()
-    ctl = ITLController(target_ms=40, max_seats=64, clock=clock)
+    ctl = ITLController(target_ms=40, max_seats=64, margin=0.85, clock=clock)
     limits = []
     for _ in range(4000):
         limit = ctl.update(stats, running=ctl.limit)
@@ -64,7 +64,7 @@ def test_margin_one_aims_at_the_target() -> None:
 
 def test_aimd_grows_back_when_latency_allows() -> None:
     clock, stats = Clock(), EngineStats()
-    ctl = ITLController(target_ms=40, max_seats=64, clock=clock)
+    ctl = ITLController(target_ms=40, max_seats=64, margin=0.85, clock=clock)
     ctl.limit = 2.0
     for _ in range(3000):
         limit = ctl.update(stats, running=int(ctl.limit))
