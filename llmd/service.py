@@ -351,8 +351,9 @@ class Service:
                     yield d
                 return
             async for d in deltas:
+                seen = len(window.redactions)
                 text, hit = window.feed(d.text, d.num_tokens, d.finish_reason is not None)
-                if window.redactions:
+                if len(window.redactions) != seen:  # only when this delta redacted something
                     job.record.redacted = ",".join(dict.fromkeys(window.redactions))
                 if hit is not None:
                     rec = job.record

@@ -11,7 +11,7 @@ import re
 import time
 from typing import Awaitable, Callable, Iterable
 
-from llmd.filters.base import Action, FilterError, Match
+from llmd.filters.base import Action, Match
 from llmd.filters.normalize import fold, folded
 
 
@@ -169,7 +169,7 @@ class Classifier:
         try:
             async with asyncio.timeout(self.timeout_s):
                 answer = await self.ask(self.model, text, self.timeout_s)
-        except (TimeoutError, FilterError, Exception) as e:  # noqa: B014 - every failure takes the policy
+        except Exception as e:  # a timeout, FilterError or the model's failure: the policy decides
             self.last_error = "timeout" if isinstance(e, TimeoutError) else f"{type(e).__name__}: {e}"
             if self.on_error == "closed":
                 return Match(self.name, "unavailable", "block")

@@ -177,3 +177,11 @@ async def test_a_teams_own_filter_from_config(make_server, records) -> None:
     assert records[-1]["filter"] == "shout/shouting"
     r = await client(live, KEY).completions.create(model="fake", prompt="[[say:calm down!!! now]]", max_tokens=50)
     assert r.choices[0].text == "calm down!!! now"  # tenant a does not run it
+
+
+async def test_token_id_prompt_cannot_be_screened(make_server) -> None:
+    live = await make_server(TOML)
+    with pytest.raises(openai.BadRequestError) as e:
+        await client(live).completions.create(model="fake", prompt=[1, 2, 3], max_tokens=2)
+    assert e.value.status_code == 400 and e.value.body["param"] == "prompt"
+    assert "token ids" in e.value.message and live.backend().submitted == []
