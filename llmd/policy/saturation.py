@@ -35,7 +35,7 @@ class ITLController:
     is judged only on latency measured after the previous cut took effect: running must
     have come down to the limit and a full window must have passed, or one noisy window
     (a burst of prefills, say) would drive the limit to the floor. A cut that did not lower
-    p95 (by 5%) is undone and the limit held there for `hold_s`: when the stalls come from
+    p95 at all is undone and the limit held there for `hold_s`: when the stalls come from
     prefills, not from the batch, fewer seats only cost throughput (and preemptions).
     """
 
@@ -75,13 +75,23 @@ class ITLController:
                         self._cut_or_undo(now)
                 else:
                     self._before = None
-                    if running >= int(self.limit) and self.last_p95 < 0.9 * self.target:
-                        self.limit = min(self.max_seats, self.limit + 1)
+                    self._maybe_grow(stats, now, running)
         return int(self.limit)
+
+    def _maybe_grow(self, stats: EngineStats, now: float, running: int | float) -> None:
+        """One more seat, judged on two windows at the current limit: a p95 from one short
+        window is noisy (a few prefills more or less move it by 20%), and growing on a lucky
+        window is what sets a limit just over the target for good."""
+        if running < int(self.limit) or now - self._settled_at < 2 * self.window_s:
+            return
+        longer = [x for t, x in stats.itl if t >= now - 2 * self.window_s]
+        if p95(longer) < 0.9 * self.target:
+            self.limit = min(self.max_seats, self.limit + 1)
+            self._settled_at = now
 
     def _cut_or_undo(self, now: float) -> None:
         assert self.last_p95 is not None
-        if self._before is not None and self.last_p95 >= 0.95 * self._before[1]:
+        if self._before is not None and self.last_p95 >= self._before[1]:
             self.limit, self._before = self._before[0], None  # futile: undo it, and hold
             self._floor, self._floor_until = self.limit, now + self.hold_s
             self._settled_at = now

@@ -187,7 +187,8 @@ class Scheduler:
         """Free seats when the engine is full: for waiting interactive requests (batch sequences
         go) and for tenants below their fair share (the most over-share tenant's newest sequence
         goes). A preempted request is aborted, re-queued and later resumed from the tokens it
-        already has. A seat limit lowered by the ITL controller is reached by attrition."""
+        already has. A seat limit lowered by the ITL controller is reached by attrition; the seat of a
+        preempted sequence passes straight to the request it was preempted for."""
         running = len(self.running)
         if self.detector.has_headroom(self.stats, running):
             return
@@ -196,22 +197,34 @@ class Scheduler:
         limit = self.detector.seat_limit(self.stats, running)
         share = self._fair_share(limit)
         chosen: list[Entry] = []
+        # Who gets each victim's seat: a waiting interactive request for a batch victim, a
+        # tenant below its share for a fairness victim.
+        heirs: list[Callable[[], QueuedRequest | None]] = []
         if self.preempt_batch:
             need = self.queue.depth("interactive") - pending
             batch = sorted((t for t in live if t.req.klass == "batch"), key=lambda t: -t.req.seq)
             chosen += batch[:max(0, need)]
+            heirs += [self.queue.classes["interactive"].pop_next] * len(chosen)
         if self.preempt_for_fairness and not pending and not chosen:
             # One at a time: each preemption costs a re-prefill, which every running stream feels.
             if any(self._holds(r.tenant) < share for r in self.queue.heads()):
                 victim = self._most_over_share(live, share)
                 if victim is not None:
                     chosen.append(victim)
+                    heirs.append(lambda: self.queue.pop_next(lambda tenant: self._holds(tenant) < share))
         for t in chosen:
             t.preempt_requested = True
             t.preemptions += 1
             self.preempted += 1
             if t.abort is not None:
                 asyncio.get_running_loop().create_task(t.abort())
+        if running >= limit and self.stats.waiting == 0:
+            # The seats are full, or over a limit the ITL controller just lowered (then the
+            # victim's end would not free a seat at all): hand each victim's seat over now,
+            # not after the abort, let alone after the over-share sequences end.
+            for heir in heirs:
+                if (req := heir()) is not None:
+                    self._dispatch(self._waiting.pop(req.seq))
 
     def _most_over_share(self, live: list[Entry], share: int) -> Entry | None:
         cands = [t for t in live if self._holds(t.req.tenant) > share]

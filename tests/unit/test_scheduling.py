@@ -236,6 +236,31 @@ async def test_newcomer_gets_a_seat_during_a_flood(make_server) -> None:
     assert await async_wait_until(lambda: not rt.scheduler.running and not len(rt.queue))
 
 
+async def test_newcomer_gets_a_seat_while_the_limit_is_above_running(make_server) -> None:
+    """The ITL controller lowered the seat limit below what runs (8 -> 4): seats free only as
+    A's generations end (10 s each). B, below its share, takes the seat of the A sequence
+    preempted for it at once, instead of waiting for running to come down to the limit."""
+    live = await make_server(toml(max_running=8, step_ms=5))
+    rt = live.service.models["fake"]
+    a = client(live, KEY_A)
+    flood = [asyncio.create_task(a.completions.create(model="fake", prompt="x", max_tokens=2000)) for _ in range(20)]
+    assert await async_wait_until(lambda: len(rt.scheduler.running) == 8 and len(rt.queue) == 12)
+    rt.scheduler.detector.max_seats = 4  # what a cut does to seat_limit
+    t0 = asyncio.get_running_loop().time()
+    r = await client(live, KEY_B).completions.create(model="fake", prompt="x", max_tokens=5)
+    assert r.usage.completion_tokens == 5
+    assert asyncio.get_running_loop().time() - t0 < 1.0
+    assert rt.scheduler.preempted == 1
+    # The swap did not grow the batch: A is back to 7 and nothing new starts above the limit.
+    assert await async_wait_until(lambda: len(rt.scheduler.running) == 7)
+    await asyncio.sleep(0.2)
+    assert len(rt.scheduler.running) == 7 and rt.scheduler.tenant_running["a"] == 7
+    for f in flood:
+        f.cancel()
+    await asyncio.gather(*flood, return_exceptions=True)
+    assert await async_wait_until(lambda: not rt.scheduler.running and not len(rt.queue))
+
+
 async def test_reserved_seats_go_to_tenants_below_their_share(make_server) -> None:
     live = await make_server(toml(max_running=8, step_ms=5).replace(
         "[models.scheduling]", "[models.scheduling]\npreempt_for_fairness = false"))
