@@ -156,7 +156,8 @@ dtype = "float32"
 """
 
     @contextlib.contextmanager
-    def llmd(self, tag: str, scheduling: dict[str, Any], tenants: dict[str, dict[str, Any]]) -> Iterator[Srv]:
+    def llmd(self, tag: str, scheduling: dict[str, Any], tenants: dict[str, dict[str, Any]],
+             server: list[str] | None = None) -> Iterator[Srv]:
         from llmd.auth import generate_key, hash_key
 
         port = free_port()
@@ -165,7 +166,7 @@ dtype = "float32"
         sched = {"max_queue": 100000, **scheduling}
         lines = [
             "[server]", 'host = "127.0.0.1"', f"port = {port}", "default_deadline_s = 600", "max_deadline_s = 600",
-            'log_level = "info"', "", "[auth]", f'admin_keys = ["{hash_key(admin)}"]', "",
+            'log_level = "info"', *(server or []), "", "[auth]", f'admin_keys = ["{hash_key(admin)}"]', "",
             "[[models]]", f'name = "{self.args.name}"', f'source = "{self.args.source}"', 'backend = "vllm"',
             "max_output_tokens = 1024", "", self.engine_toml(), "[models.scheduling]",
             *[f"{k} = {json.dumps(v)}" for k, v in sched.items() if v is not None], "",

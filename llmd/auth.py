@@ -117,3 +117,13 @@ def require_admin(p: Principal) -> None:
     """Raise 403 unless `p` authenticated with an admin key."""
     if not p.is_admin:
         raise APIError(403, "This endpoint requires an admin API key.", "permission_error", "admin_required")
+
+
+def principal_for(config: Config, tenant: str, key_id: str | None) -> Principal | None:
+    """Who a stored job (a batch) runs as once its caller is gone; None if the tenant
+    was removed from the config since."""
+    if config.open_mode:
+        return Principal(tenant=TenantConfig(name=OPEN_TENANT), is_admin=False, key_id=key_id or "anonymous") \
+            if tenant == OPEN_TENANT else None
+    t = next((t for t in config.tenants if t.name == tenant), None)
+    return Principal(tenant=t, is_admin=False, key_id=key_id or "") if t is not None else None

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import click
 
+from llmd.batch.cli import batch
 from llmd.config import ConfigError, load_config
 from llmd.store import StoreError, WeightStore, describe
 
@@ -193,6 +194,9 @@ def usage(db_path: Path | None, tenant: str | None, since: str | None, until: st
     numeric = [c not in groups for c in cols]
     for row in [[c.upper() for c in cols], *cells]:
         click.echo("  ".join(v.rjust(w) if n else v.ljust(w) for v, w, n in zip(row, widths, numeric)).rstrip())
+
+
+main.add_command(batch)
 
 
 if __name__ == "__main__":

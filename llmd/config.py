@@ -92,6 +92,12 @@ class SchedulingConfig(_Strict):
     # before our streaming path and the network, which add to what a client sees.
     target_itl_margin: Annotated[float, Field(gt=0, le=1)] = 0.92
     preempt_batch: bool = True
+    # While interactive requests run or wait (and interactive_quiet_s after the last), batch-class
+    # sequences hold at most this many seats; unset = a quarter of the seats. Each sequence in a
+    # step lengthens it (on a CPU by a few ms each), so this is how far batch work may slow
+    # interactive tokens.
+    batch_seats_with_interactive: Annotated[int, Field(ge=0)] | None = None
+    interactive_quiet_s: Annotated[float, Field(ge=0)] = 1.0
     # Preempt (and later resume) the most over-share tenant's newest sequence for a tenant
     # below its fair share of seats when the engine is full.
     preempt_for_fairness: bool = True
@@ -104,6 +110,31 @@ class PricingConfig(_Strict):
 
     input_per_mtok: Annotated[float, Field(ge=0)] = 0.0
     output_per_mtok: Annotated[float, Field(ge=0)] = 0.0
+    # Batch API items pay this fraction of the list price (a tenant may override it).
+    batch_multiplier: Annotated[float, Field(ge=0)] = 0.5
+
+
+class BatchConfig(_Strict):
+    """The Batch API: uploaded files and batches live under `data_dir` and in SQLite."""
+
+    # Default: a "<db name>-files" folder next to the SQLite file.
+    data_dir: Path | None = None
+    max_file_bytes: Annotated[int, Field(gt=0)] = 100 * 1024 * 1024
+    max_requests: Annotated[int, Field(gt=0)] = 50_000  # lines per batch
+    max_line_bytes: Annotated[int, Field(gt=0)] = 1024 * 1024
+    # Items a batch keeps queued or running at once, per model (0: twice the model's seats),
+    # so the engine stays full when interactive traffic stops, without flooding the queue.
+    max_in_flight: Annotated[int, Field(ge=0)] = 0
+    completion_windows: list[str] = Field(default_factory=lambda: ["24h"])
+
+    @field_validator("completion_windows")
+    @classmethod
+    def _windows(cls, v: list[str]) -> list[str]:
+        for w in v:
+            if not re.fullmatch(r"[1-9][0-9]*[hms]", w):
+                raise ValueError(f"completion window {w!r} must be a whole number of hours, minutes or "
+                                 "seconds, like '24h' or '90m'")
+        return v
 
 
 class FilterSpec(_Strict):
@@ -211,6 +242,8 @@ class TenantConfig(_Strict):
     # Filters this tenant's requests run in addition to the model's (names from [[filters]]).
     input_filters: list[str] = Field(default_factory=list)
     output_filters: list[str] = Field(default_factory=list)
+    # Overrides the model's pricing.batch_multiplier for this tenant's Batch API items.
+    batch_multiplier: Annotated[float, Field(ge=0)] | None = None
 
     @model_validator(mode="after")
     def _check(self) -> "TenantConfig":
@@ -233,6 +266,7 @@ class Config(_Strict):
     # No tenants = open mode: one implicit tenant, no API key needed (single user, loopback).
     tenants: list[TenantConfig] = Field(default_factory=list)
     filters: list[FilterSpec] = Field(default_factory=list)
+    batch: BatchConfig = Field(default_factory=BatchConfig)
     path: Path | None = Field(default=None, exclude=True)
 
     @model_validator(mode="after")

@@ -25,6 +25,9 @@ from sanic.response import json as json_response
 
 from llmd import protocol, streaming
 from llmd.auth import Authenticator, Principal, require_admin
+from llmd.batch import http as batch_http
+from llmd.batch.runner import BatchRunner
+from llmd.batch.store import BatchStore
 from llmd.config import Config
 from llmd.errors import APIError, not_found
 from llmd.idempotency import IdempotencyStore, LiveRun, Outcome, request_hash
@@ -97,9 +100,17 @@ def create_app(config: Config, service: Service, name: str = "llmd", load_models
         if rid and "X-Request-ID" not in response.headers:
             response.headers["X-Request-ID"] = rid
 
+    db = service.ledger.path
+    batches = BatchStore(db.with_suffix(".batches.db"), config.batch.data_dir or db.parent / f"{db.stem}-files")
+    runner = BatchRunner(service, batches, config.batch)
+    app.ctx.batches = runner
+    batch_http.add_routes(app, batches, runner, config.batch, principal)
+
     @app.before_server_start
     async def _ledger(app: Sanic) -> None:
         await service.open_ledger()
+        await batches.start()
+        await runner.start()  # unfinished batches resume (their items wait for the models to load)
 
     if load_models:
         # Load in the background so /health answers (and /ready says 503) while engines start.
@@ -109,7 +120,9 @@ def create_app(config: Config, service: Service, name: str = "llmd", load_models
 
     @app.before_server_stop
     async def _unload(app: Sanic) -> None:
+        await runner.stop()  # first: its items in flight are metered as interrupted
         await service.stop()
+        await batches.stop()
 
     @app.get("/health")
     async def health(request: Request) -> HTTPResponse:

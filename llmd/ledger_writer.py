@@ -38,7 +38,14 @@ RETRIES = (0.05, 0.25, 1.0)  # back-off for a batch whose transaction itself fai
 
 _OPEN_SQL = """INSERT INTO usage (request_id, tenant, key_id, model, version, node, status, prompt_tokens,
     max_tokens, priority_class, idempotency_key, t_arrival, opened_at)
-    VALUES (?, ?, ?, ?, ?, ?, 'open', ?, ?, ?, ?, ?, ?)"""
+    VALUES (?, ?, ?, ?, ?, ?, 'open', ?, ?, ?, ?, ?, ?)
+    ON CONFLICT(request_id) DO UPDATE SET status = 'open', prompt_tokens = excluded.prompt_tokens,
+    cached_tokens = 0, output_tokens = 0, cost = 0, max_tokens = excluded.max_tokens,
+    t_arrival = excluded.t_arrival, opened_at = excluded.opened_at, t_first_token = NULL, t_end = NULL,
+    closed_at = NULL WHERE usage.status = 'interrupted'"""
+# An open of an id whose row a crash left `interrupted` reopens that row: a Batch API item
+# that is run again after a restart keeps its one row (and is billed for the run that
+# finished). Any other existing row is left alone, so a resent open changes nothing.
 _PROGRESS_SQL = ("UPDATE usage SET output_tokens = ?, cached_tokens = ? "
                  "WHERE request_id = ? AND status = 'open'")
 _CLOSE_SQL = """INSERT INTO usage (request_id, tenant, key_id, model, version, node, status, prompt_tokens,

@@ -68,7 +68,11 @@ class ModelRuntime:
         detector = SaturationDetector(seats, sc.kv_high, sc.target_itl_ms, sc.target_itl_margin)
         self.scheduler = Scheduler(self.queue, detector, backend.stats, ThroughputEstimate(sc.prior_tokens_per_s),
                                    preempt_batch=sc.preempt_batch, reserved_seats=sc.reserved_seats,
-                                   preempt_for_fairness=sc.preempt_for_fairness)
+                                   preempt_for_fairness=sc.preempt_for_fairness,
+                                   batch_seats_with_interactive=(sc.batch_seats_with_interactive
+                                                                 if sc.batch_seats_with_interactive is not None
+                                                                 else max(1, seats // 4)),
+                                   interactive_quiet_s=sc.interactive_quiet_s)
         self.scheduler.start()
         self.backend = backend
 
@@ -260,7 +264,7 @@ class Service:
             self.admission.settle(job.quota, rec.prompt_tokens + rec.output_tokens)
         if rec.tenant is not None and rec.model in self.models:
             price = self.ledger.prices.get(rec.model)
-            rec.cost = price.cost(rec.prompt_tokens, rec.output_tokens) if price else 0.0
+            rec.cost = price.cost(rec.prompt_tokens, rec.output_tokens, rec.price_multiplier) if price else 0.0
         d = rec.emit()
         self.metrics.observe(d)
         if rec.tenant is None:
@@ -273,7 +277,7 @@ class Service:
             cached_tokens=rec.cached_prompt_tokens, output_tokens=rec.output_tokens, t_arrival=rec.ts,
             t_first_token=first, t_end=now, priority_class=rec.priority_class,
             # A request refused before it ran does not consume its idempotency key.
-            idempotency_key=rec.idempotency_key if job is not None else None)
+            idempotency_key=rec.idempotency_key if job is not None else None, cost_multiplier=rec.price_multiplier)
         self.ledger.record_request(d)
 
     # -- run -------------------------------------------------------------

@@ -47,7 +47,8 @@ class Scheduler:
 
     def __init__(self, queue: ModelQueue, detector: SaturationDetector, stats: EngineStats,
                  throughput: ThroughputEstimate, preempt_batch: bool = True, reserved_seats: int = 0,
-                 preempt_for_fairness: bool = True, avg_output_prior: float = 128.0) -> None:
+                 preempt_for_fairness: bool = True, avg_output_prior: float = 128.0,
+                 batch_seats_with_interactive: int | None = None, interactive_quiet_s: float = 1.0) -> None:
         self.queue = queue
         self.detector = detector
         self.stats = stats
@@ -55,8 +56,16 @@ class Scheduler:
         self.preempt_batch = preempt_batch
         self.reserved_seats = reserved_seats
         self.preempt_for_fairness = preempt_for_fairness
+        # While interactive requests run or wait (and for `interactive_quiet_s` after), batch-class
+        # sequences keep at most this many seats: every sequence in a step lengthens the step,
+        # so batch work that merely shares the engine still delays interactive tokens.
+        self.batch_seats_with_interactive = (detector.max_seats if batch_seats_with_interactive is None
+                                             else batch_seats_with_interactive)
+        self.interactive_quiet_s = interactive_quiet_s
+        self._last_interactive = -1e18
         self.running: dict[int, Entry] = {}
         self.tenant_running: dict[str, int] = {}
+        self.class_running: dict[str, int] = {}
         self._waiting: dict[int, Entry] = {}
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -99,6 +108,7 @@ class Scheduler:
         if self.running.pop(t.req.seq, None) is not None:
             t.running = False
             self.tenant_running[t.req.tenant] -= 1
+            self.class_running[t.req.klass] -= 1
             if not t.preempt_requested:
                 self.avg_output = 0.9 * self.avg_output + 0.1 * t.output_tokens
             self._wake.set()
@@ -146,12 +156,24 @@ class Scheduler:
             limit = self.detector.seat_limit(self.stats, len(self.running))
             reserve_only = limit - len(self.running) <= min(self.reserved_seats, limit // 4)
             share = self._fair_share(limit)
-            req = self.queue.pop_next((lambda t: self._holds(t) < share) if reserve_only else None)
+            pred = (lambda t: self._holds(t) < share) if reserve_only else None
+            if self.class_running.get("batch", 0) < self._batch_cap(limit):
+                req = self.queue.pop_next(pred)
+            else:
+                req = self.queue.classes["interactive"].pop_next(pred)
             if req is None:
                 break
             self._dispatch(self._waiting.pop(req.seq))
-        if self.preempt_batch or self.preempt_for_fairness:
-            self._preempt()
+        self._preempt()
+
+    def _batch_cap(self, limit: int) -> int:
+        """Seats batch-class work may hold now: all of them, unless interactive traffic is about."""
+        now = time.monotonic()
+        if self.class_running.get("interactive", 0) or self.queue.depth("interactive"):
+            self._last_interactive = now
+        if now - self._last_interactive < self.interactive_quiet_s:
+            return min(limit, self.batch_seats_with_interactive)
+        return limit
 
     def _holds(self, tenant: str) -> int:
         return self.tenant_running.get(tenant, 0)
@@ -164,6 +186,7 @@ class Scheduler:
         t.running = True
         self.running[t.req.seq] = t
         self.tenant_running[t.req.tenant] = self.tenant_running.get(t.req.tenant, 0) + 1
+        self.class_running[t.req.klass] = self.class_running.get(t.req.klass, 0) + 1
         assert t.dispatched is not None
         if not t.dispatched.done():
             t.dispatched.set_result(None)
@@ -184,44 +207,56 @@ class Scheduler:
                     "deadline", "the request's deadline could no longer be met while it waited in the queue; it was not run"))
 
     def _preempt(self) -> None:
-        """Free seats when the engine is full: for waiting interactive requests (batch sequences
-        go) and for tenants below their fair share (the most over-share tenant's newest sequence
-        goes). A preempted request is aborted, re-queued and later resumed from the tokens it
-        already has. A seat limit lowered by the ITL controller is reached by attrition; the seat of a
-        preempted sequence passes straight to the request it was preempted for."""
+        """Free seats (a preempted request is aborted, re-queued and later resumed from the
+        tokens it already has):
+        - batch sequences over their cap while interactive traffic is about;
+        - sequences over a seat limit the ITL controller lowered, newest of the tenant holding
+          the most seats first (waiting for them to end takes a whole generation);
+        - when the seats are full: batch sequences for waiting interactive requests, and the
+          most over-share tenant's newest sequence for a tenant below its fair share. The seat
+          of each of these passes straight to the request it was preempted for."""
         running = len(self.running)
-        if self.detector.has_headroom(self.stats, running):
-            return
+        limit = self.detector.seat_limit(self.stats, running)
         pending = sum(1 for t in self.running.values() if t.preempt_requested)
         live = [t for t in self.running.values() if not t.preempt_requested]
-        limit = self.detector.seat_limit(self.stats, running)
-        share = self._fair_share(limit)
         chosen: list[Entry] = []
-        # Who gets each victim's seat: a waiting interactive request for a batch victim, a
-        # tenant below its share for a fairness victim.
         heirs: list[Callable[[], QueuedRequest | None]] = []
+        waiting_interactive = self.queue.depth("interactive")
         if self.preempt_batch:
-            need = self.queue.depth("interactive") - pending
             batch = sorted((t for t in live if t.req.klass == "batch"), key=lambda t: -t.req.seq)
-            chosen += batch[:max(0, need)]
-            heirs += [self.queue.classes["interactive"].pop_next] * len(chosen)
-        if self.preempt_for_fairness and not pending and not chosen:
-            # One at a time: each preemption costs a re-prefill, which every running stream feels.
-            if any(self._holds(r.tenant) < share for r in self.queue.heads()):
-                victim = self._most_over_share(live, share)
-                if victim is not None:
-                    chosen.append(victim)
-                    heirs.append(lambda: self.queue.pop_next(lambda tenant: self._holds(tenant) < share))
+            chosen += batch[:max(0, len(batch) - self._batch_cap(limit))]
+            heirs += [self.queue.classes["interactive"].pop_next] * min(len(chosen), waiting_interactive)
+        excess = running - pending - len(chosen) - limit
+        if excess > 0:
+            rest = [t for t in live if t not in chosen]
+            rest.sort(key=lambda t: (t.req.klass == "batch", self._holds(t.req.tenant), t.req.seq), reverse=True)
+            chosen += rest[:excess]
+        if not self.detector.has_headroom(self.stats, running - len(chosen)):
+            taken = set(map(id, chosen))
+            live = [t for t in live if id(t) not in taken]
+            share = self._fair_share(limit)
+            if self.preempt_batch:
+                need = waiting_interactive - pending - len(heirs)
+                batch = sorted((t for t in live if t.req.klass == "batch"), key=lambda t: -t.req.seq)
+                victims = batch[:max(0, need)]
+                chosen += victims
+                heirs += [self.queue.classes["interactive"].pop_next] * len(victims)
+            if self.preempt_for_fairness and not pending and not heirs:
+                # One at a time: each preemption costs a re-prefill, which every running stream feels.
+                if any(self._holds(r.tenant) < share for r in self.queue.heads()):
+                    victim = self._most_over_share(live, share)
+                    if victim is not None:
+                        chosen.append(victim)
+                        heirs.append(lambda: self.queue.pop_next(lambda tenant: self._holds(tenant) < share))
         for t in chosen:
             t.preempt_requested = True
             t.preemptions += 1
             self.preempted += 1
             if t.abort is not None:
                 asyncio.get_running_loop().create_task(t.abort())
-        if running >= limit and self.stats.waiting == 0:
-            # The seats are full, or over a limit the ITL controller just lowered (then the
-            # victim's end would not free a seat at all): hand each victim's seat over now,
-            # not after the abort, let alone after the over-share sequences end.
+        if heirs and running >= limit and self.stats.waiting == 0:
+            # The seats are full, or over a limit the ITL controller just lowered: hand each
+            # victim's seat over now, not after its abort.
             for heir in heirs:
                 if (req := heir()) is not None:
                     self._dispatch(self._waiting.pop(req.seq))

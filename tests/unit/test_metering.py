@@ -138,6 +138,44 @@ async def test_crash_recovery(tmp_path: Path) -> None:
     assert _count(path) == 20
 
 
+async def test_reopening_an_interrupted_row_bills_the_rerun_once(tmp_path: Path) -> None:
+    """A Batch API item interrupted by a crash runs again under the same id: its open reopens
+    the `interrupted` row (not a second row) and its close bills that run; any other row
+    (open, or closed) ignores a second open."""
+    path = tmp_path / "llmd.db"
+    led = Ledger(path, "node-a", PRICES)
+    await led.start()
+    _open(led, "item-1")
+    led.progress("item-1", output_tokens=7, cached_tokens=0)
+    _open(led, "item-2")
+    _close(led, "item-2", out=3)
+    await led.flush()
+    led._task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await led._task
+    assert led._proc is not None
+    led._proc.kill()
+    await led._ro.close()
+    led2 = Ledger(path, "node-a", PRICES)
+    assert await led2.start() == 1
+    try:
+        _open(led2, "item-1", prompt=100)
+        _open(led2, "item-2", prompt=999)  # already closed: stays as billed
+        await led2.flush()
+        row = await led2.get("item-1")
+        assert row is not None and (row["status"], row["output_tokens"], row["closed_at"]) == ("open", 0, None)
+        _close(led2, "item-1", out=20, cost_multiplier=0.5)
+        await led2.flush()
+        one, two = await led2.get("item-1"), await led2.get("item-2")
+        assert one is not None and two is not None
+        assert (one["status"], one["output_tokens"]) == ("ok", 20)
+        assert one["cost"] == pytest.approx((100 + 20 * 2.0) / 1e6 * 0.5)
+        assert (two["status"], two["output_tokens"], two["prompt_tokens"]) == ("ok", 3, 100)
+        assert _count(path) == 2
+    finally:
+        await led2.stop()
+
+
 async def test_many_ops_one_batch_one_transaction(ledger: Ledger, monkeypatch: pytest.MonkeyPatch) -> None:
     batches: list[int] = []
     real = ledger._apply
@@ -202,7 +240,8 @@ async def test_resent_batch_bills_nothing_twice(tmp_path: Path) -> None:
             ("close", [_close_params("r1")])]
     assert ledger_writer.apply(db, runs) == []
     log = ledger_writer.apply(db, runs)  # the same batch again
-    assert {e[1] for e in log} >= {"usage_op_failed", "usage_close_ignored"}
+    # The open meets a closed row and changes nothing (only an `interrupted` row reopens).
+    assert {e[1] for e in log} == {"usage_close_ignored"}
     assert db.execute("SELECT COUNT(*), SUM(output_tokens) FROM usage").fetchone() == (1, 10)
 
 

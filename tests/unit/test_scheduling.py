@@ -203,6 +203,35 @@ async def test_batch_is_preempted_and_resumes(make_server) -> None:
     assert live.service.models["fake"].scheduler.preempted == 1
 
 
+async def test_batch_keeps_only_its_capped_seats_while_interactive_traffic_is_about(make_server) -> None:
+    live = await make_server(toml(max_running=8, step_ms=5).replace(
+        "[models.scheduling]", "[models.scheduling]\nbatch_seats_with_interactive = 2\ninteractive_quiet_s = 0.3"))
+    sched = live.service.models["fake"].scheduler
+    c = client(live, KEY_A)
+    bulk = [asyncio.create_task(c.completions.create(model="fake", prompt="x", max_tokens=400,
+                                                     extra_headers={"X-Priority-Class": "batch"})) for _ in range(8)]
+    assert await async_wait_until(lambda: sched.class_running.get("batch") == 8)
+    peak: list[int] = []
+
+    async def watch() -> None:
+        while True:
+            peak.append(sched.class_running.get("batch", 0))
+            await asyncio.sleep(0.005)
+
+    chat = asyncio.create_task(c.completions.create(model="fake", prompt="x", max_tokens=60))
+    assert await async_wait_until(lambda: sched.class_running.get("interactive") == 1)
+    assert await async_wait_until(lambda: sched.class_running.get("batch") == 2)  # down to its cap at once
+    w = asyncio.create_task(watch())
+    r = await chat
+    w.cancel()
+    assert r.usage.completion_tokens == 60
+    assert max(peak) <= 2 and sched.preempted == 6  # and it stayed there while the chat ran
+    # Quiet again: the batch takes every seat back (its preempted sequences resume).
+    assert await async_wait_until(lambda: sched.class_running.get("batch") == 8, timeout=5)
+    done = await asyncio.gather(*bulk)
+    assert all(d.usage.completion_tokens == 400 for d in done)
+
+
 async def test_decisions_are_in_the_request_log(make_server, records) -> None:
     live = await make_server(toml(tpm=600))
     c = client(live, KEY_A)
@@ -236,10 +265,10 @@ async def test_newcomer_gets_a_seat_during_a_flood(make_server) -> None:
     assert await async_wait_until(lambda: not rt.scheduler.running and not len(rt.queue))
 
 
-async def test_newcomer_gets_a_seat_while_the_limit_is_above_running(make_server) -> None:
-    """The ITL controller lowered the seat limit below what runs (8 -> 4): seats free only as
-    A's generations end (10 s each). B, below its share, takes the seat of the A sequence
-    preempted for it at once, instead of waiting for running to come down to the limit."""
+async def test_a_lowered_seat_limit_is_reached_by_preemption_and_a_newcomer_gets_a_seat(make_server) -> None:
+    """The ITL controller lowered the seat limit below what runs (8 -> 4). Waiting for A's
+    generations to end would take 10 s each: the 4 newest are preempted at once (and queued
+    to resume), and B, below its share, takes the seat of a fifth, handed over directly."""
     live = await make_server(toml(max_running=8, step_ms=5))
     rt = live.service.models["fake"]
     a = client(live, KEY_A)
@@ -250,11 +279,11 @@ async def test_newcomer_gets_a_seat_while_the_limit_is_above_running(make_server
     r = await client(live, KEY_B).completions.create(model="fake", prompt="x", max_tokens=5)
     assert r.usage.completion_tokens == 5
     assert asyncio.get_running_loop().time() - t0 < 1.0
-    assert rt.scheduler.preempted == 1
-    # The swap did not grow the batch: A is back to 7 and nothing new starts above the limit.
-    assert await async_wait_until(lambda: len(rt.scheduler.running) == 7)
+    assert rt.scheduler.preempted == 5
+    # Back at the limit, all A's again once B is done; nothing ran above it after the cut.
+    assert await async_wait_until(lambda: rt.scheduler.tenant_running.get("a") == 4)
     await asyncio.sleep(0.2)
-    assert len(rt.scheduler.running) == 7 and rt.scheduler.tenant_running["a"] == 7
+    assert len(rt.scheduler.running) == 4 and rt.scheduler.preempted == 5
     for f in flood:
         f.cancel()
     await asyncio.gather(*flood, return_exceptions=True)

@@ -1,0 +1,186 @@
+"""Batch tier on the real engine: does a large batch stay out of interactive traffic's way,
+and does it take the whole engine back when interactive traffic stops?
+
+One llmd server with SmolLM2 (same engine settings as bench/fairness.py), tenants `chat`
+(interactive) and `bulk` (Batch API). In order:
+  1. solo: `chat` sends steady streamed chats; TTFT p50/p95;
+  2. reference: the engine's own batch throughput, a closed loop of max_num_seqs streams of
+     the batch's request shape, no batch tier involved (engine tok/s from per-step stats);
+  3. a large batch (OpenAI Batch API, /v1/completions items) starts and fills the engine;
+  4. the same chats while the batch runs: TTFT p50/p95 against solo (target p95 <= 1.2x);
+  5. the chats stop: the batch's engine tok/s over a window (target >= 0.9x the reference);
+then the batch is cancelled. Figures go to docs/benchmarks.md ("## Batch tier").
+
+    python bench/batch_yield.py            # ~6 min on a 2-core CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import httpx  # noqa: E402
+from common import write_section  # noqa: E402
+from fairness import (ROOT, AdminSampler, Bench, Srv, Workers, chat_series, chat_stats, new_client,  # noqa: E402
+                      seat_summary, warm_up)
+
+SECTION = "## Batch tier"
+PROMPT = "Batch item {i}. Write a long, detailed report about {topic}."
+TOPICS = ["river ecology", "bridge design", "bread baking", "tide tables", "bee keeping", "glass making"]
+
+
+def item_body(name: str, i: int, max_tokens: int) -> dict[str, Any]:
+    return {"model": name, "prompt": PROMPT.format(i=i, topic=TOPICS[i % len(TOPICS)]), "max_tokens": max_tokens,
+            "ignore_eos": True, "temperature": 0.0}
+
+
+async def engine_tps(sampler: AdminSampler, seconds: float) -> tuple[float, list[dict[str, Any]]]:
+    """Tokens the engine generated per second over the next `seconds` (per-step stats)."""
+    u0, t0 = time.time(), time.monotonic()
+    await asyncio.sleep(seconds)
+    u1, t1 = time.time(), time.monotonic()
+    hist = [r for r in await sampler.history(u0) if r["t"] <= u1]
+    return sum(r["generated_tokens"] for r in hist) / (u1 - u0), sampler.between(t0, t1)
+
+
+async def api(client: httpx.AsyncClient, srv: Srv, method: str, path: str, **kw: Any) -> dict[str, Any]:
+    r = await client.request(method, srv.base + path, headers=srv.headers("bulk"), **kw)
+    r.raise_for_status()
+    return r.json()
+
+
+async def run(bench: Bench) -> dict[str, Any]:
+    a = bench.args
+    sched = {"batch_seats_with_interactive": a.batch_seats, "interactive_quiet_s": a.quiet_s}
+    server = [f'db_path = "{bench.scratch / "llmd.db"}"']
+    with bench.llmd("batch", sched, {"b": {}, "bulk": {"classes": ["batch"], "default_class": "batch"}},
+                    server=server) as srv:
+        async with new_client() as client:
+            await warm_up(client, srv, "b", a.name)
+            sampler = AdminSampler(client, srv, a.name, every_s=0.5)
+            sampler.start()
+            print("  solo chats", flush=True)
+            solo, _, _ = await chat_series(client, srv, a)
+            solo_stats = chat_stats(solo, a.chat_timeout_s)
+            print(f"    solo: TTFT p50 {solo_stats['p50']:.3f}s p95 {solo_stats['p95']:.3f}s", flush=True)
+
+            print(f"  reference: closed loop of {a.max_num_seqs} streams, no batch tier", flush=True)
+            ref = Workers(client, srv, "b", a.max_num_seqs, "/v1/completions",
+                          lambda i: item_body(a.name, 100000 + i, a.item_max_tokens), srv.headers("b"), stagger_s=2.0)
+            ref.start()
+            await asyncio.sleep(a.ramp_s)
+            ref_tps, ref_samples = await engine_tps(sampler, a.window_s)
+            await ref.stop()
+            print(f"    engine {ref_tps:.1f} tok/s; seats {seat_summary(ref_samples)}", flush=True)
+
+            lines = [json.dumps({"custom_id": f"item-{i}", "method": "POST", "url": "/v1/completions",
+                                 "body": item_body(a.name, i, a.item_max_tokens)}) for i in range(a.items)]
+            f = await api(client, srv, "POST", "/files", files={"file": ("bulk.jsonl", "\n".join(lines).encode())},
+                          data={"purpose": "batch"})
+            b = await api(client, srv, "POST", "/batches", json={
+                "input_file_id": f["id"], "endpoint": "/v1/completions", "completion_window": "24h"})
+            print(f"  batch {b['id']}: {a.items} items", flush=True)
+            await asyncio.sleep(a.ramp_s)
+            fill = await engine_tps(sampler, 3.0)
+            print(f"    batch alone fills the engine: {fill[0]:.1f} tok/s; seats {seat_summary(fill[1])}", flush=True)
+
+            print("  chats while the batch runs", flush=True)
+            t0 = time.monotonic()
+            under, _, _ = await chat_series(client, srv, a)
+            t1 = time.monotonic()
+            under_stats = chat_stats(under, a.chat_timeout_s)
+            during = sampler.between(t0, t1)
+            print(f"    under batch: TTFT p50 {under_stats['p50']:.3f}s p95 {under_stats['p95']:.3f}s; "
+                  f"seats {seat_summary(during)}", flush=True)
+
+            await asyncio.sleep(a.ramp_s)
+            after_tps, after_samples = await engine_tps(sampler, a.window_s)
+            print(f"    chats stopped: batch {after_tps:.1f} tok/s; seats {seat_summary(after_samples)}", flush=True)
+            status = await api(client, srv, "GET", f"/batches/{b['id']}")
+            await api(client, srv, "POST", f"/batches/{b['id']}/cancel")
+            await sampler.stop()
+    return {"solo": solo_stats, "under": under_stats, "ref_tps": ref_tps, "after_tps": after_tps,
+            "during_seats": seat_summary(during), "after_seats": seat_summary(after_samples),
+            "counts": status.get("request_counts"), "preempted": during[-1]["preempted"] - during[0]["preempted"]
+            if len(during) > 1 else math.nan, "batch_id": b["id"]}
+
+
+def report(r: dict[str, Any], a: argparse.Namespace, seconds: float, version: str) -> str:
+    s, u = r["solo"], r["under"]
+    ttft_ok = u["p95"] <= 1.2 * s["p95"]
+    tps_ok = r["after_tps"] >= 0.9 * r["ref_tps"]
+    lines = [
+        SECTION, "",
+        f"Date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; llmd at {version}; command: "
+        f"`python bench/batch_yield.py`; took {seconds / 60:.1f} min.", "",
+        f"One llmd server, SmolLM2 (float32, eager, max_num_seqs {a.max_num_seqs}, max_num_batched_tokens "
+        f"{a.max_num_batched_tokens}, prefix caching, {a.kv_gib} GiB KV), 2-core CPU, client on the same machine. "
+        f"Chats: {a.chat_requests} streamed chats, one every {a.chat_interval_s} s, max_tokens {a.chat_max_tokens}. "
+        f"Batch: {a.items} /v1/completions items (max_tokens {a.item_max_tokens}, ignore_eos) through the Batch API; "
+        f"`batch_seats_with_interactive = {a.batch_seats}`, `interactive_quiet_s = {a.quiet_s}` (on this CPU "
+        "every sequence in a step adds a few ms to it, so batch work sharing the engine at all shows in TTFT). "
+        f"Reference: {a.max_num_seqs} closed-loop streams of the same shape straight to the engine, no batch tier. "
+        f"Throughputs are engine tokens/s from per-step stats over {a.window_s:.0f} s windows, after {a.ramp_s:.0f} s "
+        "to ramp.", "",
+        "| measure | value |", "| --- | --- |",
+        f"| chat TTFT solo p50 / p95 s | {s['p50']:.3f} / {s['p95']:.3f} |",
+        f"| chat TTFT with the batch running p50 / p95 s | {u['p50']:.3f} / {u['p95']:.3f} |",
+        f"| chats ok / timeouts / errors (solo; with batch) | {s['ok']}/{s['timeouts']}/{s['errors']}; "
+        f"{u['ok']}/{u['timeouts']}/{u['errors']} |",
+        f"| batch seats while chatting | {r['during_seats']}, {r['preempted']} preemptions |",
+        f"| engine alone, closed loop (reference) tok/s | {r['ref_tps']:.1f} |",
+        f"| batch after the chats stopped tok/s | {r['after_tps']:.1f} ({r['after_seats']}) |",
+        f"| batch request_counts at the end | {r['counts']} (then cancelled) |", "",
+        f"- chat TTFT p95 with the batch {u['p95']:.3f}s <= 1.2 x solo {s['p95']:.3f}s: {'PASS' if ttft_ok else 'MISS'}",
+        f"- batch throughput alone {r['after_tps']:.1f} tok/s >= 0.9 x engine reference {r['ref_tps']:.1f}: "
+        f"{'PASS' if tps_ok else 'MISS'}", "",
+    ]
+    return "\n".join(lines)
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--name", default="smollm2")
+    p.add_argument("--source", default="smollm2")
+    p.add_argument("--model-dir")
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--kv-gib", type=int, default=2)
+    p.add_argument("--ready-timeout", type=float, default=300.0)
+    p.add_argument("--chat-requests", type=int, default=30)
+    p.add_argument("--chat-interval-s", type=float, default=1.5)
+    p.add_argument("--chat-max-tokens", type=int, default=16)
+    p.add_argument("--chat-timeout-s", type=float, default=60.0)
+    p.add_argument("--items", type=int, default=400)
+    p.add_argument("--item-max-tokens", type=int, default=128)
+    p.add_argument("--batch-seats", type=int, default=1, help="scheduling.batch_seats_with_interactive")
+    p.add_argument("--quiet-s", type=float, default=1.0, help="scheduling.interactive_quiet_s")
+    p.add_argument("--ramp-s", type=float, default=10.0)
+    p.add_argument("--window-s", type=float, default=30.0)
+    p.add_argument("--docs", default=str(ROOT / "docs" / "benchmarks.md"))
+    p.add_argument("--no-docs", action="store_true")
+    return p.parse_args()
+
+
+def main() -> int:
+    a = parse_args()
+    bench = Bench(a)
+    t0 = time.monotonic()
+    r = asyncio.run(run(bench))
+    text = report(r, a, time.monotonic() - t0, bench.version)
+    print(text)
+    if not a.no_docs:
+        write_section(Path(a.docs), text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

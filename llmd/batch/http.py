@@ -1,0 +1,198 @@
+"""The Files and Batches routes (HTTP layer: imports sanic), shaped like OpenAI's so the
+official SDK works unchanged. Everything is scoped to the caller's tenant: another
+tenant's file or batch is a 404, exactly like one that does not exist."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any, Callable
+
+from sanic import Request, Sanic
+from sanic.response import HTTPResponse, raw
+from sanic.response import json as json_response
+
+from llmd.auth import Principal
+from llmd.batch.lines import ENDPOINTS
+from llmd.batch.runner import BatchRunner
+from llmd.batch.store import Batch, BatchStore
+from llmd.config import BatchConfig
+from llmd.errors import APIError, bad_request, not_found
+
+def add_routes(app: Sanic, store: BatchStore, runner: BatchRunner, cfg: BatchConfig,
+               principal: Callable[[Request], Principal]) -> None:
+    def tenant_of(request: Request) -> str:
+        who = principal(request)
+        if who.tenant is None:
+            raise APIError(403, "files and batches belong to a tenant: use a tenant's key", "permission_error",
+                           "tenant_required")
+        return who.tenant.name
+
+    async def file_or_404(tenant: str, file_id: str) -> dict[str, Any]:
+        f = await store.get_file(tenant, file_id)
+        if f is None:
+            raise not_found(f"No such File object: {file_id}", "file_not_found", "file_id")
+        return f
+
+    async def batch_or_404(tenant: str, batch_id: str) -> Batch:
+        b = await store.get_batch(batch_id, tenant)
+        if b is None:
+            raise not_found(f"No such Batch object: {batch_id}", "batch_not_found", "batch_id")
+        return b
+
+    # -- files ---------------------------------------------------------------------------
+    @app.post("/v1/files", stream=True)
+    async def upload(request: Request) -> HTTPResponse:
+        tenant = tenant_of(request)
+        # A streamed route has no size limit of its own: set this one's before reading.
+        request.stream.request_max_size = cfg.max_file_bytes + 64 * 1024  # + the multipart framing
+        await request.receive_body()
+        if not (request.content_type or "").startswith("multipart/form-data"):
+            raise bad_request("upload the file as multipart/form-data with fields 'file' and 'purpose'")
+        purpose = request.form.get("purpose")
+        if purpose != "batch":
+            raise bad_request(f"purpose must be 'batch' (got {purpose!r})", "purpose", "invalid_value")
+        upload = request.files.get("file")
+        if upload is None:
+            raise bad_request("Missing required parameter: 'file'", "file", "missing_required_parameter")
+        if len(upload.body) > cfg.max_file_bytes:
+            raise APIError(413, f"the file is over the {cfg.max_file_bytes}-byte limit", code="file_too_large",
+                           param="file")
+        if not upload.body.strip():
+            raise bad_request("the file is empty", "file", "empty_file")
+        f = await store.add_file(tenant, purpose, upload.name or "upload.jsonl", upload.body)
+        return json_response(_file(f))
+
+    @app.get("/v1/files")
+    async def list_files(request: Request) -> HTTPResponse:
+        tenant = tenant_of(request)
+        limit = _limit(request, 10000)
+        order = request.args.get("order", "desc")
+        if order not in ("asc", "desc"):
+            raise bad_request("order must be 'asc' or 'desc'", "order")
+        rows = await store.list_files(tenant, request.args.get("purpose"), request.args.get("after"), limit + 1,
+                                      newest_first=order == "desc")
+        return json_response(_page([_file(f) for f in rows], limit))
+
+    @app.get("/v1/files/<file_id:str>")
+    async def get_file(request: Request, file_id: str) -> HTTPResponse:
+        return json_response(_file(await file_or_404(tenant_of(request), file_id)))
+
+    @app.get("/v1/files/<file_id:str>/content")
+    async def file_content(request: Request, file_id: str) -> HTTPResponse:
+        f = await file_or_404(tenant_of(request), file_id)
+        try:
+            data = await asyncio.to_thread(store.path(f["id"]).read_bytes)
+        except OSError:
+            raise not_found(f"the content of {file_id} is gone", "file_not_found", "file_id") from None
+        return raw(data, content_type="application/jsonl")
+
+    @app.delete("/v1/files/<file_id:str>")
+    async def delete_file(request: Request, file_id: str) -> HTTPResponse:
+        tenant = tenant_of(request)
+        await file_or_404(tenant, file_id)
+        await store.delete_file(tenant, file_id)
+        return json_response({"id": file_id, "object": "file", "deleted": True})
+
+    # -- batches -------------------------------------------------------------------------
+    @app.post("/v1/batches")
+    async def create_batch(request: Request) -> HTTPResponse:
+        who = principal(request)
+        tenant = tenant_of(request)
+        body = _json(request)
+        fid, endpoint, window = body.get("input_file_id"), body.get("endpoint"), body.get("completion_window")
+        meta = body.get("metadata")
+        extra = sorted(set(body) - {"input_file_id", "endpoint", "completion_window", "metadata"})
+        if extra:
+            raise bad_request(f"Unrecognized request argument supplied: {extra[0]}", extra[0], "unknown_parameter")
+        if not isinstance(fid, str):
+            raise bad_request("Missing required parameter: 'input_file_id'", "input_file_id", "missing_required_parameter")
+        if endpoint not in ENDPOINTS:
+            raise bad_request(f"endpoint must be one of {sorted(ENDPOINTS)}, got {endpoint!r}", "endpoint", "invalid_value")
+        if window not in cfg.completion_windows:
+            raise bad_request(f"completion_window must be one of {cfg.completion_windows}, got {window!r}",
+                              "completion_window", "invalid_value")
+        if meta is not None and not (isinstance(meta, dict) and len(meta) <= 16 and all(
+                isinstance(k, str) and isinstance(v, str) and len(k) <= 64 and len(v) <= 512 for k, v in meta.items())):
+            raise bad_request("metadata must map at most 16 keys (64 chars) to strings (512 chars)", "metadata",
+                              "invalid_value")
+        f = await file_or_404(tenant, fid)
+        if f["purpose"] != "batch":
+            raise bad_request(f"file {fid} has purpose {f['purpose']!r}, not 'batch'", "input_file_id", "invalid_value")
+        batch_id = await store.add_batch(tenant, who.key_id, endpoint, fid, window, meta)
+        runner.kick(batch_id)
+        b = await store.get_batch(batch_id)
+        assert b is not None
+        return json_response(await batch_object(b))
+
+    @app.get("/v1/batches")
+    async def list_batches(request: Request) -> HTTPResponse:
+        tenant = tenant_of(request)
+        limit = _limit(request, 100)
+        rows = await store.list_batches(tenant, request.args.get("after"), limit + 1)
+        return json_response(_page([await batch_object(b) for b in rows[:limit + 1]], limit))
+
+    @app.get("/v1/batches/<batch_id:str>")
+    async def get_batch(request: Request, batch_id: str) -> HTTPResponse:
+        return json_response(await batch_object(await batch_or_404(tenant_of(request), batch_id)))
+
+    @app.post("/v1/batches/<batch_id:str>/cancel")
+    async def cancel_batch(request: Request, batch_id: str) -> HTTPResponse:
+        tenant = tenant_of(request)
+        b = await batch_or_404(tenant, batch_id)
+        if b.status not in ("validating", "in_progress", "cancelling"):
+            raise APIError(409, f"a batch that is {b.status} cannot be cancelled", code="batch_not_cancellable")
+        await runner.cancel(b)
+        return json_response(await batch_object(await batch_or_404(tenant, batch_id)))
+
+    async def batch_object(b: Batch) -> dict[str, Any]:
+        c = await store.counts(b.id)
+        out: dict[str, Any] = {
+            "id": b.id, "object": "batch", "endpoint": b.endpoint, "model": b.model,
+            "input_file_id": b.input_file_id, "completion_window": b.completion_window, "status": b.status,
+            "output_file_id": b.output_file_id, "error_file_id": b.error_file_id,
+            "errors": b.errors, "created_at": b.created_at, "expires_at": b.expires_at, **b.times,
+            "request_counts": {"total": c.get("total", 0), "completed": c.get("completed", 0),
+                               "failed": c.get("failed", 0)},
+            "metadata": b.metadata,
+        }
+        if c.get("total"):
+            out["usage"] = {"input_tokens": c["input_tokens"],
+                            "input_tokens_details": {"cached_tokens": c["cached_tokens"]},
+                            "output_tokens": c["output_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
+                            "total_tokens": c["input_tokens"] + c["output_tokens"]}
+        return out
+
+
+def _file(f: dict[str, Any]) -> dict[str, Any]:
+    return {"id": f["id"], "object": "file", "bytes": f["bytes"], "created_at": f["created_at"],
+            "filename": f["filename"], "purpose": f["purpose"], "status": "processed", "expires_at": None,
+            "status_details": None}
+
+
+def _page(data: list[dict[str, Any]], limit: int) -> dict[str, Any]:
+    more = len(data) > limit
+    data = data[:limit]
+    return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
+            "last_id": data[-1]["id"] if data else None, "has_more": more}
+
+
+def _limit(request: Request, hi: int) -> int:
+    raw_limit = request.args.get("limit", "20")
+    try:
+        n = int(raw_limit)
+    except ValueError:
+        n = 0
+    if not 1 <= n <= hi:
+        raise bad_request(f"limit must be an integer from 1 to {hi}", "limit", "invalid_value")
+    return n
+
+
+def _json(request: Request) -> dict[str, Any]:
+    try:
+        body = json.loads(request.body or b"")
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        body = None
+    if not isinstance(body, dict):
+        raise bad_request("We could not parse the JSON body of your request: expected a JSON object", code="invalid_json")
+    return body

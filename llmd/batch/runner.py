@@ -1,0 +1,236 @@
+"""A batch's life: validating -> in_progress -> finalizing -> completed (or failed,
+expired, cancelling -> cancelled), resumable from the store at any point.
+
+Items run through the same `Service.admit` and `streaming.complete` as an interactive
+request, in the `batch` class: the scheduler gives them only seats interactive traffic
+leaves and preempts them when interactive requests wait. The runner keeps a bounded number
+of items queued or running per model and tenant (enough to keep the engine full when
+interactive traffic stops) and paces itself on refusals: a 429/503 before admission is
+retried after its Retry-After, never recorded as the item's result, never metered.
+
+Exactly once: an item's ledger row has the id `<batch>-<line>` (and the idempotency key
+`<batch>/<custom_id>`); the row is committed before the item's result is stored. A crash
+mid-item leaves no result, so the item runs again after the restart, reopening the row the
+crash left `interrupted`; a crash between the two commits runs it again without billing it
+again (the row is already closed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from typing import Any
+
+import structlog
+
+from llmd import protocol, streaming
+from llmd.auth import principal_for
+from llmd.batch.lines import ENDPOINTS, Item, LineError, output_line, parse_file
+from llmd.batch.store import Batch, BatchStore
+from llmd.config import BatchConfig
+from llmd.errors import APIError
+from llmd.service import Job, Service, classify
+from llmd.telemetry import RequestRecord
+
+log = structlog.get_logger("llmd.batch")
+RETRY_MIN_S, RETRY_MAX_S = 0.5, 30.0
+
+
+class BatchRunner:
+    def __init__(self, service: Service, store: BatchStore, cfg: BatchConfig) -> None:
+        self.service, self.store, self.cfg = service, store, cfg
+        self._drivers: dict[str, asyncio.Task[None]] = {}
+        self._cancel: dict[str, asyncio.Event] = {}
+        self._slots: dict[tuple[str, str], asyncio.Semaphore] = {}
+        self._stopping = False
+
+    async def start(self) -> None:
+        """Resume every batch a stop or crash left unfinished."""
+        for b in await self.store.unfinished():
+            log.info("batch_resumed", batch_id=b.id, status=b.status)
+            self.kick(b.id)
+
+    async def stop(self) -> None:
+        """Items in flight are metered as `interrupted` and run again at the next start."""
+        self._stopping = True
+        for t in list(self._drivers.values()):
+            t.cancel()
+        await asyncio.gather(*self._drivers.values(), return_exceptions=True)
+
+    def kick(self, batch_id: str) -> None:
+        if batch_id not in self._drivers and not self._stopping:
+            self._cancel.setdefault(batch_id, asyncio.Event())
+            task = asyncio.get_running_loop().create_task(self._drive(batch_id), name=f"batch-{batch_id}")
+            self._drivers[batch_id] = task
+            task.add_done_callback(lambda _: self._drivers.pop(batch_id, None))
+
+    async def cancel(self, batch: Batch) -> None:
+        if await self.store.set_status(batch.id, "cancelling", only_from=("validating", "in_progress")):
+            self._cancel.setdefault(batch.id, asyncio.Event()).set()
+            self.kick(batch.id)
+
+    # -- the life of one batch -------------------------------------------------------------
+    async def _drive(self, batch_id: str) -> None:
+        try:
+            b = await self.store.get_batch(batch_id)
+            if b is not None and b.status == "validating":
+                await self._validate(b)
+                b = await self.store.get_batch(batch_id)
+            if b is not None and b.status == "in_progress":
+                await self._execute(b)
+                b = await self.store.get_batch(batch_id)
+            if b is not None and b.status in ("in_progress", "finalizing", "cancelling"):
+                await self._finalize(b)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("batch_failed", batch_id=batch_id)  # left as it is: the next start resumes it
+        finally:
+            self._cancel.pop(batch_id, None)
+
+    async def _validate(self, b: Batch) -> None:
+        try:
+            data = await asyncio.to_thread(self.store.path(b.input_file_id).read_bytes)
+        except OSError:
+            await self._fail(b, [{"code": "file_not_found", "message": f"input file {b.input_file_id} is gone",
+                                  "param": "input_file_id", "line": None}])
+            return
+        items, errors, model = await asyncio.to_thread(
+            parse_file, data, b.endpoint, self.cfg.max_requests, self.cfg.max_line_bytes)
+        who = principal_for(self.service.config, b.tenant, b.key_id)
+        if not errors and model is not None and (model not in self.service.models or who is None
+                                                 or who.tenant is None or not who.tenant.may_use(model)):
+            errors = [_model_error(items[0].line, model)]
+        if errors:
+            await self._fail(b, [e.as_dict() for e in errors])
+            return
+        await self.store.add_items(b.id, items, model)
+        log.info("batch_started", batch_id=b.id, tenant=b.tenant, model=model, items=len(items))
+
+    async def _fail(self, b: Batch, errors: list[dict[str, Any]]) -> None:
+        body = {"object": "list", "data": errors[:100]}
+        await self.store.set_status(b.id, "failed", only_from=("validating",), errors=json.dumps(body))
+        log.info("batch_invalid", batch_id=b.id, errors=len(errors))
+
+    async def _execute(self, b: Batch) -> None:
+        cancel = self._cancel.setdefault(b.id, asyncio.Event())
+        slots = self._slots_for(b)
+        running: set[asyncio.Task[None]] = set()
+        cancelled = asyncio.ensure_future(cancel.wait())
+        try:
+            for item in await self.store.pending(b.id):
+                if not await self._acquire(slots, cancel, b.expires_at):
+                    break
+                t = asyncio.get_running_loop().create_task(self._item(b, item, cancel))
+                running.add(t)
+                t.add_done_callback(lambda t: (running.discard(t), slots.release()))
+            while running and not cancel.is_set():
+                await asyncio.wait([*running, cancelled], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            cancelled.cancel()
+            for t in running:
+                t.cancel()
+            await asyncio.gather(*running, return_exceptions=True)
+
+    def _slots_for(self, b: Batch) -> asyncio.Semaphore:
+        key = (b.model or "", b.tenant)
+        if key not in self._slots:
+            rt = self.service.models.get(b.model or "")  # gone from the config: its items fail with 404
+            seats = 8 if rt is None else rt.cfg.scheduling.max_running or (
+                rt.cfg.fake.max_num_seqs if rt.cfg.backend == "fake" else rt.cfg.engine.max_num_seqs)
+            n = self.cfg.max_in_flight or 2 * seats
+            who = principal_for(self.service.config, b.tenant, b.key_id)
+            if who is not None and who.tenant is not None and who.tenant.max_concurrent:
+                n = min(n, max(1, who.tenant.max_concurrent // 2))  # leave the tenant room for chats
+            self._slots[key] = asyncio.Semaphore(n)
+        return self._slots[key]
+
+    @staticmethod
+    async def _acquire(slots: asyncio.Semaphore, cancel: asyncio.Event, expires_at: float) -> bool:
+        while not cancel.is_set() and time.time() < expires_at:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(1.0):
+                    await slots.acquire()
+                    return True
+        return False
+
+    async def _item(self, b: Batch, item: Item, cancel: asyncio.Event) -> None:
+        """Run one item to a stored result; retried while refused before admission."""
+        who = principal_for(self.service.config, b.tenant, b.key_id)
+        cls = ENDPOINTS[b.endpoint]
+        delay = RETRY_MIN_S
+        while True:
+            rec = RequestRecord(request_id=f"{b.id}-{item.line}", endpoint=b.endpoint)
+            rec.idempotency_key = f"{b.id}/{item.custom_id}"
+            job: Job | None = None
+            try:
+                if who is None or who.tenant is None:
+                    raise APIError(403, f"tenant {b.tenant!r} is no longer configured", "permission_error")
+                rec.tenant, rec.key_id = who.tenant.name, who.key_id
+                rec.price_multiplier = self._multiplier(b, who.tenant.batch_multiplier)
+                req = protocol.parse(cls, item.body.encode("utf-8"))
+                job = await self.service.admit(req, rec, max(1.0, b.expires_at - time.time()), who, "batch")
+                body = await streaming.complete(self.service, job, req)
+                response = {"status_code": 200, "request_id": rec.request_id, "body": body}
+            except APIError as e:
+                if job is None and e.status in (429, 503) and time.time() < b.expires_at:
+                    wait = _retry_after(e, delay)
+                    delay = min(RETRY_MAX_S, delay * 2)
+                    log.debug("batch_item_deferred", batch_id=b.id, line=item.line, code=e.code, wait_s=wait)
+                    await asyncio.sleep(wait)  # not metered: it never reached the queue
+                    continue
+                rec.status, rec.http_status, rec.error_code = classify(e)
+                response = {"status_code": e.status, "request_id": rec.request_id, "body": e.body()}
+            except asyncio.CancelledError:
+                if job is not None:
+                    # A stop leaves the item to run again (its row reopens); a cancel ends it.
+                    rec.status, rec.http_status, rec.error_code = (
+                        ("interrupted", 503, "server_stopping") if self._stopping and not cancel.is_set()
+                        else classify(asyncio.CancelledError()))
+                    self.service.close(job, rec)
+                raise
+            self.service.close(job, rec)
+            await self.service.ledger.flush()  # the bill first: a crash now must not run it unbilled
+            await self.store.save_result(b.id, item.line, response["status_code"], response)
+            return
+
+    def _multiplier(self, b: Batch, tenant_multiplier: float | None) -> float:
+        if tenant_multiplier is not None:
+            return tenant_multiplier
+        rt = self.service.models.get(b.model or "")
+        return rt.cfg.pricing.batch_multiplier if rt is not None else 1.0
+
+    async def _finalize(self, b: Batch) -> None:
+        final = "cancelled" if b.status == "cancelling" else "completed"
+        if b.status == "in_progress":
+            await self.store.set_status(b.id, "finalizing", only_from=("in_progress",))
+        outputs: dict[str, list[str]] = {"output": [], "errors": []}
+        for r in await self.store.results(b.id):
+            if r["state"] == "ok":
+                outputs["output"].append(output_line(b.id, r["line"], r["custom_id"], json.loads(r["result"])))
+            elif r["state"] == "failed":
+                outputs["errors"].append(output_line(b.id, r["line"], r["custom_id"], json.loads(r["result"])))
+            else:  # never ran to an end
+                if final == "completed":
+                    final = "expired"
+                code = "batch_cancelled" if final == "cancelled" else "batch_expired"
+                msg = ("the batch was cancelled before this request ran" if final == "cancelled"
+                       else "the batch's completion window ended before this request ran")
+                outputs["errors"].append(output_line(b.id, r["line"], r["custom_id"], None,
+                                                     {"code": code, "message": msg}))
+        await self.store.finish(b, final, outputs)
+        log.info("batch_finished", batch_id=b.id, status=final, output=len(outputs["output"]),
+                 errors=len(outputs["errors"]))
+
+
+def _model_error(line: int, model: str) -> LineError:
+    return LineError(line, "model_not_found", f"The model '{model}' does not exist", "body.model")
+
+
+def _retry_after(e: APIError, fallback: float) -> float:
+    try:
+        return min(RETRY_MAX_S, max(RETRY_MIN_S, float(e.headers.get("Retry-After", fallback))))
+    except ValueError:
+        return fallback

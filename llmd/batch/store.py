@@ -1,0 +1,299 @@
+"""Files on disk and batch state in SQLite: what a restart needs to resume every batch.
+
+A file's bytes are written to a temporary name, fsynced and renamed before its row is
+committed, so a row never names a missing or partial file. A batch's items are stored at
+validation; each item's result is stored once (`state` goes from `pending` exactly once,
+guarded in SQL), and the output and error files are assembled from those rows in line order
+at the end, so a batch resumed after a crash runs only what had no result, and its files
+come out complete and in a stable order. Output file ids are derived from the batch id, so
+assembling them twice (a crash while finalizing) writes the same files again, not new ones.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import contextvars
+import json
+import os
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, AsyncIterator, Iterable
+
+import aiosqlite
+
+from llmd.batch.lines import Item
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS files (
+    id TEXT PRIMARY KEY, tenant TEXT NOT NULL, purpose TEXT NOT NULL, filename TEXT NOT NULL,
+    bytes INTEGER NOT NULL, created_at INTEGER NOT NULL, deleted INTEGER NOT NULL DEFAULT 0);
+CREATE INDEX IF NOT EXISTS files_tenant ON files(tenant, created_at);
+CREATE TABLE IF NOT EXISTS batches (
+    id TEXT PRIMARY KEY, tenant TEXT NOT NULL, key_id TEXT, endpoint TEXT NOT NULL,
+    input_file_id TEXT NOT NULL, completion_window TEXT NOT NULL, metadata TEXT, model TEXT,
+    status TEXT NOT NULL, errors TEXT, output_file_id TEXT, error_file_id TEXT,
+    created_at INTEGER NOT NULL, expires_at INTEGER NOT NULL, in_progress_at INTEGER,
+    finalizing_at INTEGER, completed_at INTEGER, failed_at INTEGER, expired_at INTEGER,
+    cancelling_at INTEGER, cancelled_at INTEGER);
+CREATE INDEX IF NOT EXISTS batches_tenant ON batches(tenant, created_at);
+CREATE TABLE IF NOT EXISTS items (
+    batch_id TEXT NOT NULL, line INTEGER NOT NULL, custom_id TEXT NOT NULL, body TEXT NOT NULL,
+    state TEXT NOT NULL DEFAULT 'pending', status_code INTEGER, result TEXT,
+    input_tokens INTEGER NOT NULL DEFAULT 0, cached_tokens INTEGER NOT NULL DEFAULT 0,
+    output_tokens INTEGER NOT NULL DEFAULT 0, PRIMARY KEY (batch_id, line));
+"""
+UNFINISHED = ("validating", "in_progress", "finalizing", "cancelling")
+TIMESTAMP = {"in_progress": "in_progress_at", "finalizing": "finalizing_at", "completed": "completed_at",
+             "failed": "failed_at", "expired": "expired_at", "cancelling": "cancelling_at",
+             "cancelled": "cancelled_at"}
+
+
+@dataclass
+class Batch:
+    id: str
+    tenant: str
+    key_id: str | None
+    endpoint: str
+    input_file_id: str
+    completion_window: str
+    metadata: dict[str, str] | None
+    model: str | None
+    status: str
+    errors: list[dict[str, Any]] | None
+    output_file_id: str | None
+    error_file_id: str | None
+    created_at: int
+    expires_at: int
+    times: dict[str, int | None]
+
+
+def window_seconds(window: str) -> int:
+    """'24h', '90m', '30s' (config-validated) in seconds."""
+    return int(window[:-1]) * {"h": 3600, "m": 60, "s": 1}[window[-1]]
+
+
+class BatchStore:
+    def __init__(self, db_path: Path, files_dir: Path) -> None:
+        self.db_path, self.dir = Path(db_path), Path(files_dir)
+        self._db: aiosqlite.Connection | None = None
+        # One connection serves every coroutine: a transaction must not take in another's writes.
+        self._lock = asyncio.Lock()
+
+    async def start(self) -> None:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.db_path.parent.mkdir(parents=True, exist_ok=True)
+        self._db = await aiosqlite.connect(self.db_path, isolation_level=None)
+        self._db.row_factory = aiosqlite.Row
+        await self._db.execute("PRAGMA journal_mode=WAL")
+        await self._db.execute("PRAGMA synchronous=FULL")  # a stored result is never lost
+        await self._db.executescript(SCHEMA)
+        for p in self.dir.glob("*.tmp"):  # a file whose row was never committed
+            p.unlink(missing_ok=True)
+
+    async def stop(self) -> None:
+        if self._db is not None:
+            await self._db.close()
+            self._db = None
+
+    @property
+    def db(self) -> aiosqlite.Connection:
+        assert self._db is not None, "BatchStore.start() first"
+        return self._db
+
+    # -- files ---------------------------------------------------------------------------
+    def path(self, file_id: str) -> Path:
+        return self.dir / file_id
+
+    def _write(self, file_id: str, chunks: Iterable[bytes]) -> int:
+        tmp = self.dir / f"{file_id}.tmp"
+        size = 0
+        with open(tmp, "wb") as f:
+            for c in chunks:
+                f.write(c)
+                size += len(c)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.path(file_id))
+        return size
+
+    async def add_file(self, tenant: str, purpose: str, filename: str, data: bytes,
+                       file_id: str | None = None) -> dict[str, Any]:
+        file_id = file_id or f"file-{uuid.uuid4().hex[:24]}"
+        size = await asyncio.to_thread(self._write, file_id, [data])
+        now = int(time.time())
+        async with self._lock:
+            await self.db.execute("INSERT OR REPLACE INTO files (id, tenant, purpose, filename, bytes, created_at) "
+                                  "VALUES (?, ?, ?, ?, ?, ?)", (file_id, tenant, purpose, filename, size, now))
+        return {"id": file_id, "tenant": tenant, "purpose": purpose, "filename": filename, "bytes": size,
+                "created_at": now}
+
+    async def get_file(self, tenant: str, file_id: str) -> dict[str, Any] | None:
+        async with self.db.execute("SELECT * FROM files WHERE id = ? AND tenant = ? AND deleted = 0",
+                                   (file_id, tenant)) as cur:
+            row = await cur.fetchone()
+        return dict(row) if row else None
+
+    async def list_files(self, tenant: str, purpose: str | None, after: str | None, limit: int,
+                         newest_first: bool = True) -> list[dict[str, Any]]:
+        sql, args = "SELECT * FROM files WHERE tenant = ? AND deleted = 0", [tenant]
+        if purpose:
+            sql, args = sql + " AND purpose = ?", args + [purpose]
+        order = "DESC" if newest_first else "ASC"
+        if after:
+            cmp = "<" if newest_first else ">"
+            sql += f" AND (created_at, id) {cmp} (SELECT created_at, id FROM files WHERE id = ?)"
+            args.append(after)
+        sql += f" ORDER BY created_at {order}, id {order} LIMIT ?"
+        async with self.db.execute(sql, args + [limit]) as cur:
+            return [dict(r) for r in await cur.fetchall()]
+
+    async def delete_file(self, tenant: str, file_id: str) -> bool:
+        async with self._lock:
+            cur = await self.db.execute("UPDATE files SET deleted = 1 WHERE id = ? AND tenant = ? AND deleted = 0",
+                                        (file_id, tenant))
+        if cur.rowcount:
+            self.path(file_id).unlink(missing_ok=True)
+        return bool(cur.rowcount)
+
+    # -- batches -------------------------------------------------------------------------
+    async def add_batch(self, tenant: str, key_id: str | None, endpoint: str, input_file_id: str,
+                        window: str, metadata: dict[str, str] | None) -> str:
+        batch_id = f"batch_{uuid.uuid4().hex[:24]}"
+        now = int(time.time())
+        async with self._lock:
+            await self.db.execute(
+                "INSERT INTO batches (id, tenant, key_id, endpoint, input_file_id, completion_window, metadata, "
+                "status, created_at, expires_at) VALUES (?, ?, ?, ?, ?, ?, ?, 'validating', ?, ?)",
+                (batch_id, tenant, key_id, endpoint, input_file_id, window,
+                 json.dumps(metadata) if metadata is not None else None, now, now + window_seconds(window)))
+        return batch_id
+
+    async def get_batch(self, batch_id: str, tenant: str | None = None) -> Batch | None:
+        sql, args = "SELECT * FROM batches WHERE id = ?", [batch_id]
+        if tenant is not None:
+            sql, args = sql + " AND tenant = ?", args + [tenant]
+        async with self.db.execute(sql, args) as cur:
+            row = await cur.fetchone()
+        return _batch(row) if row else None
+
+    async def list_batches(self, tenant: str, after: str | None, limit: int) -> list[Batch]:
+        sql, args = "SELECT * FROM batches WHERE tenant = ?", [tenant]
+        if after:
+            sql += " AND (created_at, id) < (SELECT created_at, id FROM batches WHERE id = ?)"
+            args.append(after)
+        async with self.db.execute(sql + " ORDER BY created_at DESC, id DESC LIMIT ?", args + [limit]) as cur:
+            return [_batch(r) for r in await cur.fetchall()]
+
+    async def unfinished(self) -> list[Batch]:
+        q = ",".join("?" * len(UNFINISHED))
+        async with self.db.execute(f"SELECT * FROM batches WHERE status IN ({q}) ORDER BY created_at",
+                                   UNFINISHED) as cur:
+            return [_batch(r) for r in await cur.fetchall()]
+
+    async def set_status(self, batch_id: str, status: str, only_from: tuple[str, ...] = (), **cols: Any) -> bool:
+        """Move a batch to `status` (stamping its time), if it is in one of `only_from`."""
+        cols = dict(cols)
+        if status in TIMESTAMP:
+            cols.setdefault(TIMESTAMP[status], int(time.time()))
+        sets = ", ".join(["status = ?"] + [f"{k} = ?" for k in cols])
+        sql, args = f"UPDATE batches SET {sets} WHERE id = ?", [status, *cols.values(), batch_id]
+        if only_from:
+            sql += f" AND status IN ({','.join('?' * len(only_from))})"
+            args += list(only_from)
+        if self._lock.locked() and _in_tx.get(False):
+            cur = await self.db.execute(sql, args)
+        else:
+            async with self._lock:
+                cur = await self.db.execute(sql, args)
+        return bool(cur.rowcount)
+
+    # -- items ---------------------------------------------------------------------------
+    async def add_items(self, batch_id: str, items: list[Item], model: str | None) -> None:
+        """Store the items and start the batch, in one transaction (idempotent)."""
+        async with self._tx():
+            await self.db.executemany(
+                "INSERT OR IGNORE INTO items (batch_id, line, custom_id, body) VALUES (?, ?, ?, ?)",
+                [(batch_id, i.line, i.custom_id, i.body) for i in items])
+            await self.db.execute("UPDATE batches SET status = 'in_progress', in_progress_at = ?, model = ? "
+                                  "WHERE id = ? AND status = 'validating'", (int(time.time()), model, batch_id))
+
+    async def pending(self, batch_id: str) -> list[Item]:
+        async with self.db.execute("SELECT line, custom_id, body FROM items WHERE batch_id = ? AND state = 'pending' "
+                                   "ORDER BY line", (batch_id,)) as cur:
+            return [Item(r["line"], r["custom_id"], r["body"]) for r in await cur.fetchall()]
+
+    async def save_result(self, batch_id: str, line: int, status_code: int, response: dict[str, Any]) -> bool:
+        """Store an item's response once; False if it already had one."""
+        u = (response.get("body") or {}).get("usage") or {}
+        cached = (u.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+        async with self._lock:
+            cur = await self.db.execute(
+                "UPDATE items SET state = ?, status_code = ?, result = ?, input_tokens = ?, cached_tokens = ?, "
+                "output_tokens = ? WHERE batch_id = ? AND line = ? AND state = 'pending'",
+                ("ok" if status_code == 200 else "failed", status_code, json.dumps(response, ensure_ascii=False),
+                 u.get("prompt_tokens", 0), cached, u.get("completion_tokens", 0), batch_id, line))
+        return bool(cur.rowcount)
+
+    async def counts(self, batch_id: str) -> dict[str, int]:
+        async with self.db.execute(
+            "SELECT COUNT(*) AS total, COALESCE(SUM(state = 'ok'), 0) AS completed, "
+            "COALESCE(SUM(state = 'failed'), 0) AS failed, COALESCE(SUM(input_tokens), 0) AS input_tokens, "
+            "COALESCE(SUM(cached_tokens), 0) AS cached_tokens, COALESCE(SUM(output_tokens), 0) AS output_tokens "
+            "FROM items WHERE batch_id = ?", (batch_id,)) as cur:
+            row = await cur.fetchone()
+        return dict(row) if row else {}
+
+    async def results(self, batch_id: str) -> list[aiosqlite.Row]:
+        async with self.db.execute("SELECT line, custom_id, state, result FROM items WHERE batch_id = ? "
+                                   "ORDER BY line", (batch_id,)) as cur:
+            return list(await cur.fetchall())
+
+    async def finish(self, batch: Batch, status: str, outputs: dict[str, list[str]]) -> None:
+        """Write the output and error files, then record them and the final status at once."""
+        ids: dict[str, str | None] = {}
+        rows = []
+        now = int(time.time())
+        for kind, lines in outputs.items():
+            if not lines:
+                ids[kind] = None
+                continue
+            fid = f"file-{batch.id.removeprefix('batch_')}-{kind}"
+            size = await asyncio.to_thread(self._write, fid, [("\n".join(lines) + "\n").encode("utf-8")])
+            ids[kind] = fid
+            rows.append((fid, batch.tenant, "batch_output", f"{batch.id}_{kind}.jsonl", size, now))
+        async with self._tx():
+            await self.db.executemany("INSERT OR REPLACE INTO files (id, tenant, purpose, filename, bytes, "
+                                      "created_at) VALUES (?, ?, ?, ?, ?, ?)", rows)
+            await self.set_status(batch.id, status, output_file_id=ids.get("output"), error_file_id=ids.get("errors"))
+
+
+    @contextlib.asynccontextmanager
+    async def _tx(self) -> AsyncIterator[None]:
+        async with self._lock:
+            token = _in_tx.set(True)
+            await self.db.execute("BEGIN IMMEDIATE")
+            try:
+                yield
+            except BaseException:
+                await self.db.execute("ROLLBACK")
+                raise
+            else:
+                await self.db.execute("COMMIT")
+            finally:
+                _in_tx.reset(token)
+
+
+_in_tx: contextvars.ContextVar[bool] = contextvars.ContextVar("batch_store_in_tx")
+
+
+def _batch(r: aiosqlite.Row) -> Batch:
+    return Batch(
+        id=r["id"], tenant=r["tenant"], key_id=r["key_id"], endpoint=r["endpoint"],
+        input_file_id=r["input_file_id"], completion_window=r["completion_window"],
+        metadata=json.loads(r["metadata"]) if r["metadata"] else None, model=r["model"], status=r["status"],
+        errors=json.loads(r["errors"]) if r["errors"] else None, output_file_id=r["output_file_id"],
+        error_file_id=r["error_file_id"], created_at=r["created_at"], expires_at=r["expires_at"],
+        times={c: r[c] for c in TIMESTAMP.values()})
