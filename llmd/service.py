@@ -310,9 +310,12 @@ class Service:
                 raise deadline_exceeded(str(e)) from None
             if rec.t_dispatch is None:
                 rec.t_dispatch = time.monotonic()
-            preempted = False
+            # Preempted between its dispatch and its start (the scheduler's abort found nothing
+            # to abort): it goes back to the queue without ever reaching the engine.
+            preempted = entry.preempt_requested
             try:
-                gen = backend.generate(current[0], prompt, sampling, PRIORITY[entry.req.klass])
+                gen = (_nothing() if preempted
+                       else backend.generate(current[0], prompt, sampling, PRIORITY[entry.req.klass]))
                 async with contextlib.aclosing(gen):
                     async for delta in gen:
                         if delta.finish_reason == "abort" and entry.preempt_requested:
@@ -321,6 +324,12 @@ class Service:
                         self._account(job, delta)
                         produced.extend(delta.token_ids)
                         yield delta
+                        if entry.preempt_requested and not job.finished:
+                            # The abort may have reached the engine before this request did
+                            # (then it aborted nothing): abort it from here, once it runs.
+                            preempted = True
+                            await backend.abort(current[0])
+                            break
             except EngineDead as e:
                 raise unavailable(str(e), "engine_dead", retry_after=30) from None
             except PromptError as e:
@@ -382,6 +391,11 @@ class Service:
         if delta.finish_reason is not None:
             job.finished = True
             rec.finish_reason = delta.finish_reason
+
+
+async def _nothing() -> AsyncIterator[Delta]:
+    return
+    yield  # an async generator that yields nothing
 
 
 def _replace_max_tokens(s: Sampling, n: int) -> Sampling:

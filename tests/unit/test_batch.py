@@ -218,6 +218,13 @@ async def test_another_tenants_files_and_batches_are_invisible(make_server) -> N
             await call
     assert (await b.files.list()).data == [] and (await b.batches.list()).data == []
     assert (await wait_batch(a, batch.id)).status == "completed"
+    # B's own batch pays B's own batch price (0.25 of list, not the model's 0.5).
+    fb = await b.files.create(file=("in.jsonl", line("x", "y").encode()), purpose="batch")
+    bb = await wait_batch(b, (await b.batches.create(input_file_id=fb.id, endpoint="/v1/chat/completions",
+                                                     completion_window="24h")).id)
+    assert bb.status == "completed" and (await a.batches.list()).data[0].id == batch.id
+    rows = {r["tenant"]: r for r in usage_rows(live) if r["request_id"].startswith("batch_")}
+    assert rows["a"]["cost_multiplier"] == 0.5 and rows["b"]["cost_multiplier"] == 0.25
     # Deleting is the owner's: afterwards the file is gone for it too.
     assert (await a.files.delete(f.id)).deleted
     with pytest.raises(openai.NotFoundError):

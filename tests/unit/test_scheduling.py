@@ -232,6 +232,29 @@ async def test_batch_keeps_only_its_capped_seats_while_interactive_traffic_is_ab
     assert all(d.usage.completion_tokens == 400 for d in done)
 
 
+async def test_a_sequence_preempted_before_it_reached_the_engine_is_requeued(make_server, records) -> None:
+    """The scheduler's abort can arrive before the engine has the request (vLLM tokenizes
+    first); it aborts nothing. The request must still yield its seat: it goes back to the
+    queue and resumes, instead of running to the end while counted as being preempted (which
+    blocked every further preemption, and a newcomer waited seconds)."""
+    live = await make_server(toml(max_running=2, step_ms=5))
+    sched, be = live.service.models["fake"].scheduler, live.backend()
+    orig, hit = sched._dispatch, []
+
+    def dispatch(t) -> None:  # what _preempt does, right after the dispatch, with an abort that misses
+        orig(t)
+        if not hit:
+            hit.append(t)
+            t.preempt_requested, t.abort = True, None
+            sched.preempted += 1
+
+    sched._dispatch = dispatch
+    r = await client(live, KEY_A).completions.create(model="fake", prompt="x", max_tokens=20)
+    assert r.usage.completion_tokens == 20 and len(r.choices[0].text.split()) == 20
+    assert be.submitted == [be.submitted[0]] and be.submitted[0].endswith("-r1")  # only the resumed run
+    assert records[-1]["preemptions"] == 1 and not sched.running
+
+
 async def test_decisions_are_in_the_request_log(make_server, records) -> None:
     live = await make_server(toml(tpm=600))
     c = client(live, KEY_A)
