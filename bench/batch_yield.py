@@ -52,7 +52,7 @@ async def engine_tps(sampler: AdminSampler, seconds: float) -> tuple[float, list
 
 
 async def api(client: httpx.AsyncClient, srv: Srv, method: str, path: str, **kw: Any) -> dict[str, Any]:
-    r = await client.request(method, srv.base + path, headers=srv.headers("bulk"), **kw)
+    r = await client.request(method, srv.base + "/v1" + path, headers=srv.headers("bulk"), **kw)
     r.raise_for_status()
     return r.json()
 

@@ -209,6 +209,7 @@ async def serving_overhead(tmp: Path, rounds: int, seconds: float, concurrency: 
     real, null = service.ledger, _NullLedger(service.ledger)
     results: dict[str, list[float]] = {"with": [], "without": []}
     cpu: dict[str, list[float]] = {"with": [], "without": []}
+    totals: dict[str, list[float]] = {"with": [0.0, 0.0], "without": [0.0, 0.0]}  # CPU seconds, requests
     try:
         async def run(label: str) -> tuple[float, float]:
             service.ledger = real if label == "with" else null  # type: ignore[assignment]
@@ -219,6 +220,8 @@ async def serving_overhead(tmp: Path, rounds: int, seconds: float, concurrency: 
                 await real.flush()  # the writer's work counts against the round that made it
             c1, w1, t1 = time.process_time(), _cpu_of(writer) if writer else 0.0, time.perf_counter()
             # The client's start-up (~0.5 s) is in t1 - t0 but not in `seconds`: rate over `seconds`.
+            totals[label][0] += (c1 - c0) + (w1 - w0)
+            totals[label][1] += done
             return done / seconds, ((c1 - c0) + (w1 - w0)) / max(done, 1)
 
         await run("with"), await run("without")  # warm-up, discarded
@@ -236,7 +239,8 @@ async def serving_overhead(tmp: Path, rounds: int, seconds: float, concurrency: 
     return {"with": results["with"], "without": results["without"], "ratio": statistics.median(ratios),
             "ratios": ratios, "pooled": sum(results["with"]) / sum(results["without"]),
             "cpu_with": cpu["with"], "cpu_without": cpu["without"], "cpu_ratio": statistics.median(cpu_ratios),
-            "cpu_ratios": cpu_ratios, "rounds": rounds, "seconds": seconds, "concurrency": concurrency}
+            "cpu_ratios": cpu_ratios, "rounds": rounds, "seconds": seconds, "concurrency": concurrency,
+            "cpu_pooled": (totals["with"][0] / totals["with"][1]) / (totals["without"][0] / totals["without"][1])}
 
 
 def main() -> int:
@@ -258,7 +262,11 @@ def main() -> int:
         p = asyncio.run(progress_rate(Path(d) / "b.db", args.live, args.rounds))
         so = asyncio.run(serving_overhead(Path(d), args.serve_rounds, args.serve_seconds, args.concurrency))
     cost = 1 - float(so["ratio"])  # type: ignore[arg-type]
-    serve_verdict = "PASS" if cost < 0.02 else "FAIL"
+    # The verdict is on server CPU per request, pooled over all rounds: with the server CPU-bound
+    # that is the throughput it costs, and unlike req/s it does not move with the client's share
+    # of this 2-CPU box (the load client needs about as much CPU per request as the server).
+    cpu_cost = float(so["cpu_pooled"]) - 1  # type: ignore[arg-type]
+    serve_verdict = "PASS" if cpu_cost < 0.02 else "FAIL"
     worst = min(w["rows_per_s"], t["rows_per_s"])  # the floor is a latency figure, not a rate
     verdict = "PASS" if worst >= TARGET_ROWS_S else "FAIL"
     load = os.getloadavg()[0]
@@ -301,12 +309,13 @@ def main() -> int:
           for i, (w, wo, cw, cwo) in enumerate(zip(so["with"], so["without"], so["cpu_with"],  # type: ignore[arg-type]
                                                     so["cpu_without"]))],  # type: ignore[arg-type]
         "",
-        f"- metering's cost on serving throughput: {cost * 100:.1f}% (median of round ratios; target < 2%): "
-        f"{serve_verdict}. Pooled over all rounds: {(1 - so['pooled']) * 100:.1f}%. Round ratios range "  # type: ignore[operator]
-        f"{min(so['ratios']):.3f}-{max(so['ratios']):.3f}.",  # type: ignore[arg-type]
-        f"- the same cost as server CPU per request: +{(so['cpu_ratio'] - 1) * 100:.1f}% (median of round ratios, "  # type: ignore[operator]
-        f"range {min(so['cpu_ratios']):.3f}-{max(so['cpu_ratios']):.3f}); with the server CPU-bound, throughput "  # type: ignore[arg-type]
-        "falls by about this much.", "",
+        f"- metering's cost as server CPU per request, pooled over all rounds: {cpu_cost * 100:+.1f}% "
+        f"(target < 2%): {serve_verdict}. Median of round ratios {(so['cpu_ratio'] - 1) * 100:+.1f}%, range "  # type: ignore[operator]
+        f"{min(so['cpu_ratios']):.3f}-{max(so['cpu_ratios']):.3f}. With the server CPU-bound, throughput falls "  # type: ignore[arg-type]
+        "by about this much.",
+        f"- as throughput: {cost * 100:+.1f}% (median of round ratios), pooled {(1 - so['pooled']) * 100:+.1f}%, "  # type: ignore[operator]
+        f"round ratios {min(so['ratios']):.3f}-{max(so['ratios']):.3f}: req/s here also follows how much CPU the "  # type: ignore[arg-type]
+        "load client gets on this shared 2-CPU box, so it is the noisier figure.", "",
         "Why a writer process: the same ledger committing through aiosqlite's thread measured 13-15% here "
         "(sqlite3 drops and retakes the GIL around every statement, and each hand-off stalls the event "
         "loop); see `llmd/ledger_writer.py`.", "",

@@ -9,6 +9,7 @@ from pathlib import Path
 import click
 
 from llmd.batch.cli import batch
+from llmd.registry.cli import registry
 from llmd.config import ConfigError, load_config
 from llmd.store import StoreError, WeightStore, describe
 
@@ -84,6 +85,21 @@ def models_import(path: Path, name: str | None) -> None:
     """Store a local Hugging Face folder (safetensors) or a GGUF file."""
     try:
         m = WeightStore().import_path(path, name, _progress)
+    except StoreError as e:
+        raise click.ClickException(str(e)) from None
+    click.echo(f"stored {m.name}@{m.short_version} ({m.size_bytes / 1e6:.0f} MB) at {m.path}")
+
+
+@models.command("cast")
+@click.argument("name")
+@click.option("--dtype", required=True, type=click.Choice(["float32", "bfloat16", "float16"]))
+@click.option("--version", default=None, help="Version id prefix to copy (default: the newest).")
+def models_cast(name: str, dtype: str, version: str | None) -> None:
+    """Store a copy of a model with its weights in another dtype: a new version (content hash)
+    to roll out against the old one. It becomes the newest: pin `version` where the old one should stay."""
+    store = WeightStore()
+    try:
+        m = store.cast_copy(store.resolve(name, version), dtype, _progress)
     except StoreError as e:
         raise click.ClickException(str(e)) from None
     click.echo(f"stored {m.name}@{m.short_version} ({m.size_bytes / 1e6:.0f} MB) at {m.path}")
@@ -196,7 +212,26 @@ def usage(db_path: Path | None, tenant: str | None, since: str | None, until: st
         click.echo("  ".join(v.rjust(w) if n else v.ljust(w) for v, w, n in zip(row, widths, numeric)).rstrip())
 
 
+@main.command()
+@click.argument("model")
+@click.argument("version_a")
+@click.argument("version_b")
+@click.option("--db", "db_path", default=None, type=click.Path(dir_okay=False, path_type=Path),
+              help="Database (default: $LLMD_HOME/llmd.db).")
+def compare(model: str, version_a: str, version_b: str, db_path: Path | None) -> None:
+    """Two versions of MODEL side by side (ids or prefixes), from the request log and the ledger."""
+    from llmd.registry.compare import compare as run_compare, table
+    from llmd.store import home
+
+    try:
+        stats = run_compare(db_path or home() / "llmd.db", model, [version_a, version_b])
+    except (FileNotFoundError, ValueError) as e:
+        raise click.ClickException(str(e)) from None
+    click.echo(table(stats))
+
+
 main.add_command(batch)
+main.add_command(registry)
 
 
 if __name__ == "__main__":

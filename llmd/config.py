@@ -114,6 +114,25 @@ class PricingConfig(_Strict):
     batch_multiplier: Annotated[float, Field(ge=0)] = 0.5
 
 
+class DegradationConfig(_Strict):
+    """What a model gives up, in this order, under sustained overload (empty: nothing)."""
+
+    steps: list[Literal["cap_max_tokens", "fallback", "batch"]] = Field(default_factory=list)
+    overload_wait_s: Annotated[float, Field(gt=0)] = 10.0  # estimated queue wait that counts as overload
+    sustain_s: Annotated[float, Field(ge=0)] = 10.0  # overloaded this long: one more step
+    recover_s: Annotated[float, Field(ge=0)] = 30.0  # calm this long: one step back
+    max_tokens_cap: Annotated[int, Field(gt=0)] = 256
+    fallback_model: str | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> "DegradationConfig":
+        if len(set(self.steps)) != len(self.steps):
+            raise ValueError("a degradation step is listed twice")
+        if "fallback" in self.steps and not self.fallback_model:
+            raise ValueError("the 'fallback' step needs fallback_model")
+        return self
+
+
 class BatchConfig(_Strict):
     """The Batch API: uploaded files and batches live under `data_dir` and in SQLite."""
 
@@ -211,6 +230,7 @@ class ModelConfig(_Strict):
     scheduling: SchedulingConfig = Field(default_factory=SchedulingConfig)
     pricing: PricingConfig = Field(default_factory=PricingConfig)
     filters: FilteringConfig = Field(default_factory=FilteringConfig)
+    degradation: DegradationConfig = Field(default_factory=DegradationConfig)
 
     @model_validator(mode="after")
     def _check(self) -> "ModelConfig":
@@ -290,6 +310,10 @@ class Config(_Strict):
                 if m != "*" and self.model(m) is None:
                     raise ValueError(f"tenant {t.name!r} allows unknown model {m!r}")
         self._check_filters()
+        for m in self.models:
+            fb = m.degradation.fallback_model
+            if fb is not None and (fb == m.name or self.model(fb) is None):
+                raise ValueError(f"model {m.name!r} degradation.fallback_model {fb!r} must be another configured model")
         return self
 
     def _check_filters(self) -> None:

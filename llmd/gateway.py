@@ -28,6 +28,7 @@ from llmd.auth import Authenticator, Principal, require_admin
 from llmd.batch import http as batch_http
 from llmd.batch.runner import BatchRunner
 from llmd.batch.store import BatchStore
+from llmd.registry import http as registry_http
 from llmd.config import Config
 from llmd.errors import APIError, not_found
 from llmd.idempotency import IdempotencyStore, LiveRun, Outcome, request_hash
@@ -40,6 +41,7 @@ _CLIENT_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 VERSION_HEADER = "X-LLMD-Model-Version"
 DEADLINE_HEADER = "x-request-timeout"
 CLASS_HEADER = "x-priority-class"
+CONVERSATION_HEADER = "x-conversation-id"  # sticks a conversation to one version (else the `user` field)
 
 
 def error_response(err: APIError, request_id: str | None) -> JSONResponse:
@@ -105,6 +107,7 @@ def create_app(config: Config, service: Service, name: str = "llmd", load_models
     runner = BatchRunner(service, batches, config.batch)
     app.ctx.batches = runner
     batch_http.add_routes(app, batches, runner, config.batch, principal)
+    registry_http.add_routes(app, service.registry, admin)
 
     @app.before_server_start
     async def _ledger(app: Sanic) -> None:
@@ -263,7 +266,8 @@ async def _generate(request: Request, service: Service, principal: Any,
             last_id = _last_event_id(request)
             handed_off = True
             return await _idempotent(request, service, who, req, rec, key, deadline_s, last_id)
-        job = await service.admit(req, rec, deadline_s, who, request.headers.get(CLASS_HEADER))
+        job = await service.admit(req, rec, deadline_s, who, request.headers.get(CLASS_HEADER),
+                                  request.headers.get(CONVERSATION_HEADER))
         if not req.stream:
             body = await streaming.complete(service, job, req)
             return json_response(body, headers=_headers(request, job))
@@ -329,7 +333,8 @@ async def _idempotent(request: Request, service: Service, who: Principal, req: C
             done = await store.lookup(k)
             if done is None:
                 rec.idempotency_key = key
-                job = await service.admit(req, rec, deadline_s, who, request.headers.get(CLASS_HEADER))
+                job = await service.admit(req, rec, deadline_s, who, request.headers.get(CLASS_HEADER),
+                                          request.headers.get(CONVERSATION_HEADER))
                 run.headers = _headers(request, job)
                 run.task = asyncio.get_running_loop().create_task(_execute(service, store, run, job, req))
             elif done[0] != h:

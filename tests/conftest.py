@@ -52,8 +52,23 @@ class LiveServer:
     def base(self) -> str:
         return self.url + "/v1"
 
+    stopped: bool = False
+
     def backend(self, model: str = "fake") -> Any:
         return self.service.models[model].backend
+
+    async def stop(self) -> None:
+        """Shut the server down as sanic would (the fixture does it for the ones left running)."""
+        if self.stopped:
+            return
+        self.stopped = True
+        await self.server.before_stop()
+        self.server.close()
+        # As sanic's own shutdown does: drop keep-alive connections, or wait_closed waits for them.
+        for conn in list(self.server.connections):
+            conn.close_if_idle() or conn.abort()
+        await self.server.wait_closed()
+        await self.server.after_stop()
 
 
 @pytest.fixture
@@ -64,13 +79,13 @@ async def make_server(tmp_path: Path) -> AsyncIterator[Any]:
 
     started: list[LiveServer] = []
 
-    async def _make(toml: str) -> LiveServer:
+    async def _make(toml: str, store: Any = None) -> LiveServer:
         port = free_port()
         cfg = Config.model_validate(__import__("tomllib").loads(textwrap.dedent(toml)))
         cfg.server.port = port
         if cfg.server.db_path is None:
             cfg.server.db_path = tmp_path / f"llmd-{port}.db"
-        service = Service(cfg)
+        service = Service(cfg, store)
         app = create_app(cfg, service, name=f"llmd_test_{next(_names)}", load_models=False)
         app.config.MOTD = False
         app.config.TOUCHUP = False  # touchup recompiles methods per app; breaks with many apps per process
@@ -86,13 +101,7 @@ async def make_server(tmp_path: Path) -> AsyncIterator[Any]:
 
     yield _make
     for live in started:
-        await live.server.before_stop()
-        live.server.close()
-        # As sanic's own shutdown does: drop keep-alive connections, or wait_closed waits for them.
-        for conn in list(live.server.connections):
-            conn.close_if_idle() or conn.abort()
-        await live.server.wait_closed()
-        await live.server.after_stop()
+        await live.stop()
 
 
 @pytest.fixture
@@ -176,12 +185,13 @@ dtype = "float32"
 """
 
 
-def start_server_process(toml: str, tmp: Path, ready_timeout: float = 240.0) -> EngineServer:
+def start_server_process(toml: str, tmp: Path, ready_timeout: float = 240.0,
+                         env_extra: dict[str, str] | None = None) -> EngineServer:
     port = free_port()
     cfg = tmp / "config.toml"
     cfg.write_text(toml.format(port=port, db=tmp / "llmd.db"))
     log_path = tmp / "server.log"
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env = dict(os.environ, PYTHONUNBUFFERED="1", **(env_extra or {}))
     with log_path.open("wb") as log:
         proc = subprocess.Popen([sys.executable, "-m", "llmd", "serve", "--config", str(cfg)],
                                 stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO, start_new_session=True)
@@ -209,6 +219,18 @@ def stop_process(proc: subprocess.Popen[bytes], timeout: float = 30.0) -> None:
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(10)
+
+
+@pytest.fixture(scope="session")
+def two_versions(smollm2_path: Path) -> tuple[Path, str, str]:
+    """An LLMD_HOME whose store holds SmolLM2 twice under different content hashes: the stored
+    (bf16) weights, hard-linked, and a float32 copy (made once, then kept next to the store)."""
+    root = WeightStore().root.parent.parent / "llmd-test-versions"
+    ws = WeightStore(root)
+    a = ws.link_from(WeightStore().resolve("smollm2"))
+    others = [m for m in ws.list() if m.name == "smollm2" and m.version != a.version]
+    b = others[0] if others else ws.cast_copy(a, "float32")
+    return root, a.version, b.version
 
 
 @pytest.fixture(scope="session")

@@ -10,28 +10,10 @@ from pathlib import Path
 from typing import Any
 
 import click
-import httpx
+
+from llmd.api_client import Api
 
 FINAL = ("completed", "failed", "expired", "cancelled")
-
-
-class Api:
-    def __init__(self, url: str, key: str | None) -> None:
-        headers = {"Authorization": f"Bearer {key}"} if key else {}
-        self.http = httpx.Client(base_url=url.rstrip("/") + "/v1", headers=headers, timeout=60)
-
-    def call(self, method: str, path: str, **kw: Any) -> httpx.Response:
-        try:
-            r = self.http.request(method, path, **kw)
-        except httpx.HTTPError as e:
-            raise click.ClickException(f"cannot reach the server at {self.http.base_url}: {e}") from None
-        if r.status_code >= 400:
-            try:
-                msg = r.json()["error"]["message"]
-            except (ValueError, KeyError, TypeError):
-                msg = r.text[:500]
-            raise click.ClickException(f"{r.status_code}: {msg}")
-        return r
 
 
 @click.group()

@@ -31,6 +31,7 @@ from llmd.batch.lines import ENDPOINTS, Item, LineError, output_line, parse_file
 from llmd.batch.store import Batch, BatchStore
 from llmd.config import BatchConfig
 from llmd.errors import APIError
+from llmd.registry.routing import parse_model
 from llmd.service import Job, Service, classify
 from llmd.telemetry import RequestRecord
 
@@ -100,8 +101,9 @@ class BatchRunner:
         items, errors, model = await asyncio.to_thread(
             parse_file, data, b.endpoint, self.cfg.max_requests, self.cfg.max_line_bytes)
         who = principal_for(self.service.config, b.tenant, b.key_id)
-        if not errors and model is not None and (model not in self.service.models or who is None
-                                                 or who.tenant is None or not who.tenant.may_use(model)):
+        if not errors and model is not None and (parse_model(model)[0] not in self.service.models or who is None
+                                                 or who.tenant is None
+                                                 or not who.tenant.may_use(parse_model(model)[0])):
             errors = [_model_error(items[0].line, model)]
         if errors:
             await self._fail(b, [e.as_dict() for e in errors])
@@ -137,7 +139,7 @@ class BatchRunner:
     def _slots_for(self, b: Batch) -> asyncio.Semaphore:
         key = (b.model or "", b.tenant)
         if key not in self._slots:
-            rt = self.service.models.get(b.model or "")  # gone from the config: its items fail with 404
+            rt = self.service.models.get(parse_model(b.model or "")[0])  # gone from the config: its items fail with 404
             seats = 8 if rt is None else rt.cfg.scheduling.max_running or (
                 rt.cfg.fake.max_num_seqs if rt.cfg.backend == "fake" else rt.cfg.engine.max_num_seqs)
             n = self.cfg.max_in_flight or 2 * seats
@@ -199,7 +201,7 @@ class BatchRunner:
     def _multiplier(self, b: Batch, tenant_multiplier: float | None) -> float:
         if tenant_multiplier is not None:
             return tenant_multiplier
-        rt = self.service.models.get(b.model or "")
+        rt = self.service.models.get(parse_model(b.model or "")[0])
         return rt.cfg.pricing.batch_multiplier if rt is not None else 1.0
 
     async def _finalize(self, b: Batch) -> None:

@@ -23,7 +23,7 @@ async def test_chat_and_completion_shapes(make_server) -> None:
     live = await make_server(fake_toml())
     c = sdk(live)
     r = await c.chat.completions.create(model="fake", messages=MSG, max_tokens=7)
-    assert r.object == "chat.completion" and r.model == "fake"
+    assert r.object == "chat.completion" and r.model == "fake@fake-fake"  # name@version that served it
     assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 7
     assert r.usage.prompt_tokens == live.backend().render_chat([{"role": "user", "content": "hello there"}]).num_tokens
     again = await c.chat.completions.create(model="fake", messages=MSG, max_tokens=7)

@@ -87,3 +87,27 @@ def test_cli_import_and_list(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
     assert r.exit_code == 0 and "ok" in r.output
     r = runner.invoke(main, ["models", "import", str(tmp_path / "ghost")])
     assert r.exit_code != 0
+
+
+def test_cast_copy_is_a_new_version_of_the_same_model(tmp_path: Path) -> None:
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "config.json").write_text("{}")
+    save_file({"w": torch.ones(4, dtype=torch.bfloat16), "ids": torch.arange(3)}, src / "model.safetensors")
+    ws = WeightStore(tmp_path / "home")
+    a = ws.add_hf_dir(src, "tiny", "test")
+    b = ws.cast_copy(a, "float32")
+    assert b.name == "tiny" and b.version != a.version and b.source == "test as float32"
+    t = load_file(b.path / "model.safetensors")
+    assert t["w"].dtype == torch.float32 and t["ids"].dtype == torch.int64  # only floats are cast
+    assert (b.path / "config.json").is_file()
+    ws.verify(b)
+    other = WeightStore(tmp_path / "other")
+    linked = other.link_from(a)
+    assert linked.version == a.version and (linked.path / "model.safetensors").stat().st_ino == \
+        (a.path / "model.safetensors").stat().st_ino  # hard links, no copy
+    with pytest.raises(StoreError):
+        ws.cast_copy(a, "int8")

@@ -1,0 +1,254 @@
+"""Each model's loaded versions (one engine, queue and scheduler each) and the live routing
+view. The view is rebuilt and swapped in whole after every change, and every change is
+written to the registry's SQLite first, so a restart comes back with the same versions and
+the same split. A request is routed to a version once, before admission; from then on it
+only ever touches that version's engine, so it can never be served by other weights.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import structlog
+
+from llmd.backends import build_backend
+from llmd.backends.base import Sampling
+from llmd.registry.routing import RoutingError, RoutingView, Split
+from llmd.registry.store import RegistryStore
+
+if TYPE_CHECKING:
+    from llmd.service import ModelRuntime, Service
+
+log = structlog.get_logger("llmd.registry")
+WARMUP_PROMPTS = ("Hello!", "Write one sentence about the sea.", "What is 2 + 2?")
+
+
+class RegistryError(Exception):
+    """A lifecycle step that cannot be done (unknown version, still in the split, ...)."""
+
+    def __init__(self, message: str, status: int = 409) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class Registry:
+    def __init__(self, service: "Service", path: Path) -> None:
+        self.service = service
+        self.store = RegistryStore(path)
+        self.runtimes: dict[str, dict[str, "ModelRuntime"]] = {}  # model -> version id -> runtime
+        self.states: dict[str, dict[str, str]] = {}
+        self.view = RoutingView()
+        self._weights: dict[str, dict[str, float]] = {}  # model -> the current split's weights
+        self._lock = asyncio.Lock()  # one lifecycle change at a time
+
+    # -- start and stop --------------------------------------------------------------------
+    async def restore(self) -> None:
+        """After the configured versions loaded: route everything to them at once, then load
+        the other versions the registry had loaded (minutes on a real engine) and put back
+        each model's last split (or keep all traffic on the configured version)."""
+        for name, rt in self.service.models.items():
+            if rt.backend is not None:
+                self.runtimes[name] = {rt.backend.version: rt}
+                self.states[name] = {rt.backend.version: "active"}
+                self._weights = {**self._weights, name: {rt.backend.version: 1.0}}
+        self._publish()
+        for name, versions in list(self.runtimes.items()):
+            primary = next(iter(versions))
+            saved = await self.store.versions(name)
+            for version, state in saved.items():
+                if version != primary and state in ("active", "standby"):
+                    try:
+                        await self._load(name, version, warm=False)
+                    except Exception as e:  # noqa: BLE001 - reported; the others still serve
+                        log.error("version_restore_failed", model=name, version=version, error=str(e))
+                        await self.store.set_state(name, version, "unloaded")
+            last = await self.store.splits(name, 1)
+            weights = {v: w for v, w in (last[0].weights if last else {}).items() if v in self.runtimes[name]}
+            if not weights:
+                weights = {primary: 1.0}
+                await self.store.add_split(name, weights, "configured version")
+            await self._apply(name, weights)
+            self._publish()
+
+    async def stop(self) -> None:
+        for name, versions in self.runtimes.items():
+            primary = self.service.models[name]
+            for rt in versions.values():
+                if rt is not primary:  # the service stops its own
+                    await _stop_runtime(rt)
+        self.runtimes.clear()
+        await self.store.stop()
+
+    # -- routing ---------------------------------------------------------------------------
+    def route(self, model: str, key: str | None, pin: str | None) -> "ModelRuntime":
+        version = self.view.route(model, key, pin)
+        return self.runtimes[model][version]
+
+    def _publish(self) -> None:
+        splits: dict[str, Split] = {}
+        loaded: dict[str, frozenset[str]] = {}
+        for name, states in self.states.items():
+            active = {v: w for v, w in self._weights.get(name, {}).items() if states.get(v) == "active"}
+            if active:
+                splits[name] = Split.of(active)
+            loaded[name] = frozenset(v for v, s in states.items() if s in ("active", "standby"))
+        self.view = RoutingView(splits, loaded)  # one assignment: requests see old or new, never a mix
+
+    async def _apply(self, name: str, weights: dict[str, float]) -> None:
+        states = self.states[name]
+        for v in self.runtimes[name]:
+            want = "active" if weights.get(v, 0) > 0 else ("standby" if states.get(v) in ("active", None) else states[v])
+            if states.get(v) != want:
+                states[v] = want
+                await self.store.set_state(name, v, want)
+        self._weights = {**self._weights, name: dict(weights)}
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def _model(self, name: str) -> dict[str, "ModelRuntime"]:
+        if name not in self.runtimes:
+            raise RegistryError(f"model {name!r} is not configured or not loaded yet", 404)
+        return self.runtimes[name]
+
+    def resolve(self, name: str, prefix: str) -> str:
+        found = [v for v in self._model(name) if v.startswith(prefix)]
+        if len(found) != 1:
+            raise RegistryError(f"model {name!r} has {'no' if not found else 'more than one'} loaded version "
+                                f"matching {prefix!r}", 404)
+        return found[0]
+
+    async def load(self, name: str, version: str, warm: bool = True) -> str:
+        """Load a stored version (its weights re-hashed first: a mismatch refuses to load), warm
+        it up out of rotation, and keep it on standby. Returns its full id."""
+        async with self._lock:
+            self._model(name)
+            vid = await self._load(name, version, warm)
+            if self.states[name].get(vid) not in ("active", "standby"):  # a draining one is back on standby
+                self.states[name][vid] = "standby"
+            await self.store.set_state(name, vid, self.states[name][vid])
+            self._publish()
+            return vid
+
+    async def _load(self, name: str, version: str, warm: bool) -> str:
+        from llmd.service import ModelRuntime
+
+        cfg = self.service.config.model(name)
+        assert cfg is not None
+        existing = [v for v in self.runtimes.get(name, {}) if v.startswith(version)]
+        if len(existing) == 1:
+            return existing[0]
+        vcfg = cfg.model_copy(update={"version": version})
+        t0 = time.monotonic()
+        try:
+            backend = await build_backend(vcfg, self.service.store)
+        except Exception as e:
+            raise RegistryError(f"cannot load {name}@{version}: {e}", 400) from None
+        await backend.start()
+        rt = ModelRuntime(vcfg, self.service.config.tenants)
+        rt.attach(backend)
+        if warm:
+            await _warm_up(rt)
+        self.runtimes.setdefault(name, {})[backend.version] = rt
+        self.states.setdefault(name, {})[backend.version] = "standby"
+        log.info("version_loaded", model=name, version=backend.version, seconds=round(time.monotonic() - t0, 2))
+        return backend.version
+
+    async def set_split(self, name: str, weights: dict[str, float], note: str | None = None) -> dict[str, float]:
+        """Route by these weights from the next request on (versions by id or unique prefix)."""
+        async with self._lock:
+            full = {self.resolve(name, v): float(w) for v, w in weights.items()}
+            for v in full:
+                if self.states[name].get(v) not in ("active", "standby"):
+                    raise RegistryError(f"{name}@{v[:12]} is {self.states[name].get(v)}; load it first")
+            try:
+                Split.of(full)
+            except ValueError as e:
+                raise RegistryError(str(e), 400) from None
+            await self.store.add_split(name, full, note)
+            await self._apply(name, full)
+            self._publish()
+            log.info("split_changed", model=name, weights={v[:12]: w for v, w in full.items()}, note=note)
+            return full
+
+    async def rollback(self, name: str) -> dict[str, float]:
+        """Restore the split before the current one: one registry write."""
+        self._model(name)
+        rows = await self.store.splits(name, 2)
+        if len(rows) < 2:
+            raise RegistryError(f"model {name!r} has no earlier split to roll back to")
+        return await self.set_split(name, rows[1].weights, note=f"rollback of split {rows[0].id}")
+
+    async def drain(self, name: str, version: str, timeout_s: float) -> dict[str, Any]:
+        """No new requests for this version; wait (up to `timeout_s`) for the ones it has to
+        finish. Nothing is killed: what is left after the timeout keeps running."""
+        async with self._lock:
+            vid = self.resolve(name, version)
+            if self._weights.get(name, {}).get(vid, 0) > 0:
+                raise RegistryError(f"{name}@{vid[:12]} is in the split; move its traffic away first")
+            self.states[name][vid] = "draining"
+            await self.store.set_state(name, vid, "draining")
+            self._publish()
+        rt = self.runtimes[name][vid]
+        end = time.monotonic() + timeout_s
+        while _in_flight(rt) and time.monotonic() < end:
+            await asyncio.sleep(0.05)
+        left = _in_flight(rt)
+        log.info("version_drained", model=name, version=vid, left=left)
+        return {"version": vid, "in_flight": left, "drained": left == 0}
+
+    async def unload(self, name: str, version: str, timeout_s: float) -> dict[str, Any]:
+        """Drain, then stop the engine. The configured version stays loaded."""
+        vid = self.resolve(name, version)
+        if self.runtimes[name][vid] is self.service.models[name]:
+            raise RegistryError(f"{name}@{vid[:12]} is the configured version; change the config to drop it")
+        out = await self.drain(name, vid, timeout_s)
+        if not out["drained"]:
+            raise RegistryError(f"{name}@{vid[:12]} still has {out['in_flight']} requests after {timeout_s} s; "
+                                "it stays loaded (draining)")
+        async with self._lock:
+            rt = self.runtimes[name].pop(vid)
+            self.states[name].pop(vid, None)
+            await self.store.set_state(name, vid, "unloaded")
+            self._publish()
+        await _stop_runtime(rt)
+        return out
+
+    def describe(self, name: str) -> dict[str, Any]:
+        rts = self._model(name)
+        weights = self._weights.get(name, {})
+        return {"model": name, "split": {v: w for v, w in weights.items()},
+                "versions": [{"version": v, "state": self.states[name].get(v), "weight": weights.get(v, 0.0),
+                              "configured": rt is self.service.models[name], "in_flight": _in_flight(rt),
+                              "ready": rt.ready} for v, rt in rts.items()]}
+
+
+def _in_flight(rt: "ModelRuntime") -> int:
+    return (len(rt.scheduler.running) + len(rt.queue)) if rt.scheduler is not None else 0
+
+
+async def _stop_runtime(rt: "ModelRuntime") -> None:
+    if rt.scheduler is not None:
+        await rt.scheduler.stop()
+    if rt.backend is not None:
+        await rt.backend.stop()
+
+
+async def _warm_up(rt: "ModelRuntime") -> None:
+    """A few short generations straight to the engine, out of rotation (first requests pay
+    for cold caches and lazy initialisation; better the registry pays than a user)."""
+    backend = rt.backend
+    assert backend is not None
+    for text in WARMUP_PROMPTS:
+        rid = f"warmup-{uuid.uuid4().hex[:12]}"
+        prompt = backend.render_chat([{"role": "user", "content": text}])
+        gen = backend.generate(rid, prompt, Sampling(max_tokens=8, temperature=0.0), 0)
+        async with contextlib.aclosing(gen):
+            async for _ in gen:
+                pass
+
+
+__all__ = ["Registry", "RegistryError", "RoutingError"]
