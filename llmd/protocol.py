@@ -6,6 +6,8 @@ field: silently ignoring `n=3` or `tools` would hand a client a wrong answer.
 
 from __future__ import annotations
 
+import json
+
 import time
 from typing import Annotated, Any, Literal
 
@@ -167,6 +169,17 @@ def parse(cls: type[_Common], raw: bytes) -> _Common:
     if req.stream_options is not None and not req.stream:
         raise bad_request("The 'stream_options' parameter is only allowed when 'stream' is enabled.", "stream_options")
     return req
+
+
+def json_object(raw: bytes | None) -> dict[str, Any]:
+    """A request body that must be a JSON object (an empty body is `{}`); else a 400."""
+    try:
+        body = json.loads(raw or b"{}")
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        body = None
+    if not isinstance(body, dict):
+        raise bad_request("We could not parse the JSON body of your request: expected a JSON object", code="invalid_json")
+    return body
 
 
 # -- response shapes -----------------------------------------------------------

@@ -232,6 +232,9 @@ class WeightStore:
         target = getattr(torch, dtype, None)
         if not isinstance(target, torch.dtype) or not target.is_floating_point:
             raise StoreError(f"unknown floating-point dtype {dtype!r}")
+        made = [m for m in self.list() if m.name == model.name and m.source == f"{model.source} as {dtype}"]
+        if made:
+            return made[0]  # made before (the cast is deterministic: it would get the same id)
         self.root.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(prefix=".llmd-cast-", dir=self.root) as tmp:
             for f in sorted(model.path.iterdir()):

@@ -5,7 +5,6 @@ tenant's file or batch is a 404, exactly like one that does not exist."""
 from __future__ import annotations
 
 import asyncio
-import json
 from typing import Any, Callable
 
 from sanic import Request, Sanic
@@ -18,6 +17,7 @@ from llmd.batch.runner import BatchRunner
 from llmd.batch.store import Batch, BatchStore
 from llmd.config import BatchConfig
 from llmd.errors import APIError, bad_request, not_found
+from llmd.protocol import json_object
 
 def add_routes(app: Sanic, store: BatchStore, runner: BatchRunner, cfg: BatchConfig,
                principal: Callable[[Request], Principal]) -> None:
@@ -82,7 +82,7 @@ def add_routes(app: Sanic, store: BatchStore, runner: BatchRunner, cfg: BatchCon
     async def file_content(request: Request, file_id: str) -> HTTPResponse:
         f = await file_or_404(tenant_of(request), file_id)
         try:
-            data = await asyncio.to_thread(store.path(f["id"]).read_bytes)
+            data = await asyncio.to_thread(store.file_path(f["id"]).read_bytes)
         except OSError:
             raise not_found(f"the content of {file_id} is gone", "file_not_found", "file_id") from None
         return raw(data, content_type="application/jsonl")
@@ -99,7 +99,7 @@ def add_routes(app: Sanic, store: BatchStore, runner: BatchRunner, cfg: BatchCon
     async def create_batch(request: Request) -> HTTPResponse:
         who = principal(request)
         tenant = tenant_of(request)
-        body = _json(request)
+        body = json_object(request.body)
         fid, endpoint, window = body.get("input_file_id"), body.get("endpoint"), body.get("completion_window")
         meta = body.get("metadata")
         extra = sorted(set(body) - {"input_file_id", "endpoint", "completion_window", "metadata"})
@@ -186,13 +186,3 @@ def _limit(request: Request, hi: int) -> int:
     if not 1 <= n <= hi:
         raise bad_request(f"limit must be an integer from 1 to {hi}", "limit", "invalid_value")
     return n
-
-
-def _json(request: Request) -> dict[str, Any]:
-    try:
-        body = json.loads(request.body or b"")
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        body = None
-    if not isinstance(body, dict):
-        raise bad_request("We could not parse the JSON body of your request: expected a JSON object", code="invalid_json")
-    return body

@@ -93,7 +93,7 @@ class BatchRunner:
 
     async def _validate(self, b: Batch) -> None:
         try:
-            data = await asyncio.to_thread(self.store.path(b.input_file_id).read_bytes)
+            data = await asyncio.to_thread(self.store.file_path(b.input_file_id).read_bytes)
         except OSError:
             await self._fail(b, [{"code": "file_not_found", "message": f"input file {b.input_file_id} is gone",
                                   "param": "input_file_id", "line": None}])

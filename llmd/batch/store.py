@@ -25,6 +25,7 @@ from typing import Any, AsyncIterator, Iterable
 import aiosqlite
 
 from llmd.batch.lines import Item
+from llmd.sqlite import SqliteStore
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS files (
@@ -75,36 +76,23 @@ def window_seconds(window: str) -> int:
     return int(window[:-1]) * {"h": 3600, "m": 60, "s": 1}[window[-1]]
 
 
-class BatchStore:
+class BatchStore(SqliteStore):
+    SCHEMA = SCHEMA
+
     def __init__(self, db_path: Path, files_dir: Path) -> None:
-        self.db_path, self.dir = Path(db_path), Path(files_dir)
-        self._db: aiosqlite.Connection | None = None
+        super().__init__(db_path)
+        self.dir = Path(files_dir)
         # One connection serves every coroutine: a transaction must not take in another's writes.
         self._lock = asyncio.Lock()
 
     async def start(self) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
-        self.db_path.parent.mkdir(parents=True, exist_ok=True)
-        self._db = await aiosqlite.connect(self.db_path, isolation_level=None)
-        self._db.row_factory = aiosqlite.Row
-        await self._db.execute("PRAGMA journal_mode=WAL")
-        await self._db.execute("PRAGMA synchronous=FULL")  # a stored result is never lost
-        await self._db.executescript(SCHEMA)
+        await super().start()  # synced: a stored result is never lost
         for p in self.dir.glob("*.tmp"):  # a file whose row was never committed
             p.unlink(missing_ok=True)
 
-    async def stop(self) -> None:
-        if self._db is not None:
-            await self._db.close()
-            self._db = None
-
-    @property
-    def db(self) -> aiosqlite.Connection:
-        assert self._db is not None, "BatchStore.start() first"
-        return self._db
-
     # -- files ---------------------------------------------------------------------------
-    def path(self, file_id: str) -> Path:
+    def file_path(self, file_id: str) -> Path:
         return self.dir / file_id
 
     def _write(self, file_id: str, chunks: Iterable[bytes]) -> int:
@@ -116,7 +104,7 @@ class BatchStore:
                 size += len(c)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, self.path(file_id))
+        os.replace(tmp, self.file_path(file_id))
         return size
 
     async def add_file(self, tenant: str, purpose: str, filename: str, data: bytes,
@@ -155,7 +143,7 @@ class BatchStore:
             cur = await self.db.execute("UPDATE files SET deleted = 1 WHERE id = ? AND tenant = ? AND deleted = 0",
                                         (file_id, tenant))
         if cur.rowcount:
-            self.path(file_id).unlink(missing_ok=True)
+            self.file_path(file_id).unlink(missing_ok=True)
         return bool(cur.rowcount)
 
     # -- batches -------------------------------------------------------------------------

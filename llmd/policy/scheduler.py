@@ -231,7 +231,10 @@ class Scheduler:
             rest = [t for t in live if t not in chosen]
             rest.sort(key=lambda t: (t.req.klass == "batch", self._holds(t.req.tenant), t.req.seq), reverse=True)
             chosen += rest[:excess]
-        if not self.detector.has_headroom(self.stats, running - len(chosen)):
+        # Preempting for a waiting request helps only when seats or KV are what it waits for,
+        # not when the engine's own queue is (that drains by itself within a step).
+        full = running - len(chosen) >= limit or self.stats.kv_usage >= self.detector.kv_high
+        if full and not self.detector.has_headroom(self.stats, running - len(chosen)):
             taken = set(map(id, chosen))
             live = [t for t in live if id(t) not in taken]
             share = self._fair_share(limit)

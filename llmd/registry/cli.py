@@ -35,10 +35,12 @@ def status(api: Api, model: str) -> None:
 @click.argument("model")
 @click.argument("version")
 @click.option("--no-warm", is_flag=True, help="Skip the warm-up generations.")
+@click.option("--cpu-bind", default=None, help="CPU engines: the cores this one uses (e.g. 2-3).")
 @click.pass_obj
-def load(api: Api, model: str, version: str, no_warm: bool) -> None:
+def load(api: Api, model: str, version: str, no_warm: bool, cpu_bind: str | None) -> None:
     """Load a stored VERSION (id or prefix) of MODEL on standby, out of rotation."""
-    _show(api.call("POST", f"/admin/models/{model}/versions", json={"version": version, "warm": not no_warm}).json())
+    _show(api.call("POST", f"/admin/models/{model}/versions",
+                   json={"version": version, "warm": not no_warm, "cpu_threads_bind": cpu_bind}).json())
 
 
 @registry.command()

@@ -1,7 +1,8 @@
 """Registry admin routes (HTTP layer: imports sanic); every one needs an admin key.
 
     GET    /admin/models/{model}                          versions, states, split
-    POST   /admin/models/{model}/versions                 {"version": ID_OR_PREFIX, "warm": true}: load, standby
+    POST   /admin/models/{model}/versions                 {"version": ID_OR_PREFIX, "warm": true,
+                                                           "cpu_threads_bind": "2-3"}: load, standby
     PUT    /admin/models/{model}/split                    {"weights": {VERSION: WEIGHT, ...}}
     POST   /admin/models/{model}/rollback                 restore the previous split
     POST   /admin/models/{model}/versions/{v}/drain       {"timeout_s": 30}
@@ -10,7 +11,6 @@
 
 from __future__ import annotations
 
-import json
 from typing import Any, Awaitable, Callable
 
 from sanic import Request, Sanic
@@ -18,6 +18,7 @@ from sanic.response import HTTPResponse
 from sanic.response import json as json_response
 
 from llmd.errors import APIError, bad_request
+from llmd.protocol import json_object
 from llmd.registry.registry import Registry, RegistryError
 
 DEFAULT_DRAIN_S = 30.0
@@ -40,20 +41,22 @@ def add_routes(app: Sanic, registry: Registry, admin: Callable[[Request], None])
     @app.post("/admin/models/<name:str>/versions")
     async def load(request: Request, name: str) -> HTTPResponse:
         admin(request)
-        body = _json(request)
-        version = body.get("version")
+        body = json_object(request.body)
+        version, bind = body.get("version"), body.get("cpu_threads_bind")
         if not isinstance(version, str) or not version:
             raise bad_request("Missing required parameter: 'version' (a stored version id or prefix)", "version")
+        if bind is not None and not isinstance(bind, str):
+            raise bad_request("cpu_threads_bind must be a string of cores, like '2-3'", "cpu_threads_bind")
 
         async def go() -> dict[str, Any]:
-            vid = await registry.load(name, version, warm=bool(body.get("warm", True)))
+            vid = await registry.load(name, version, warm=bool(body.get("warm", True)), cpu_threads_bind=bind)
             return registry.describe(name) | {"loaded": vid}
         return await guarded(request, go)
 
     @app.put("/admin/models/<name:str>/split")
     async def split(request: Request, name: str) -> HTTPResponse:
         admin(request)
-        weights = _json(request).get("weights")
+        weights = json_object(request.body).get("weights")
         if not isinstance(weights, dict) or not weights:
             raise bad_request("'weights' must map version ids (or prefixes) to weights", "weights")
 
@@ -72,7 +75,7 @@ def add_routes(app: Sanic, registry: Registry, admin: Callable[[Request], None])
     @app.post("/admin/models/<name:str>/versions/<version:str>/drain")
     async def drain(request: Request, name: str, version: str) -> HTTPResponse:
         admin(request)
-        timeout = _timeout(_json(request).get("timeout_s", DEFAULT_DRAIN_S))
+        timeout = _timeout(json_object(request.body).get("timeout_s", DEFAULT_DRAIN_S))
         return await guarded(request, lambda: registry.drain(name, version, timeout))
 
     @app.delete("/admin/models/<name:str>/versions/<version:str>")
@@ -90,13 +93,3 @@ def _timeout(raw: Any) -> float:
     if not 0 <= value <= 3600:
         raise bad_request("timeout_s must be a number of seconds from 0 to 3600", "timeout_s")
     return value
-
-
-def _json(request: Request) -> dict[str, Any]:
-    try:
-        body = json.loads(request.body or b"{}")
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        body = None
-    if not isinstance(body, dict):
-        raise bad_request("We could not parse the JSON body of your request: expected a JSON object", code="invalid_json")
-    return body

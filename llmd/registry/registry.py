@@ -121,19 +121,21 @@ class Registry:
                                 f"matching {prefix!r}", 404)
         return found[0]
 
-    async def load(self, name: str, version: str, warm: bool = True) -> str:
+    async def load(self, name: str, version: str, warm: bool = True, cpu_threads_bind: str | None = None) -> str:
         """Load a stored version (its weights re-hashed first: a mismatch refuses to load), warm
-        it up out of rotation, and keep it on standby. Returns its full id."""
+        it up out of rotation, and keep it on standby. Returns its full id. `cpu_threads_bind`
+        pins a CPU engine to its own cores (vLLM's VLLM_CPU_OMP_THREADS_BIND, e.g. "2-3"), so
+        two engines in one process do not fight over the same ones."""
         async with self._lock:
             self._model(name)
-            vid = await self._load(name, version, warm)
+            vid = await self._load(name, version, warm, cpu_threads_bind)
             if self.states[name].get(vid) not in ("active", "standby"):  # a draining one is back on standby
                 self.states[name][vid] = "standby"
             await self.store.set_state(name, vid, self.states[name][vid])
             self._publish()
             return vid
 
-    async def _load(self, name: str, version: str, warm: bool) -> str:
+    async def _load(self, name: str, version: str, warm: bool, cpu_threads_bind: str | None = None) -> str:
         from llmd.service import ModelRuntime
 
         cfg = self.service.config.model(name)
@@ -142,6 +144,8 @@ class Registry:
         if len(existing) == 1:
             return existing[0]
         vcfg = cfg.model_copy(update={"version": version})
+        if cpu_threads_bind:
+            vcfg.engine = cfg.engine.model_copy(update={"cpu_threads_bind": cpu_threads_bind})
         t0 = time.monotonic()
         try:
             backend = await build_backend(vcfg, self.service.store)

@@ -9,7 +9,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import aiosqlite
+from llmd.sqlite import SqliteStore
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS versions (
@@ -31,28 +31,8 @@ class SplitRow:
     note: str | None
 
 
-class RegistryStore:
-    def __init__(self, path: Path) -> None:
-        self.path = Path(path)
-        self._db: aiosqlite.Connection | None = None
-
-    async def start(self) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._db = await aiosqlite.connect(self.path, isolation_level=None)
-        self._db.row_factory = aiosqlite.Row
-        await self._db.execute("PRAGMA journal_mode=WAL")
-        await self._db.execute("PRAGMA synchronous=FULL")
-        await self._db.executescript(SCHEMA)
-
-    async def stop(self) -> None:
-        if self._db is not None:
-            await self._db.close()
-            self._db = None
-
-    @property
-    def db(self) -> aiosqlite.Connection:
-        assert self._db is not None, "RegistryStore.start() first"
-        return self._db
+class RegistryStore(SqliteStore):
+    SCHEMA = SCHEMA
 
     async def set_state(self, model: str, version: str, state: str) -> None:
         assert state in STATES

@@ -103,9 +103,11 @@ async def test_ninety_ten_split_over_a_thousand_requests(make_server, tmp_path: 
     ws, (v1, v2) = store
     live = await make_server(toml(tmp_path, v1), ws)
     async with admin(live) as h:
-        r = await h.post("/admin/models/m/versions", json={"version": v2[:12]})
+        r = await h.post("/admin/models/m/versions", json={"version": v2[:12], "cpu_threads_bind": "1"})
         assert r.status_code == 200, r.text
         assert {v["version"]: v["state"] for v in r.json()["versions"]} == {v1: "active", v2: "standby"}
+        rts = live.service.registry.runtimes["m"]
+        assert rts[v2].cfg.engine.cpu_threads_bind == "1" and rts[v1].cfg.engine.cpu_threads_bind is None
         r = await h.put("/admin/models/m/split", json={"weights": {v1[:12]: 90, v2[:12]: 10}})
         assert r.status_code == 200, r.text
     c = client(live)
