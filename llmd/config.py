@@ -68,6 +68,7 @@ class FakeEngineConfig(_Strict):
     step_ms_per_seq: Annotated[float, Field(ge=0)] = 0.2
     max_num_seqs: Annotated[int, Field(gt=0)] = 64
     prefill_tokens_per_step: Annotated[int, Field(gt=0)] = 2048
+    sleep_mode: bool = False  # act as an engine with vLLM's sleep mode (a GPU) for the registry
 
 
 PriorityClass = Literal["interactive", "batch"]

@@ -33,6 +33,7 @@ from llmd.config import Config
 from llmd.errors import APIError, not_found
 from llmd.idempotency import IdempotencyStore, LiveRun, Outcome, request_hash
 from llmd.limits import deadline_seconds
+from llmd.policy.admission import AdmissionRefused
 from llmd.protocol import ChatRequest, CompletionRequest
 from llmd.service import Job, Service, classify
 from llmd.telemetry import RequestRecord, log
@@ -41,7 +42,8 @@ _CLIENT_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 VERSION_HEADER = "X-LLMD-Model-Version"
 DEADLINE_HEADER = "x-request-timeout"
 CLASS_HEADER = "x-priority-class"
-CONVERSATION_HEADER = "x-conversation-id"  # sticks a conversation to one version (else the `user` field)
+CONVERSATION_HEADER = "x-conversation-id"
+BATCH_OK_HEADER = "x-llmd-batch-ok"  # "1": when degraded to the batch tier, take a batch (202), not a 503  # sticks a conversation to one version (else the `user` field)
 
 
 def error_response(err: APIError, request_id: str | None) -> JSONResponse:
@@ -201,13 +203,25 @@ def create_app(config: Config, service: Service, name: str = "llmd", load_models
         data = await service.ledger.usage(tenant, since, until, group_by)
         return json_response({"object": "list", "data": data})
 
+    async def generate(request: Request, cls: type[ChatRequest] | type[CompletionRequest]) -> HTTPResponse | None:
+        try:
+            return await _generate(request, service, principal, cls)
+        except AdmissionRefused as e:
+            # Degraded to the batch tier, and this client said it takes a batch instead of a 503.
+            if e.reason != "overloaded_use_batch" or request.headers.get(BATCH_OK_HEADER, "").lower() not in ("1", "true"):
+                return error_response(e, request.ctx.response_id)
+            b = await batch_http.submit_one(batches, runner, principal(request), request.path,
+                                            json.loads(request.body), request.ctx.request_id)
+            return json_response(b, status=202, headers={"Location": f"/v1/batches/{b['id']}",
+                                                         "X-Request-ID": request.ctx.response_id})
+
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> HTTPResponse | None:
-        return await _generate(request, service, principal, ChatRequest)
+        return await generate(request, ChatRequest)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> HTTPResponse | None:
-        return await _generate(request, service, principal, CompletionRequest)
+        return await generate(request, CompletionRequest)
 
     return app
 
@@ -276,6 +290,8 @@ async def _generate(request: Request, service: Service, principal: Any,
     except BaseException as e:
         if not handed_off:
             rec.status, rec.http_status, rec.error_code = classify(e)
+        if isinstance(e, AdmissionRefused) and e.reason == "overloaded_use_batch":
+            raise  # the route may turn it into a batch
         if isinstance(e, APIError):
             return error_response(e, request.ctx.response_id)
         raise

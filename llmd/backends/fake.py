@@ -100,6 +100,7 @@ class FakeBackend:
         self._task: asyncio.Task[None] | None = None
         self._started = False
         self._dead: BaseException | None = None
+        self.sleeping = False
 
     # -- lifecycle ----------------------------------------------------------
     async def start(self) -> None:
@@ -114,6 +115,14 @@ class FakeBackend:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
         self._fail_all(BackendError("engine stopped"))
+
+    async def sleep(self) -> bool:
+        """Pretends to support sleep mode when `fake.sleep_mode` is set (tests the registry's calls)."""
+        self.sleeping = self.cfg.sleep_mode
+        return self.sleeping
+
+    async def wake_up(self) -> None:
+        self.sleeping = False
 
     def kill(self) -> None:
         """Simulate the engine process dying: live streams and new calls raise `EngineDead`."""

@@ -32,6 +32,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 from vllm import SamplingParams  # noqa: E402
 from vllm.engine.arg_utils import AsyncEngineArgs  # noqa: E402
+from vllm.platforms import current_platform  # noqa: E402
 from vllm.renderers.params import ChatParams  # noqa: E402
 from vllm.sampling_params import RequestOutputKind  # noqa: E402
 from vllm.v1.engine.async_llm import AsyncLLM  # noqa: E402
@@ -89,6 +90,8 @@ class VllmBackend:
             dtype=self.cfg.dtype,
             scheduling_policy="priority",
             disable_log_stats=False,
+            # Standby versions sleep (weights offloaded, KV freed) where the platform can.
+            enable_sleep_mode=current_platform.is_sleep_mode_available(),
         )
         kwargs.update(self.cfg.extra)
         return AsyncEngineArgs(**kwargs)
@@ -110,6 +113,17 @@ class VllmBackend:
         engine, self._engine = self._engine, None
         if engine is not None:
             await asyncio.to_thread(engine.shutdown)
+
+    async def sleep(self) -> bool:
+        """Level 1: weights to host memory, KV cache dropped; False on a CPU (no sleep mode)."""
+        if self._engine is None or not current_platform.is_sleep_mode_available():
+            return False
+        await self._engine.sleep(level=1)
+        return True
+
+    async def wake_up(self) -> None:
+        if self._engine is not None and await self._engine.is_sleeping():
+            await self._engine.wake_up()
 
     @property
     def ready(self) -> bool:

@@ -5,6 +5,7 @@ tenant's file or batch is a 404, exactly like one that does not exist."""
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import Any, Callable
 
 from sanic import Request, Sanic
@@ -123,18 +124,18 @@ def add_routes(app: Sanic, store: BatchStore, runner: BatchRunner, cfg: BatchCon
         runner.kick(batch_id)
         b = await store.get_batch(batch_id)
         assert b is not None
-        return json_response(await batch_object(b))
+        return json_response(await batch_object(store, b))
 
     @app.get("/v1/batches")
     async def list_batches(request: Request) -> HTTPResponse:
         tenant = tenant_of(request)
         limit = _limit(request, 100)
         rows = await store.list_batches(tenant, request.args.get("after"), limit + 1)
-        return json_response(_page([await batch_object(b) for b in rows[:limit + 1]], limit))
+        return json_response(_page([await batch_object(store, b) for b in rows[:limit + 1]], limit))
 
     @app.get("/v1/batches/<batch_id:str>")
     async def get_batch(request: Request, batch_id: str) -> HTTPResponse:
-        return json_response(await batch_object(await batch_or_404(tenant_of(request), batch_id)))
+        return json_response(await batch_object(store, await batch_or_404(tenant_of(request), batch_id)))
 
     @app.post("/v1/batches/<batch_id:str>/cancel")
     async def cancel_batch(request: Request, batch_id: str) -> HTTPResponse:
@@ -143,25 +144,42 @@ def add_routes(app: Sanic, store: BatchStore, runner: BatchRunner, cfg: BatchCon
         if b.status not in ("validating", "in_progress", "cancelling"):
             raise APIError(409, f"a batch that is {b.status} cannot be cancelled", code="batch_not_cancellable")
         await runner.cancel(b)
-        return json_response(await batch_object(await batch_or_404(tenant, batch_id)))
+        return json_response(await batch_object(store, await batch_or_404(tenant, batch_id)))
 
-    async def batch_object(b: Batch) -> dict[str, Any]:
-        c = await store.counts(b.id)
-        out: dict[str, Any] = {
-            "id": b.id, "object": "batch", "endpoint": b.endpoint, "model": b.model,
-            "input_file_id": b.input_file_id, "completion_window": b.completion_window, "status": b.status,
-            "output_file_id": b.output_file_id, "error_file_id": b.error_file_id,
-            "errors": b.errors, "created_at": b.created_at, "expires_at": b.expires_at, **b.times,
-            "request_counts": {"total": c.get("total", 0), "completed": c.get("completed", 0),
-                               "failed": c.get("failed", 0)},
-            "metadata": b.metadata,
-        }
-        if c.get("total"):
-            out["usage"] = {"input_tokens": c["input_tokens"],
-                            "input_tokens_details": {"cached_tokens": c["cached_tokens"]},
-                            "output_tokens": c["output_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
-                            "total_tokens": c["input_tokens"] + c["output_tokens"]}
-        return out
+
+async def batch_object(store: BatchStore, b: Batch) -> dict[str, Any]:
+    """The OpenAI Batch object for `b`, with its request counts and token usage."""
+    c = await store.counts(b.id)
+    out: dict[str, Any] = {
+        "id": b.id, "object": "batch", "endpoint": b.endpoint, "model": b.model,
+        "input_file_id": b.input_file_id, "completion_window": b.completion_window, "status": b.status,
+        "output_file_id": b.output_file_id, "error_file_id": b.error_file_id,
+        "errors": b.errors, "created_at": b.created_at, "expires_at": b.expires_at, **b.times,
+        "request_counts": {"total": c.get("total", 0), "completed": c.get("completed", 0),
+                           "failed": c.get("failed", 0)},
+        "metadata": b.metadata,
+    }
+    if c.get("total"):
+        out["usage"] = {"input_tokens": c["input_tokens"],
+                        "input_tokens_details": {"cached_tokens": c["cached_tokens"]},
+                        "output_tokens": c["output_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
+                        "total_tokens": c["input_tokens"] + c["output_tokens"]}
+    return out
+
+
+async def submit_one(store: BatchStore, runner: BatchRunner, who: Principal, endpoint: str,
+                     body: dict[str, Any], custom_id: str) -> dict[str, Any]:
+    """One request turned into a batch of one (a client that opted in, refused for overload)."""
+    assert who.tenant is not None
+    body = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
+    line = json.dumps({"custom_id": custom_id, "method": "POST", "url": endpoint, "body": body})
+    f = await store.add_file(who.tenant.name, "batch", f"{custom_id}.jsonl", line.encode("utf-8"))
+    batch_id = await store.add_batch(who.tenant.name, who.key_id, endpoint, f["id"], "24h",
+                                     {"converted_from": custom_id})
+    runner.kick(batch_id)
+    b = await store.get_batch(batch_id)
+    assert b is not None
+    return await batch_object(store, b)
 
 
 def _file(f: dict[str, Any]) -> dict[str, Any]:

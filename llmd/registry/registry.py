@@ -44,6 +44,7 @@ class Registry:
         self.states: dict[str, dict[str, str]] = {}
         self.view = RoutingView()
         self._weights: dict[str, dict[str, float]] = {}  # model -> the current split's weights
+        self.asleep: dict[str, set[str]] = {}  # versions whose engine sleeps (GPU memory freed)
         self._lock = asyncio.Lock()  # one lifecycle change at a time
 
     # -- start and stop --------------------------------------------------------------------
@@ -96,11 +97,17 @@ class Registry:
             active = {v: w for v, w in self._weights.get(name, {}).items() if states.get(v) == "active"}
             if active:
                 splits[name] = Split.of(active)
-            loaded[name] = frozenset(v for v, s in states.items() if s in ("active", "standby"))
+            asleep = self.asleep.get(name, set())
+            loaded[name] = frozenset(v for v, s in states.items()
+                                     if s == "active" or (s == "standby" and v not in asleep))
         self.view = RoutingView(splits, loaded)  # one assignment: requests see old or new, never a mix
 
     async def _apply(self, name: str, weights: dict[str, float]) -> None:
         states = self.states[name]
+        for v in weights:  # a version put into rotation wakes up before any request reaches it
+            if weights[v] > 0 and v in self.asleep.get(name, set()):
+                await self.runtimes[name][v].backend.wake_up()  # type: ignore[union-attr]
+                self.asleep[name].discard(v)
         for v in self.runtimes[name]:
             want = "active" if weights.get(v, 0) > 0 else ("standby" if states.get(v) in ("active", None) else states[v])
             if states.get(v) != want:
@@ -156,6 +163,8 @@ class Registry:
         rt.attach(backend)
         if warm:
             await _warm_up(rt)
+        if await backend.sleep():  # standby costs no accelerator memory where sleep mode exists
+            self.asleep.setdefault(name, set()).add(backend.version)
         self.runtimes.setdefault(name, {})[backend.version] = rt
         self.states.setdefault(name, {})[backend.version] = "standby"
         log.info("version_loaded", model=name, version=backend.version, seconds=round(time.monotonic() - t0, 2))
@@ -201,6 +210,8 @@ class Registry:
         while _in_flight(rt) and time.monotonic() < end:
             await asyncio.sleep(0.05)
         left = _in_flight(rt)
+        if not left and vid not in self.asleep.get(name, set()) and await rt.backend.sleep():  # type: ignore[union-attr]
+            self.asleep.setdefault(name, set()).add(vid)
         log.info("version_drained", model=name, version=vid, left=left)
         return {"version": vid, "in_flight": left, "drained": left == 0}
 
@@ -216,6 +227,7 @@ class Registry:
         async with self._lock:
             rt = self.runtimes[name].pop(vid)
             self.states[name].pop(vid, None)
+            self.asleep.get(name, set()).discard(vid)
             await self.store.set_state(name, vid, "unloaded")
             self._publish()
         await _stop_runtime(rt)
@@ -226,6 +238,7 @@ class Registry:
         weights = self._weights.get(name, {})
         return {"model": name, "split": {v: w for v, w in weights.items()},
                 "versions": [{"version": v, "state": self.states[name].get(v), "weight": weights.get(v, 0.0),
+                              "asleep": v in self.asleep.get(name, set()),
                               "configured": rt is self.service.models[name], "in_flight": _in_flight(rt),
                               "ready": rt.ready} for v, rt in rts.items()]}
 

@@ -4,9 +4,11 @@ a refusal that points at the Batch API; named in X-LLMD-Degraded; undone when ca
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from typing import Any
 
+import httpx
 import openai
 import pytest
 
@@ -122,6 +124,12 @@ async def test_steps_apply_in_order_under_sustained_overload_and_undo_when_calm(
     assert e.value.status_code == 503 and e.value.body["code"] == "overloaded_use_batch"
     assert "/v1/batches" in e.value.body["message"] and e.value.response.headers["retry-after"] == "30"
     assert any(x["status"] == "shed" and x["decision"] == "shed:overloaded_use_batch" for x in records)
+    # A client that opted in gets its request run as a batch of one instead: 202 and the batch.
+    async with httpx.AsyncClient(base_url=live.base, headers={"Authorization": f"Bearer {KEY_B}"}) as h:
+        r = await h.post("/completions", headers={"X-LLMD-Batch-Ok": "1"},
+                         json={"model": "big", "prompt": "[[say:later]]", "max_tokens": 5, "stream": True})
+    assert r.status_code == 202 and r.headers["location"] == f"/v1/batches/{r.json()['id']}", r.text
+    converted = r.json()["id"]
     for f in flood:
         f.cancel()
     await asyncio.gather(*flood, return_exceptions=True)
@@ -130,3 +138,12 @@ async def test_steps_apply_in_order_under_sustained_overload_and_undo_when_calm(
         h, r = await ask(a)
         await asyncio.sleep(0.15)
     assert "x-llmd-degraded" not in h and r.model.startswith("big@") and r.usage.completion_tokens == 50
+    done = await b.batches.retrieve(converted)
+    for _ in range(100):
+        if done.status == "completed":
+            break
+        await asyncio.sleep(0.1)
+        done = await b.batches.retrieve(converted)
+    assert done.status == "completed" and done.metadata["converted_from"].startswith("req-")
+    line = json.loads((await b.files.content(done.output_file_id)).text)
+    assert line["response"]["body"]["choices"][0]["text"] == "later"

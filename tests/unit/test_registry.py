@@ -220,3 +220,27 @@ async def test_a_version_whose_weights_do_not_match_its_hash_refuses_to_load(mak
         assert r.status_code == 404
         r = await h.post("/admin/models/m/versions", json={"version": "0000dead"})
         assert r.status_code == 400
+
+
+async def test_standby_sleeps_where_the_engine_can_and_wakes_on_promotion(make_server, tmp_path: Path,
+                                                                          store) -> None:
+    """On a GPU a standby version sleeps (vLLM's sleep mode frees its memory); the fake engine
+    plays one with `sleep_mode`. Asleep it takes no pinned requests; put into the split it
+    wakes up before any request reaches it; drained, it sleeps again."""
+    ws, (v1, v2) = store
+    live = await make_server(toml(tmp_path, v1).replace("max_num_seqs = 64", "max_num_seqs = 64\nsleep_mode = true"),
+                             ws)
+    c = client(live)
+    async with admin(live) as h:
+        r = await h.post("/admin/models/m/versions", json={"version": v2})
+        assert r.status_code == 200 and {v["version"]: v["asleep"] for v in r.json()["versions"]} == {v1: False, v2: True}
+        eng2 = live.service.registry.runtimes["m"][v2].backend
+        assert eng2.sleeping
+        with pytest.raises(openai.NotFoundError):
+            await ask(c, None, model=f"m@{v2[:12]}")
+        assert (await h.put("/admin/models/m/split", json={"weights": {v2: 1}})).status_code == 200
+        assert not eng2.sleeping and (await ask(c, "x"))[0] == v2
+        assert (await h.put("/admin/models/m/split", json={"weights": {v1: 1}})).status_code == 200
+        r = await h.post(f"/admin/models/m/versions/{v2[:12]}/drain", json={"timeout_s": 5})
+        assert r.json()["drained"] and eng2.sleeping
+        assert (await h.get("/admin/models/m")).json()["versions"][1]["asleep"]
