@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import time
 import uuid
+from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import AsyncIterator
 
@@ -53,6 +54,9 @@ class ModelRuntime:
         self.cfg = cfg
         self.backend: Backend | None = None
         self.scheduler: Scheduler | None = None
+        # (wall time, seconds) per token between a request's tokens as they reach the gateway:
+        # what the ITL controller steers on.
+        self.gaps: deque[tuple[float, float]] = deque(maxlen=16384)
         self.load_error: str | None = None
         sc = cfg.scheduling
         weights = {t.name: t.weight for t in tenants}
@@ -74,7 +78,8 @@ class ModelRuntime:
     def attach(self, backend: Backend) -> None:
         sc = self.cfg.scheduling
         seats = sc.max_running or (self.cfg.fake.max_num_seqs if self.cfg.backend == "fake" else self.cfg.engine.max_num_seqs)
-        detector = SaturationDetector(seats, sc.kv_high, sc.target_itl_ms, sc.target_itl_margin)
+        detector = SaturationDetector(seats, sc.kv_high, sc.target_itl_ms, sc.target_itl_margin,
+                                      itl_samples=lambda: self.gaps)
         self.scheduler = Scheduler(self.queue, detector, backend.stats, ThroughputEstimate(sc.prior_tokens_per_s),
                                    preempt_batch=sc.preempt_batch, reserved_seats=sc.reserved_seats,
                                    preempt_for_fairness=sc.preempt_for_fairness,
@@ -441,7 +446,10 @@ class Service:
     def _account(self, job: Job, delta: Delta) -> None:
         rec = job.record
         now = time.monotonic()
+        prev = rec.t_last_token
         rec.on_tokens(delta.num_tokens, now)
+        if prev is not None and delta.num_tokens:
+            job.runtime.gaps.extend([(time.time(), (now - prev) / delta.num_tokens)] * delta.num_tokens)
         rec.output_tokens += delta.num_tokens
         if now - job.last_progress >= PROGRESS_EVERY_S:
             job.last_progress = now
