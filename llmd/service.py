@@ -448,7 +448,7 @@ class Service:
         now = time.monotonic()
         prev = rec.t_last_token
         rec.on_tokens(delta.num_tokens, now)
-        if prev is not None and delta.num_tokens:
+        if prev is not None and delta.num_tokens and job.runtime.cfg.scheduling.target_itl_ms:
             job.runtime.gaps.extend([(time.time(), (now - prev) / delta.num_tokens)] * delta.num_tokens)
         rec.output_tokens += delta.num_tokens
         if now - job.last_progress >= PROGRESS_EVERY_S:
