@@ -244,3 +244,26 @@ async def test_standby_sleeps_where_the_engine_can_and_wakes_on_promotion(make_s
         r = await h.post(f"/admin/models/m/versions/{v2[:12]}/drain", json={"timeout_s": 5})
         assert r.json()["drained"] and eng2.sleeping
         assert (await h.get("/admin/models/m")).json()["versions"][1]["asleep"]
+
+
+async def test_malformed_admin_requests_get_clear_errors(make_server, tmp_path: Path, store) -> None:
+    ws, (v1, v2) = store
+    live = await make_server(toml(tmp_path, v1), ws)
+    async with admin(live) as h:
+        cases = [
+            (h.post("/admin/models/m/versions", content=b"{not json"), 400, "invalid_json"),
+            (h.post("/admin/models/m/versions", json={}), 400, None),
+            (h.post("/admin/models/m/versions", json={"version": v2, "cpu_threads_bind": 3}), 400, None),
+            (h.put("/admin/models/m/split", json={"weights": []}), 400, None),
+            (h.put("/admin/models/m/split", json={"weights": {v1: -1}}), 400, "registry_error"),
+            (h.put("/admin/models/m/split", json={"weights": {"ffff": 1}}), 404, "registry_error"),
+            (h.post("/admin/models/m/rollback"), 409, "registry_error"),  # only one split so far
+            (h.post(f"/admin/models/m/versions/{v1[:12]}/drain", json={"timeout_s": "soon"}), 400, None),
+            (h.post(f"/admin/models/m/versions/{v1[:12]}/drain", json={"timeout_s": 1}), 409, "registry_error"),
+            (h.get("/admin/models/nope"), 404, "registry_error"),
+        ]
+        for call, status, code in cases:
+            r = await call
+            assert r.status_code == status, r.text
+            err = r.json()["error"]
+            assert err["message"] and err["type"] and (code is None or err["code"] == code), r.text
