@@ -1,8 +1,9 @@
 """Usage ledger: exactly one billing row per request, in SQLite, written by one task.
 
 Why this shape: billing must be exact, yet the serving path must never wait on a disk.
-Callers enqueue plain tuples (sync, O(1)); a single writer task gathers them into batches
-and hands each to a writer process (llmd/ledger_writer.py, which says why a process) that
+Callers enqueue plain tuples (sync, O(1)) on one list per kind of op; a single writer task
+takes everything queued at once (a swap, no per-op work on the serving loop) and hands it to
+a writer process (llmd/ledger_writer.py, which says why a process) that
 commits it as ONE transaction (WAL, synchronous=NORMAL). A request's row is opened at
 admission, updated with progress about once a second, and closed (an UPSERT, so requests
 refused before admission get a row too). After a crash the next start() closes every row
@@ -19,7 +20,6 @@ import asyncio
 import datetime as dt
 import sqlite3
 import time
-from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,7 +34,7 @@ log = structlog.get_logger("llmd.metering")
 STATUSES = frozenset({"ok", "cancelled", "filtered", "deadline", "shed", "error", "interrupted"})
 GROUP_KEYS = {"tenant": "tenant", "model": "model", "status": "status", "version": "version",
               "day": "strftime('%Y-%m-%d', t_arrival, 'unixepoch')"}
-BATCH_MAX = 500
+BATCH_MAX = 500  # this many queued ops end the batching window early
 
 # Ordered schema history; PRAGMA user_version = how many have been applied. Append only.
 MIGRATIONS: list[str] = [
@@ -68,17 +68,15 @@ MIGRATIONS: list[str] = [
 SCHEMA_VERSION = len(MIGRATIONS)
 BATCH_WINDOW_S = 0.1  # longest a queued op waits (bench/metering.py: fewer round trips)
 
-# RequestRecord.as_log() spells some columns differently; accept either.
+# RequestRecord.as_log() spells some columns differently.
 _ALIASES = {"cached_tokens": "cached_prompt_tokens", "queue_s": "queue_time_s", "total_s": "total_time_s"}
+_LOG_KEYS = tuple(_ALIASES.get(c, c) for c in REQUEST_COLS)  # as_log() names, in column order
+_TS = REQUEST_COLS.index("ts")
 # Within a batch ops apply by kind in this order (stable within a kind): each kind is one
 # statement, and a request's open < progress < close order is kept. (An idempotency key is
 # written only by close, so a cancelled run's freed key can be reused in the same batch.)
 _ORDER = ("open", "progress", "close", "record")
 WRITER_RESTARTS = 3  # a batch is resent to a fresh writer process this many times
-
-
-def _runs(batch: list["_Op"]) -> list[tuple[str, list["_Op"]]]:
-    return [(k, ops) for k in _ORDER if (ops := [op for op in batch if op.kind == k])]
 
 
 @dataclass
@@ -97,20 +95,14 @@ def wall(t_monotonic: float) -> float:
     return time.time() - (time.monotonic() - t_monotonic)
 
 
-class _Op:
-    __slots__ = ("seq", "kind", "params")
-
-    def __init__(self, seq: int, kind: str, params: tuple) -> None:
-        self.seq, self.kind, self.params = seq, kind, params
-
-
 class Ledger:
     """The only writer of the usage DB; see the module docstring."""
 
     def __init__(self, path: Path, node: str, prices: dict[str, Price]) -> None:
         self.path, self.node, self.prices = Path(path), node, prices
-        self._q: deque[_Op] = deque()
-        self._progress: dict[str, _Op] = {}  # queued, not yet taken progress op per request
+        self._pending: dict[str, list[Any]] = {k: [] for k in _ORDER}  # queued params per op kind
+        self._npending = 0
+        self._progress: dict[str, list[Any]] = {}  # queued, not yet taken progress params per request
         self._seq = 0  # last enqueued
         self._applied = 0  # last applied (committed or given up on)
         self._waiters: list[tuple[int, asyncio.Future[None]]] = []
@@ -184,17 +176,22 @@ class Ledger:
         return self.prices.get(model or "") or Price()
 
     # -- writes (sync, non-blocking) -------------------------------------------------------
-    def _put(self, kind: str, params: tuple) -> _Op | None:
+    def _put(self, kind: str, params: tuple | list[Any]) -> bool:
         if self._stopping:
             log.error("usage_op_after_stop", kind=kind, params=params)
-            return None
+            return False
         self._seq += 1
-        op = _Op(self._seq, kind, params)
-        self._q.append(op)
+        self._pending[kind].append(params)
+        self._npending += 1
         self._wake.set()
-        if len(self._q) >= BATCH_MAX:
+        if self._npending >= BATCH_MAX:
             self._end_window()
-        return op
+        return True
+
+    @property
+    def queued(self) -> int:
+        """Ops enqueued and not yet taken by the writer."""
+        return self._npending
 
     def open(self, request_id: str, *, tenant: str | None, key_id: str | None, model: str,
              version: str | None, prompt_tokens: int, max_tokens: int | None, priority_class: str | None,
@@ -205,12 +202,11 @@ class Ledger:
 
     def progress(self, request_id: str, *, output_tokens: int, cached_tokens: int) -> None:
         """Record tokens so far; a queued, not yet applied update for the same id is replaced."""
-        params = (output_tokens, cached_tokens, request_id)
-        op = self._progress.get(request_id)
-        if op is not None:
-            op.params = params
-        elif (op := self._put("progress", params)) is not None:
-            self._progress[request_id] = op
+        queued = self._progress.get(request_id)
+        if queued is not None:
+            queued[0], queued[1] = output_tokens, cached_tokens
+        elif self._put("progress", params := [output_tokens, cached_tokens, request_id]):
+            self._progress[request_id] = params
 
     def close(self, request_id: str, *, status: str, tenant: str | None, key_id: str | None, model: str,
               version: str | None, prompt_tokens: int, cached_tokens: int, output_tokens: int,
@@ -229,9 +225,9 @@ class Ledger:
 
     def record_request(self, rec: dict[str, Any]) -> None:
         """Telemetry row for one finished request (a RequestRecord.as_log() dict; missing keys → NULL)."""
-        vals = {c: rec.get(c, rec.get(_ALIASES.get(c, ""))) for c in REQUEST_COLS}
-        vals["ts"] = vals["ts"] or time.time()
-        self._put("record", tuple(vals.values()))
+        vals = list(map(rec.get, _LOG_KEYS))  # on the serving path: C-level lookups, no dict built
+        vals[_TS] = vals[_TS] or time.time()
+        self._put("record", vals)
 
     async def flush(self) -> None:
         """Return once everything enqueued before the call is committed."""
@@ -252,28 +248,27 @@ class Ledger:
     # -- the writer ------------------------------------------------------------------------
     async def _writer(self) -> None:
         while True:
-            if not self._q:
+            if not self._npending:
                 if self._stopping:
                     return
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            if len(self._q) < BATCH_MAX and not self._stopping and not self._waiters:
-                # Fewer, fuller transactions; flush(), stop() or a full batch end the pause early.
+            if self._npending < BATCH_MAX and not self._stopping and not self._waiters:
+                # Fewer, fuller transactions; flush(), stop() or BATCH_MAX ops end the pause early.
                 loop = asyncio.get_running_loop()
                 self._window = loop.create_future()
                 timer = loop.call_later(BATCH_WINDOW_S, self._end_window)
                 await self._window
                 timer.cancel()
                 self._window = None
-            batch: list[_Op] = []
-            while self._q and len(batch) < BATCH_MAX:
-                op = self._q.popleft()
-                if op.kind == "progress" and self._progress.get(op.params[2]) is op:
-                    del self._progress[op.params[2]]
-                batch.append(op)
-            await self._apply(batch)
-            self._applied = batch[-1].seq
+            # Everything queued is one batch: a swap, so the serving loop pays nothing per op.
+            # Under load a batch holds what arrived during the last commit (self-regulating).
+            pending, upto = self._pending, self._seq
+            self._pending, self._npending = {k: [] for k in _ORDER}, 0
+            self._progress.clear()  # a later progress op starts a new queued one
+            await self._apply([(kind, rows) for kind, rows in pending.items() if rows])
+            self._applied = upto
             still = []
             for target, fut in self._waiters:
                 if target <= self._applied:
@@ -283,12 +278,11 @@ class Ledger:
                     still.append((target, fut))
             self._waiters = still
 
-    async def _apply(self, batch: list[_Op]) -> None:
-        """Hand one batch to the writer process and wait until it is committed. A writer that
-        dies is replaced and the batch resent: resending is safe, because a committed open
-        fails its unique key, a close only closes an open row and progress and records
-        overwrite."""
-        runs = [(kind, [op.params for op in ops]) for kind, ops in _runs(batch)]
+    async def _apply(self, runs: list[tuple[str, list[Any]]]) -> None:
+        """Hand one batch (per op kind in _ORDER, its rows) to the writer process and wait
+        until it is committed. A writer that dies is replaced and the batch resent: resending
+        is safe, because a committed open fails its unique key, a close only closes an open
+        row and progress and records overwrite."""
         for attempt in range(WRITER_RESTARTS + 1):
             if self._proc is None or not self._proc.alive():
                 self._proc = WriterProcess(str(self.path))
@@ -301,8 +295,9 @@ class Ledger:
                 log.error("usage_writer_failed", attempt=attempt + 1, error=str(e), pid=proc.pid)
                 proc.kill()
                 self._proc = None
-        for op in batch:  # last resort: the log line is the record
-            log.error("usage_op_lost", kind=op.kind, params=op.params)
+        for kind, rows in runs:  # last resort: the log line is the record
+            for params in rows:
+                log.error("usage_op_lost", kind=kind, params=params)
 
     # -- queries (a separate read-only connection: only committed data) ---------------------
     async def usage(self, tenant: str | None = None, since: float | None = None, until: float | None = None,

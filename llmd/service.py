@@ -105,7 +105,7 @@ class Job:
     quota: admission.Ticket | None = None
     headers: dict[str, str] = field(default_factory=dict)
     finished: bool = False
-    last_progress: float = 0.0
+    last_progress: float = field(default_factory=time.monotonic)  # admission opened the row: 1st progress 1 s on
     window: OutputWindow | None = None  # the output filters, when the model or tenant has any
 
 

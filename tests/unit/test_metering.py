@@ -96,10 +96,10 @@ async def test_status_validation(ledger: Ledger) -> None:
 
 async def test_progress_coalesces(ledger: Ledger) -> None:
     _open(ledger, "r1")
-    n = len(ledger._q)
+    n = ledger.queued
     for i in range(1, 50):
         ledger.progress("r1", output_tokens=i, cached_tokens=1)
-    assert len(ledger._q) == n + 1  # one queued op, holding the latest numbers
+    assert ledger.queued == n + 1  # one queued op, holding the latest numbers
     await ledger.flush()
     assert (await ledger.get("r1"))["output_tokens"] == 49
 
@@ -180,9 +180,9 @@ async def test_many_ops_one_batch_one_transaction(ledger: Ledger, monkeypatch: p
     batches: list[int] = []
     real = ledger._apply
 
-    async def counting(batch: list[Any]) -> None:
-        batches.append(len(batch))
-        await real(batch)
+    async def counting(runs: list[Any]) -> None:
+        batches.append(sum(len(rows) for _, rows in runs))
+        await real(runs)
 
     monkeypatch.setattr(ledger, "_apply", counting)
     for i in range(300):
@@ -190,9 +190,9 @@ async def test_many_ops_one_batch_one_transaction(ledger: Ledger, monkeypatch: p
         ledger.progress(f"r{i}", output_tokens=2, cached_tokens=0)
         _close(ledger, f"r{i}", out=3)
         ledger.record_request({"request_id": f"r{i}", "status": "ok"})
-    assert len(ledger._q) == 1200
+    assert ledger.queued == 1200
     await ledger.flush()
-    assert batches == [500, 500, 200]  # 1200 ops, at most 500 per transaction
+    assert batches == [1200]  # everything queued goes in one transaction
     assert _count(ledger.path, "status = 'ok' AND output_tokens = 3") == 300
     assert (await ledger.usage(group_by=[]))[0]["requests"] == 300
 
