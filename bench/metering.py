@@ -9,28 +9,32 @@
 (b) progress: L live requests, R rounds of one progress update each, every round flushed
     (no coalescing): applied progress ops/s; then the same R x L updates enqueued at once,
     which coalescing folds into L row updates.
+(c) serving cost (target < 2% of throughput): requests/s through the real gateway (uvloop,
+    fake backend) kept saturated by a lean client in its own process, with the ledger and
+    with a no-op stand-in, alternating rounds; and the event loop's CPU time inside metering,
+    timed directly, as a share of the serving process's CPU per request.
 
     .venv/bin/python bench/metering.py              # N=20000, L=2000, R=10
     .venv/bin/python bench/metering.py --no-write   # print only
 
 Results are printed and written to docs/benchmarks.md, section "## Metering" (replaced;
 other sections are kept). The ledger runs on a temporary SQLite file (WAL, synchronous=NORMAL).
-
-(c) serving overhead: requests/s through the real gateway with the fake backend, with the
-    ledger and with a no-op stand-in, alternating rounds, the load from a client in its own
-    process; and the server's CPU seconds per request either way (target: < 2% cost).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import datetime as dt
+import json
 import os
 import sys
 import tempfile
 import time
+import types
 from pathlib import Path
+from typing import Any, Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -94,7 +98,7 @@ async def progress_rate(path: Path, live: int, rounds: int) -> dict[str, float]:
     for r in range(rounds):
         for i in range(live):
             led.progress(f"p{i}", output_tokens=rounds + r + 1, cached_tokens=0)
-    queued = len(led._q)
+    queued = led.queued
     await led.flush()
     burst = time.perf_counter() - t0
     row = await led.get(f"p{live - 1}")
@@ -141,7 +145,7 @@ backend = "fake"
 [models.fake]
 step_ms = 1.0
 step_ms_per_seq = 0.0
-max_num_seqs = 64
+max_num_seqs = 256
 [models.scheduling]
 reserved_seats = 0
 """
@@ -156,49 +160,126 @@ def _cpu_of(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-async def _client_round(port: int, seconds: float, concurrency: int) -> int:
+async def _client_round(port: int, seconds: float, concurrency: int,
+                        on_start: Callable[[], None]) -> tuple[int, float]:
     """Requests completed by a load generator in its own process (so it does not share the
-    server's event loop or GIL: the server alone decides the rate)."""
+    server's event loop or GIL: the server alone decides the rate), and its CPU seconds.
+    `on_start` runs when the client's clock starts (its connections are up by then)."""
     proc = await asyncio.create_subprocess_exec(
         sys.executable, __file__, "--client", str(port), str(seconds), str(concurrency),
         stdout=asyncio.subprocess.PIPE)
-    out, _ = await proc.communicate()
-    if proc.returncode != 0:
+    assert proc.stdout is not None
+    if (await proc.stdout.readline()).strip() != b"go":
+        raise RuntimeError("load client did not start")
+    on_start()
+    last = await proc.stdout.readline()  # the client's clock has stopped
+    if await proc.wait() != 0 or len(last.split()) != 2:
         raise RuntimeError(f"load client failed ({proc.returncode})")
-    return int(out.decode().split()[-1])
+    done, cpu = last.decode().split()
+    return int(done), float(cpu)
 
 
 def client_main(port: int, seconds: float, concurrency: int) -> int:
-    import httpx
+    """A lean keep-alive HTTP/1.1 load client (raw sockets on uvloop): about 30 µs of CPU per
+    request against the server's ~1.4 ms, so one such process saturates the server's core
+    (httpx needed about as much CPU per request as the server and capped the rate near
+    300 req/s, which left the server idle part of the time)."""
+    import uvloop
+
+    body = json.dumps({"model": "fake", "prompt": "hello", "max_tokens": 16}).encode()
+    req = (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: application/json\r\n"
+           f"Content-Length: {len(body)}\r\n\r\n").encode() + body
+
+    async def one(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(req)
+        head = await reader.readuntil(b"\r\n\r\n")
+        status, _, rest = head.partition(b"\r\n")
+        length = None
+        for line in rest.split(b"\r\n"):
+            name, _, value = line.partition(b":")
+            if name.strip().lower() == b"content-length":
+                length = int(value)
+        if length is None:
+            raise SystemExit(f"no Content-Length in the response: {head!r}")
+        data = await reader.readexactly(length)
+        if b" 200 " not in status:
+            raise SystemExit(f"{status.decode()}: {data.decode(errors='replace')}")
+
+    cpu0 = [0.0]
 
     async def go() -> int:
-        body = {"model": "fake", "prompt": "hello", "max_tokens": 16}
+        conns = [await asyncio.open_connection("127.0.0.1", port) for _ in range(concurrency)]
+        for r, w in conns:  # every connection warm before the clock starts
+            await one(r, w)
         done = 0
-        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}/v1", timeout=60,
-                                     limits=httpx.Limits(max_connections=concurrency)) as h:
-            for _ in range(concurrency):  # connections up before the clock starts
-                await h.post("/completions", json=body)
-            stop = time.perf_counter() + seconds
+        print("go", flush=True)
+        cpu0[0], stop = time.process_time(), time.perf_counter() + seconds
 
-            async def worker() -> None:
-                nonlocal done
-                while time.perf_counter() < stop:
-                    r = await h.post("/completions", json=body)
-                    if r.status_code != 200:
-                        raise SystemExit(f"HTTP {r.status_code}: {r.text}")
-                    done += 1
-            await asyncio.gather(*(worker() for _ in range(concurrency)))
+        async def worker(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+            nonlocal done
+            while time.perf_counter() < stop:
+                await one(r, w)
+                done += 1
+            w.close()
+        await asyncio.gather(*(worker(r, w) for r, w in conns))
         return done
 
-    print(asyncio.run(go()))
+    done = uvloop.run(go())
+    print(done, time.process_time() - cpu0[0])
     return 0
 
 
-async def serving_overhead(tmp: Path, rounds: int, seconds: float, concurrency: int) -> dict[str, object]:
-    """Requests/s through the real gateway (in-process sanic, fake backend) driven by a client
-    in another process, with and without the ledger, alternating rounds; the cost is
-    1 - median(with / without). Also the server's CPU seconds per request (this process plus
-    the ledger's writer process): the same cost, measured without the client's noise."""
+class _TimedLedger:
+    """The real ledger behind a stopwatch: the serving thread's CPU time inside its calls (its
+    cost to the serving path, measured directly). CPU time, not wall time: on a busy 2-CPU box
+    the thread is often descheduled mid-call, and wall time would bill that to metering. A
+    clock read costs about as much as a call here, so each call's reading is corrected by the
+    cost of one clock read timed right after it (the forwarding of arguments still counts)."""
+
+    def __init__(self, real: Ledger | "_NullLedger") -> None:
+        self.real, self.prices, self.seconds = real, real.prices, 0.0
+        for name in ("open", "progress", "close", "record_request"):
+            setattr(self, name, self._timed(getattr(real, name)))
+
+    def _timed(self, fn: Callable[..., None]) -> Callable[..., None]:
+        clock = time.thread_time
+
+        def call(*a: Any, **k: Any) -> None:
+            t0 = clock()
+            fn(*a, **k)
+            t1 = clock()
+            self.seconds += (t1 - t0) - (clock() - t1)
+        return call
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.real, name)
+
+
+@types.coroutine
+def _stopwatch(coro: Any, acc: list[float]) -> Any:
+    """Drive `coro`, adding the CPU time of each of its steps to acc[0]: what a task costs the
+    event loop's thread, without the time it spends waiting."""
+    value, exc = None, None
+    while True:
+        t = time.thread_time()
+        try:
+            out = coro.send(value) if exc is None else coro.throw(exc)
+        except StopIteration as stop:
+            acc[0] += time.thread_time() - t
+            return stop.value
+        acc[0] += time.thread_time() - t
+        try:
+            value, exc = (yield out), None
+        except BaseException as e:  # noqa: BLE001  (handed to the coroutine, as a task would)
+            value, exc = None, e
+
+
+async def serving_overhead(tmp: Path, rounds: int, seconds: float, concurrency: int) -> dict[str, Any]:
+    """Requests/s through the real gateway (in-process sanic on uvloop, fake backend) while a
+    lean client in another process keeps it saturated, with the ledger and with a no-op
+    stand-in, alternating rounds. Also the serving process's CPU per request, its utilisation
+    (near 1.0 means the rate is what its core allows), the writer process's CPU per request,
+    and the event-loop time spent inside metering, timed directly."""
     import statistics
     import tomllib
 
@@ -206,48 +287,70 @@ async def serving_overhead(tmp: Path, rounds: int, seconds: float, concurrency: 
 
     cfg = Config.model_validate(tomllib.loads(SERVE_TOML.format(db=tmp / "serve.db")))
     server, service, port = await start_inprocess(cfg, "bench_metering")
-    real, null = service.ledger, _NullLedger(service.ledger)
-    results: dict[str, list[float]] = {"with": [], "without": []}
-    cpu: dict[str, list[float]] = {"with": [], "without": []}
-    totals: dict[str, list[float]] = {"with": [0.0, 0.0, 0.0], "without": [0.0, 0.0, 0.0]}  # main CPU s, writer CPU s, requests
+    real = service.ledger
+    # Both sides run behind the same stopwatch, so the A/B compares only what the ledger does,
+    # and the no-op side's reading is the stopwatch's own residue (argument forwarding).
+    timed, null = _TimedLedger(real), _TimedLedger(_NullLedger(real))
+    # The writer task (batching, pickling, the pipe) runs on the serving loop: time its steps.
+    loop_s = [0.0]
+    real._task.cancel()  # idle at start-up: waiting for its first op
+    with contextlib.suppress(asyncio.CancelledError):
+        await real._task
+    async def writer() -> None:
+        await _stopwatch(real._writer(), loop_s)
+    real._task = asyncio.create_task(writer(), name="usage-ledger-writer (timed)")
+    keys = ("rate", "main_cpu", "writer_cpu", "client_cpu", "busy", "done", "in_loop", "calls")
+    res: dict[str, dict[str, list[float]]] = {lab: {k: [] for k in keys} for lab in ("with", "without")}
     try:
-        async def run(label: str) -> tuple[float, float]:
-            service.ledger = real if label == "with" else null  # type: ignore[assignment]
-            writer = real._proc.pid if real._proc is not None else None
-            c0, w0, t0 = time.process_time(), _cpu_of(writer) if writer else 0.0, time.perf_counter()
-            done = await _client_round(port, seconds, concurrency)
+        async def run(label: str) -> None:
+            led = timed if label == "with" else null
+            service.ledger = led  # type: ignore[assignment]
+            writer = real._proc.pid if real._proc is not None else 0
+            snap: list[float] = []
+
+            def start() -> None:
+                snap.extend((time.process_time(), _cpu_of(writer), time.perf_counter(), led.seconds, loop_s[0]))
+            done, client_cpu = await _client_round(port, seconds, concurrency, start)
+            c1, t1 = time.process_time(), time.perf_counter()
             if label == "with":
                 await real.flush()  # the writer's work counts against the round that made it
-            c1, w1, t1 = time.process_time(), _cpu_of(writer) if writer else 0.0, time.perf_counter()
-            # The client's start-up (~0.5 s) is in t1 - t0 but not in `seconds`: rate over `seconds`.
-            totals[label][0] += c1 - c0
-            totals[label][1] += w1 - w0
-            totals[label][2] += done
-            return done / seconds, ((c1 - c0) + (w1 - w0)) / max(done, 1)
+            w1 = _cpu_of(writer)
+            c0, w0, t0, m0, l0 = snap
+            r = res[label]
+            r["rate"].append(done / (t1 - t0))
+            r["done"].append(done)
+            r["main_cpu"].append(c1 - c0)
+            r["busy"].append((c1 - c0) / (t1 - t0))
+            r["writer_cpu"].append(w1 - w0)
+            r["client_cpu"].append(client_cpu)
+            r["calls"].append(led.seconds - m0)
+            r["in_loop"].append((led.seconds - m0) + (loop_s[0] - l0))
 
         await run("with"), await run("without")  # warm-up, discarded
+        for lab in res:
+            for k in keys:
+                res[lab][k].clear()
         for i in range(rounds):
-            order = ("with", "without") if i % 2 == 0 else ("without", "with")
-            for label in order:
-                rate, per_req = await run(label)
-                results[label].append(rate)
-                cpu[label].append(per_req)
+            for label in (("with", "without") if i % 2 == 0 else ("without", "with")):
+                await run(label)
     finally:
         service.ledger = real
         await stop_inprocess(server)
-    ratios = [w / wo for w, wo in zip(results["with"], results["without"])]
-    cpu_ratios = [w / wo for w, wo in zip(cpu["with"], cpu["without"])]
-    return {"with": results["with"], "without": results["without"], "ratio": statistics.median(ratios),
-            "ratios": ratios, "pooled": sum(results["with"]) / sum(results["without"]),
-            "cpu_with": cpu["with"], "cpu_without": cpu["without"], "cpu_ratio": statistics.median(cpu_ratios),
-            "cpu_ratios": cpu_ratios, "rounds": rounds, "seconds": seconds, "concurrency": concurrency,
-            "cpu_pooled": ((totals["with"][0] + totals["with"][1]) / totals["with"][2])
-            / ((totals["without"][0] + totals["without"][1]) / totals["without"][2]),
-            # The serving process alone (the event loop, where requests are served), and the
-            # writer process's own CPU per request (it runs on another core when there is one).
-            "main_pooled": (totals["with"][0] / totals["with"][2]) / (totals["without"][0] / totals["without"][2]),
-            "writer_ms": totals["with"][1] / totals["with"][2] * 1e3,
-            "main_ms": totals["without"][0] / totals["without"][2] * 1e3}
+    w, wo = res["with"], res["without"]
+    n_w, n_wo = sum(w["done"]), sum(wo["done"])
+    ratios = [a / b for a, b in zip(w["rate"], wo["rate"])]
+    main_w, main_wo = sum(w["main_cpu"]) / n_w, sum(wo["main_cpu"]) / n_wo
+    return {"with": w["rate"], "without": wo["rate"], "ratios": ratios, "ratio": statistics.median(ratios),
+            "pooled": sum(w["rate"]) / sum(wo["rate"]), "busy_with": w["busy"], "busy_without": wo["busy"],
+            "cpu_with": [c / d for c, d in zip(w["main_cpu"], w["done"])],
+            "cpu_without": [c / d for c, d in zip(wo["main_cpu"], wo["done"])],
+            "main_ms": main_wo * 1e3, "main_pooled": main_w / main_wo,
+            "writer_ms": sum(w["writer_cpu"]) / n_w * 1e3, "in_loop_us": sum(w["in_loop"]) / n_w * 1e6,
+            "calls_us": sum(w["calls"]) / n_w * 1e6, "noop_us": sum(wo["calls"]) / n_wo * 1e6,
+            "in_loop_share": sum(w["in_loop"]) / sum(w["main_cpu"]),
+            "net_share": (sum(w["in_loop"]) / n_w - sum(wo["calls"]) / n_wo) / main_w,
+            "client_us": (sum(w["client_cpu"]) + sum(wo["client_cpu"])) / (n_w + n_wo) * 1e6,
+            "rounds": rounds, "seconds": seconds, "concurrency": concurrency}
 
 
 def main() -> int:
@@ -259,7 +362,7 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=10, help="progress rounds")
     ap.add_argument("--serve-rounds", type=int, default=16, help="serving-overhead rounds per side")
     ap.add_argument("--serve-seconds", type=float, default=4.0, help="seconds per serving round")
-    ap.add_argument("--concurrency", type=int, default=32, help="concurrent clients in the serving test")
+    ap.add_argument("--concurrency", type=int, default=256, help="requests in flight in the serving test")
     ap.add_argument("--no-write", action="store_true", help="do not update docs/benchmarks.md")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="llmd-bench-metering-") as d:
@@ -267,14 +370,14 @@ def main() -> int:
         t = asyncio.run(write_rate(Path(d) / "t.db", args.n, trickle=True))
         e = asyncio.run(write_rate(Path(d) / "e.db", max(args.n // 10, 1), each=True))
         p = asyncio.run(progress_rate(Path(d) / "b.db", args.live, args.rounds))
-        so = asyncio.run(serving_overhead(Path(d), args.serve_rounds, args.serve_seconds, args.concurrency))
-    cost = 1 - float(so["ratio"])  # type: ignore[arg-type]
-    # The verdict is on server CPU per request, pooled over all rounds: with the server CPU-bound
-    # that is the throughput it costs, and unlike req/s it does not move with the client's share
-    # of this 2-CPU box (the load client needs about as much CPU per request as the server).
-    cpu_cost = float(so["cpu_pooled"]) - 1  # type: ignore[arg-type]
-    main_cost = float(so["main_pooled"]) - 1  # type: ignore[arg-type]
-    serve_verdict = "PASS" if main_cost < 0.02 else "FAIL"
+        import uvloop  # what `llmd serve` runs on (sanic picks it when installed)
+
+        so = uvloop.run(serving_overhead(Path(d), args.serve_rounds, args.serve_seconds, args.concurrency))
+    # Throughput at saturation is what the target names; the event-loop time inside metering,
+    # timed directly, is the same cost without the box's noise. Both must be under 2%.
+    cost = 1 - float(so["pooled"])
+    share = float(so["in_loop_share"])
+    serve_verdict = "PASS" if cost < 0.02 and share < 0.02 else "FAIL"
     worst = min(w["rows_per_s"], t["rows_per_s"])  # the floor is a latency figure, not a rate
     verdict = "PASS" if worst >= TARGET_ROWS_S else "FAIL"
     load = os.getloadavg()[0]
@@ -285,7 +388,8 @@ def main() -> int:
         f"Date: {dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M} UTC", "",
         f"Command: `{cmd}`", "",
         f"Settings: usage ledger (`llmd/metering.py`; its writer process `llmd/ledger_writer.py` commits) on a "
-        f"temporary SQLite file, WAL, synchronous=NORMAL, batches of up to 500 ops per transaction, "
+        f"temporary SQLite file, WAL, synchronous=NORMAL, one transaction per batch (everything queued; "
+        f"the window ends early at 500 ops), "
         f"one JSON statement per op kind, a {BATCH_WINDOW_S * 1000:.0f} ms batching window, on {_fs(Path(tempfile.gettempdir()))}; Python {sys.version.split()[0]}, "
         f"{os.cpu_count()} CPUs, load1 {load:.2f} at the end.", "",
         "| figure | all enqueued at once | trickle (one pair per loop turn) | one pair per transaction |",
@@ -307,27 +411,31 @@ def main() -> int:
         "that is the ledger's latency when idle, not its capacity: under load batches grow by themselves "
         "(trickle column).",
         "",
-        f"Serving path (the gateway over loopback HTTP, fake backend at 1 ms/step; a load client in its own "
-        f"process with {so['concurrency']} concurrent connections, non-streaming, max_tokens 16; {so['rounds']} "
-        f"alternating rounds of {so['seconds']:.0f} s per side after a discarded warm-up; the ledger's flush is "
-        "inside the timed round; server CPU = this process plus the ledger's writer process, per request):", "",
-        "| round | with ledger req/s | without req/s | ratio | server CPU ms/req with | without | ratio |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
-        *[f"| {i + 1} | {w:.0f} | {wo:.0f} | {w / wo:.3f} | {cw * 1e3:.3f} | {cwo * 1e3:.3f} | {cw / cwo:.3f} |"
-          for i, (w, wo, cw, cwo) in enumerate(zip(so["with"], so["without"], so["cpu_with"],  # type: ignore[arg-type]
-                                                    so["cpu_without"]))],  # type: ignore[arg-type]
+        f"Serving path: the gateway over loopback HTTP in this process, on uvloop as `llmd serve` runs it, "
+        f"fake backend at 1 ms/step with up to 256 sequences; a lean keep-alive client in its own process keeps "
+        f"{so['concurrency']} non-streaming completions (max_tokens 16) in flight, about "
+        f"{so['client_us']:.0f} µs of its CPU per request, so the server's loop is the bottleneck. "
+        f"{so['rounds']} alternating rounds of {so['seconds']:.0f} s per side after a discarded warm-up; "
+        "`without` swaps the ledger for a no-op stand-in; the ledger's final flush counts against its round.", "",
+        "| round | with ledger req/s | without req/s | ratio | serving loop busy, with / without | "
+        "serving-process CPU µs/req, with / without |",
+        "| --- | --- | --- | --- | --- | --- |",
+        *[f"| {i + 1} | {w:.0f} | {wo:.0f} | {w / wo:.3f} | {bw:.2f} / {bwo:.2f} | {cw * 1e6:.0f} / {cwo * 1e6:.0f} |"
+          for i, (w, wo, bw, bwo, cw, cwo) in enumerate(zip(so["with"], so["without"], so["busy_with"],
+                                                            so["busy_without"], so["cpu_with"], so["cpu_without"]))],
         "",
-        f"- metering's cost on the serving process (the event loop that serves requests), CPU per request "
-        f"pooled over all rounds: {main_cost * 100:+.1f}% (target < 2%): {serve_verdict}. That is the throughput "
-        "it costs a server whose serving process is CPU-bound and which has a core to spare for the writer.",
-        f"- the writer process commits the rows on its own core: {so['writer_ms']:.3f} ms CPU per request, "
-        f"against {so['main_ms']:.3f} ms for serving one (this fake-backend request is about as cheap as a "
-        "request gets). Counted together, metering costs "
-        f"{cpu_cost * 100:+.1f}% CPU per request (median of round ratios {(so['cpu_ratio'] - 1) * 100:+.1f}%, range "  # type: ignore[operator]
-        f"{min(so['cpu_ratios']):.3f}-{max(so['cpu_ratios']):.3f}): the cost on a box with no core to spare.",  # type: ignore[arg-type]
-        f"- as throughput: {cost * 100:+.1f}% (median of round ratios), pooled {(1 - so['pooled']) * 100:+.1f}%, "  # type: ignore[operator]
-        f"round ratios {min(so['ratios']):.3f}-{max(so['ratios']):.3f}: req/s here also follows how much CPU the "  # type: ignore[arg-type]
-        "load client gets on this shared 2-CPU box, so it is the noisier figure.", "",
+        f"- **throughput cost** of metering, pooled over all rounds: {cost * 100:+.2f}% (median of round "
+        f"ratios {(1 - so['ratio']) * 100:+.2f}%, ratios {min(so['ratios']):.3f}-{max(so['ratios']):.3f}).",
+        f"- **event-loop time inside metering**, timed directly (thread CPU time in the ledger's calls and in "
+        f"its writer task's steps): {so['in_loop_us']:.1f} µs per request ({so['calls_us']:.1f} in the calls that "
+        f"enqueue a request's ops, the rest batching and handing them to the writer process), "
+        f"**{share * 100:.2f}%** of the serving process's CPU per request.",
+        f"- verdict (both under 2%): {serve_verdict}.",
+        f"- serving-process CPU per request, pooled: {(so['main_pooled'] - 1) * 100:+.2f}% with the ledger "
+        f"({so['main_ms'] * 1e3:.0f} µs per request without it).",
+        f"- the writer process commits on the other core: {so['writer_ms'] * 1e3:.0f} µs CPU per request "
+        f"({so['writer_ms'] / so['main_ms'] * 100:.1f}% of what serving one costs; the cost only on a box with "
+        "no core to spare).", "",
         "Why a writer process: the same ledger committing through aiosqlite's thread measured 13-15% here "
         "(sqlite3 drops and retakes the GIL around every statement, and each hand-off stalls the event "
         "loop); see `llmd/ledger_writer.py`.", "",
