@@ -429,7 +429,9 @@ def main() -> int:
         f"- **event-loop time inside metering**, timed directly (thread CPU time in the ledger's calls and in "
         f"its writer task's steps): {so['in_loop_us']:.1f} µs per request ({so['calls_us']:.1f} in the calls that "
         f"enqueue a request's ops, the rest batching and handing them to the writer process), "
-        f"**{share * 100:.2f}%** of the serving process's CPU per request.",
+        f"**{share * 100:.2f}%** of the serving process's CPU per request. The stopwatch itself reads "
+        f"{so['noop_us']:.1f} µs per request on the no-op stand-in (forwarding the calls' arguments): net of that, "
+        f"{so['net_share'] * 100:.2f}%.",
         f"- verdict (both under 2%): {serve_verdict}.",
         f"- serving-process CPU per request, pooled: {(so['main_pooled'] - 1) * 100:+.2f}% with the ledger "
         f"({so['main_ms'] * 1e3:.0f} µs per request without it).",
