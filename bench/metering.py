@@ -390,7 +390,7 @@ def main() -> int:
         f"Settings: usage ledger (`llmd/metering.py`; its writer process `llmd/ledger_writer.py` commits) on a "
         f"temporary SQLite file, WAL, synchronous=NORMAL, one transaction per batch (everything queued; "
         f"the window ends early at 500 ops), "
-        f"one JSON statement per op kind, a {BATCH_WINDOW_S * 1000:.0f} ms batching window, on {_fs(Path(tempfile.gettempdir()))}; Python {sys.version.split()[0]}, "
+        f"one executemany per op kind, a {BATCH_WINDOW_S * 1000:.0f} ms batching window, on {_fs(Path(tempfile.gettempdir()))}; Python {sys.version.split()[0]}, "
         f"{os.cpu_count()} CPUs, load1 {load:.2f} at the end.", "",
         "| figure | all enqueued at once | trickle (one pair per loop turn) | one pair per transaction |",
         "| --- | --- | --- | --- |",

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
+import os
+import signal
 import sqlite3
 from pathlib import Path
 from typing import Any, AsyncIterator
@@ -228,6 +230,23 @@ async def test_writer_process_killed_batch_is_resent(ledger: Ledger) -> None:
         _close(ledger, f"b{i}")
     await ledger.flush()
     assert _count(ledger.path) == 20 and ledger._proc is not None and ledger._proc.pid != first
+
+
+async def test_writer_killed_mid_batch_the_batch_goes_to_a_new_one(ledger: Ledger) -> None:
+    for i in range(5):
+        _close(ledger, f"a{i}")
+    await ledger.flush()  # the writer is up and its pipe watched
+    assert ledger._proc is not None
+    stuck = ledger._proc.proc
+    os.kill(stuck.pid, signal.SIGSTOP)  # it cannot answer: the next batch waits on it
+    for i in range(5):
+        _close(ledger, f"b{i}")
+    flushed = asyncio.create_task(ledger.flush())
+    await asyncio.sleep(0.3)
+    assert not flushed.done()
+    stuck.kill()  # dies with the batch in flight: EOF on its pipe fails the wait
+    await asyncio.wait_for(flushed, 10)
+    assert _count(ledger.path) == 10 and ledger._proc is not None and ledger._proc.proc is not stuck
 
 
 async def test_resent_batch_bills_nothing_twice(tmp_path: Path) -> None:
