@@ -35,20 +35,18 @@ import random
 import shlex
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Awaitable, Callable, Iterator
 
 import httpx
 
-from common import free_port, model_dir, tail, tool, wait_ready  # bench/ is on sys.path
+from common import free_port, model_dir, tool, wait_ready  # bench/ is on sys.path
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent

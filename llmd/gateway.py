@@ -35,7 +35,8 @@ from llmd.idempotency import IdempotencyStore, LiveRun, Outcome, request_hash
 from llmd.limits import deadline_seconds
 from llmd.policy.admission import AdmissionRefused
 from llmd.protocol import ChatRequest, CompletionRequest
-from llmd.service import Job, Service, classify
+from llmd.runtime import Job
+from llmd.service import Service, classify
 from llmd.telemetry import RequestRecord, log
 
 _CLIENT_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")

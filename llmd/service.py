@@ -1,11 +1,10 @@
-"""The request pipeline, free of HTTP: prepare (who, what, how much, may it) then run.
+"""The request pipeline, free of HTTP: admit (who, what, how much, may it), then close.
 
-`prepare` does everything that can refuse a request cheaply, before any engine
-time is spent: model and class checks, rendering and counting, deterministic
-limits, admission control. `run` waits in the fair queue until the scheduler
-releases it, streams deltas from the engine, resumes after a preemption, and
-aborts the engine request on every exit path that did not finish it.
-`finish` settles the quota once, whatever happened.
+`admit` and `prepare` do everything that can refuse a request cheaply, before any engine
+time is spent: model and class checks, prompt screening, rendering and counting,
+deterministic limits, degradation, admission control; they open the request's ledger row
+and hand back a `Job` for llmd.dispatch to run. `close` settles the quota once, logs the
+request and meters it once, whatever happened.
 """
 
 from __future__ import annotations
@@ -14,99 +13,31 @@ import asyncio
 import contextlib
 import time
 import uuid
-from collections import deque
-from dataclasses import dataclass, field, replace
-from typing import AsyncIterator
 
 from llmd.auth import Principal
-from llmd.backends import Backend, BackendError, EngineDead, PromptError, build_backend
-from llmd.backends.base import Delta, Prompt, Sampling
-from llmd.config import Config, ModelConfig, TenantConfig
-from llmd.errors import APIError, bad_request, deadline_exceeded, engine_failed, not_found, unavailable
-from llmd.filters import GUARD_PROMPT, ContentFiltered, Filters, OutputWindow, screen_prompt
+from llmd.backends import PromptError, build_backend
+from llmd.backends.base import Sampling
+from llmd.config import Config, TenantConfig
+from llmd.dispatch import PRIORITY
+from llmd.errors import APIError, bad_request, not_found, unavailable
+from llmd.filters import GUARD_PROMPT, ContentFiltered, Filters, screen_prompt
+from llmd.idempotency import IdempotencyStore
 from llmd.limits import output_budget
 from llmd.metering import Ledger, Price
 from llmd.metrics import Metrics
 from llmd.policy import admission
-from llmd.policy.classes import ModelQueue
 from llmd.policy.degradation import Degrader
-from llmd.policy.fairness import FAIRNESS
 from llmd.policy.queue import QueuedRequest
-from llmd.policy.saturation import SaturationDetector, ThroughputEstimate
-from llmd.policy.scheduler import Dropped, Entry, Scheduler
+from llmd.policy.scheduler import Entry
 from llmd.protocol import ChatRequest, CompletionRequest
-from llmd.idempotency import IdempotencyStore
 from llmd.registry.registry import Registry
 from llmd.registry.routing import RoutingError, parse_model
+from llmd.runtime import Job, ModelRuntime
 from llmd.store import WeightStore, home
 from llmd.telemetry import RequestRecord, log
 
-PRIORITY = {"interactive": 0, "batch": 1}  # vLLM's priority: lower runs first under KV pressure
-PROGRESS_EVERY_S = 1.0  # how often a live request's token count reaches the ledger (crash loss bound)
-LEDGER_STATUS = {"rejected": "error"}
-DEGRADED_HEADER = "X-LLMD-Degraded"  # record status -> ledger status where they differ
-
-
-class ModelRuntime:
-    """One configured model: its backend (once loaded), its queue and scheduler, its load state."""
-
-    def __init__(self, cfg: ModelConfig, tenants: list[TenantConfig]) -> None:
-        self.cfg = cfg
-        self.backend: Backend | None = None
-        self.scheduler: Scheduler | None = None
-        # (wall time, seconds) per token between a request's tokens as they reach the gateway:
-        # what the ITL controller steers on.
-        self.gaps: deque[tuple[float, float]] = deque(maxlen=16384)
-        self.load_error: str | None = None
-        sc = cfg.scheduling
-        weights = {t.name: t.weight for t in tenants}
-        ordering = {t.name: t.ordering for t in tenants}
-        if sc.fairness == "vtc":
-            self.queue = ModelQueue(lambda: FAIRNESS["vtc"](weights, sc.w_in, sc.w_out), lambda t: ordering.get(t, "fifo"))
-        else:
-            self.queue = ModelQueue(FAIRNESS["fcfs"], lambda t: ordering.get(t, "fifo"))
-
-    @property
-    def ready(self) -> bool:
-        return self.backend is not None and self.backend.ready and self.backend.healthy
-
-    @property
-    def served_name(self) -> str:
-        """The `model` field of a response: the name and the version that served it."""
-        return f"{self.cfg.name}@{self.backend.version[:12]}" if self.backend else self.cfg.name
-
-    def attach(self, backend: Backend) -> None:
-        sc = self.cfg.scheduling
-        seats = sc.max_running or (self.cfg.fake.max_num_seqs if self.cfg.backend == "fake" else self.cfg.engine.max_num_seqs)
-        detector = SaturationDetector(seats, sc.kv_high, sc.target_itl_ms, sc.target_itl_margin,
-                                      itl_samples=lambda: self.gaps)
-        self.scheduler = Scheduler(self.queue, detector, backend.stats, ThroughputEstimate(sc.prior_tokens_per_s),
-                                   preempt_batch=sc.preempt_batch, reserved_seats=sc.reserved_seats,
-                                   preempt_for_fairness=sc.preempt_for_fairness,
-                                   batch_seats_with_interactive=(sc.batch_seats_with_interactive
-                                                                 if sc.batch_seats_with_interactive is not None
-                                                                 else max(1, seats // 4)),
-                                   interactive_quiet_s=sc.interactive_quiet_s)
-        self.scheduler.start()
-        self.backend = backend
-
-
-@dataclass
-class Job:
-    """A request that passed every cheap check and now waits for, or uses, the engine."""
-
-    engine_id: str
-    runtime: ModelRuntime
-    prompt: Prompt
-    sampling: Sampling
-    deadline: float  # time.monotonic() by which it must finish
-    record: RequestRecord
-    entry: Entry
-    quota: admission.Ticket | None = None
-    headers: dict[str, str] = field(default_factory=dict)
-    finished: bool = False
-    last_progress: float = field(default_factory=time.monotonic)  # admission opened the row: 1st progress 1 s on
-    window: OutputWindow | None = None  # the output filters, when the model or tenant has any
+LEDGER_STATUS = {"rejected": "error"}  # record status -> ledger status where they differ
+DEGRADED_HEADER = "X-LLMD-Degraded"
 
 
 class Service:
@@ -346,131 +277,6 @@ class Service:
             # A request refused before it ran does not consume its idempotency key.
             idempotency_key=rec.idempotency_key if job is not None else None, cost_multiplier=rec.price_multiplier)
         self.ledger.record_request(d)
-
-    # -- run -------------------------------------------------------------
-    def deadline(self, job: Job) -> asyncio.Timeout:
-        """Bounds the whole run, queueing and the client's writes included."""
-        loop = asyncio.get_running_loop()
-        return asyncio.timeout_at(loop.time() + (job.deadline - time.monotonic()))
-
-    @staticmethod
-    def deadline_error(job: Job) -> APIError:
-        if job.record.t_dispatch is None:
-            job.record.decision = "dropped:deadline"
-            return deadline_exceeded("the request's deadline passed while it waited in the queue; it was not run")
-        return deadline_exceeded()
-
-    async def run(self, job: Job) -> AsyncIterator[Delta]:
-        """Deltas from the engine. Run it inside `deadline(job)`; raises APIError on failure."""
-        rec, rt, entry = job.record, job.runtime, job.entry
-        backend, sched = rt.backend, rt.scheduler
-        assert backend is not None and sched is not None
-        prompt, sampling, attempt = job.prompt, job.sampling, 0
-        current = [job.engine_id]
-        entry.abort = lambda: backend.abort(current[0])
-        produced: list[int] = []
-        while True:
-            try:
-                await sched.wait_turn(entry)
-            except Dropped as e:
-                rec.decision = f"dropped:{e.reason}"
-                raise deadline_exceeded(str(e)) from None
-            if rec.t_dispatch is None:
-                rec.t_dispatch = time.monotonic()
-            # Preempted between its dispatch and its start (the scheduler's abort found nothing
-            # to abort): it goes back to the queue without ever reaching the engine.
-            preempted = entry.preempt_requested
-            try:
-                gen = (_nothing() if preempted
-                       else backend.generate(current[0], prompt, sampling, PRIORITY[entry.req.klass]))
-                async with contextlib.aclosing(gen):
-                    async for delta in gen:
-                        if delta.finish_reason == "abort" and entry.preempt_requested:
-                            preempted = True
-                            break
-                        self._account(job, delta)
-                        produced.extend(delta.token_ids)
-                        yield delta
-                        if entry.preempt_requested and not job.finished:
-                            # The abort may have reached the engine before this request did
-                            # (then it aborted nothing): abort it from here, once it runs.
-                            preempted = True
-                            await backend.abort(current[0])
-                            break
-            except EngineDead as e:
-                raise unavailable(str(e), "engine_dead", retry_after=30) from None
-            except PromptError as e:
-                raise bad_request(str(e)) from None
-            except BackendError as e:
-                raise engine_failed(str(e)) from None
-            finally:
-                if not job.finished and not preempted:
-                    # Disconnect, deadline or error: make sure the engine stops computing it now.
-                    with contextlib.suppress(Exception):
-                        await backend.abort(current[0])
-                sched.finished(entry)
-            if not preempted:
-                return
-            # Preempted for interactive traffic: queue again and resume from what was produced.
-            rec.preemptions += 1
-            entry.preempt_requested = False
-            attempt += 1
-            current[0] = f"{job.engine_id}-r{attempt}"
-            ids = job.prompt.token_ids + produced
-            prompt = Prompt(token_ids=ids, engine_input={"prompt_token_ids": ids})
-            sampling = _replace_max_tokens(sampling, job.sampling.max_tokens - rec.output_tokens)
-
-    async def screened(self, job: Job) -> AsyncIterator[Delta]:
-        """`run`'s deltas after the output filters: text is released only once every filter
-        has seen it (held back by at most holdback_tokens), redacted where a filter says so;
-        a blocking match raises ContentFiltered and aborts the engine request."""
-        window = job.window
-        async with contextlib.aclosing(self.run(job)) as deltas:
-            if window is None:
-                async for d in deltas:
-                    yield d
-                return
-            async for d in deltas:
-                seen = len(window.redactions)
-                text, hit = window.feed(d.text, d.num_tokens, d.finish_reason is not None)
-                if len(window.redactions) != seen:  # only when this delta redacted something
-                    job.record.redacted = ",".join(dict.fromkeys(window.redactions))
-                if hit is not None:
-                    rec = job.record
-                    rec.filter, rec.finish_reason = hit.label, "content_filter"
-                    rec.status, rec.http_status, rec.error_code = "filtered", 200, "content_filter"
-                    raise ContentFiltered(hit, "The output was stopped by a content filter.")
-                if text or d.finish_reason is not None:
-                    yield replace(d, text=text)
-
-    def _account(self, job: Job, delta: Delta) -> None:
-        rec = job.record
-        now = time.monotonic()
-        prev = rec.t_last_token
-        rec.on_tokens(delta.num_tokens, now)
-        if prev is not None and delta.num_tokens and job.runtime.cfg.scheduling.target_itl_ms:
-            job.runtime.gaps.extend([(time.time(), (now - prev) / delta.num_tokens)] * delta.num_tokens)
-        rec.output_tokens += delta.num_tokens
-        if now - job.last_progress >= PROGRESS_EVERY_S:
-            job.last_progress = now
-            self.ledger.progress(rec.request_id, output_tokens=rec.output_tokens, cached_tokens=rec.cached_prompt_tokens)
-        rec.cached_prompt_tokens = max(rec.cached_prompt_tokens, delta.cached_prompt_tokens)
-        if delta.num_tokens:
-            assert job.runtime.scheduler is not None
-            job.runtime.scheduler.on_output(job.entry, delta.num_tokens)
-        if delta.finish_reason is not None:
-            job.finished = True
-            rec.finish_reason = delta.finish_reason
-
-
-async def _nothing() -> AsyncIterator[Delta]:
-    return
-    yield  # an async generator that yields nothing
-
-
-def _replace_max_tokens(s: Sampling, n: int) -> Sampling:
-    return replace(s, max_tokens=max(1, n))
-
 
 def classify(exc: BaseException) -> tuple[str, int, str | None]:
     """(status, http status, error code) for the request log."""

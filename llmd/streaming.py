@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from typing import Any, AsyncIterator, Awaitable, Callable
 
-from llmd import protocol
+from llmd import dispatch, protocol
 from llmd.errors import APIError
 from llmd.filters import ContentFiltered
 from llmd.protocol import ChatRequest, CompletionRequest
@@ -34,12 +34,12 @@ async def complete(service: Service, job: Job, req: ChatRequest | CompletionRequ
     parts: list[str] = []
     finish: str | None = None
     try:
-        async with service.deadline(job):
-            async for d in service.screened(job):
+        async with dispatch.deadline(job):
+            async for d in dispatch.screened(job, service.ledger):
                 parts.append(d.text)
                 finish = d.finish_reason or finish
     except TimeoutError:
-        raise service.deadline_error(job) from None
+        raise dispatch.deadline_error(job) from None
     except ContentFiltered:
         finish = "content_filter"  # the text that passed every filter, as OpenAI does
     rec = job.record
@@ -56,7 +56,7 @@ async def _payloads(service: Service, job: Job, req: ChatRequest | CompletionReq
     first = True
     stopped: ContentFiltered | None = None
     try:
-        async for d in service.screened(job):
+        async for d in dispatch.screened(job, service.ledger):
             if not d.text and d.finish_reason is None:
                 continue
             if is_chat:
@@ -85,13 +85,13 @@ async def pump(service: Service, job: Job, req: ChatRequest | CompletionRequest,
                emit: Callable[[str], Awaitable[None]]) -> None:
     started = False
     try:
-        async with service.deadline(job):
+        async with dispatch.deadline(job):
             async for payload in _payloads(service, job, req):
                 started = True
                 await emit(payload)
         return
     except TimeoutError:
-        err: APIError = service.deadline_error(job)
+        err: APIError = dispatch.deadline_error(job)
     except APIError as e:
         err = e
     if not started:

@@ -32,7 +32,8 @@ from llmd.batch.store import Batch, BatchStore
 from llmd.config import BatchConfig
 from llmd.errors import APIError
 from llmd.registry.routing import parse_model
-from llmd.service import Job, Service, classify
+from llmd.runtime import Job
+from llmd.service import Service, classify
 from llmd.telemetry import RequestRecord
 
 log = structlog.get_logger("llmd.batch")

@@ -20,9 +20,10 @@ from llmd.backends import build_backend
 from llmd.backends.base import Sampling
 from llmd.registry.routing import RoutingError, RoutingView, Split
 from llmd.registry.store import RegistryStore
+from llmd.runtime import ModelRuntime
 
 if TYPE_CHECKING:
-    from llmd.service import ModelRuntime, Service
+    from llmd.service import Service
 
 log = structlog.get_logger("llmd.registry")
 WARMUP_PROMPTS = ("Hello!", "Write one sentence about the sea.", "What is 2 + 2?")
@@ -40,7 +41,7 @@ class Registry:
     def __init__(self, service: "Service", path: Path) -> None:
         self.service = service
         self.store = RegistryStore(path)
-        self.runtimes: dict[str, dict[str, "ModelRuntime"]] = {}  # model -> version id -> runtime
+        self.runtimes: dict[str, dict[str, ModelRuntime]] = {}  # model -> version id -> runtime
         self.states: dict[str, dict[str, str]] = {}
         self.view = RoutingView()
         self._weights: dict[str, dict[str, float]] = {}  # model -> the current split's weights
@@ -86,7 +87,7 @@ class Registry:
         await self.store.stop()
 
     # -- routing ---------------------------------------------------------------------------
-    def route(self, model: str, key: str | None, pin: str | None) -> "ModelRuntime":
+    def route(self, model: str, key: str | None, pin: str | None) -> ModelRuntime:
         version = self.view.route(model, key, pin)
         return self.runtimes[model][version]
 
@@ -116,7 +117,7 @@ class Registry:
         self._weights = {**self._weights, name: dict(weights)}
 
     # -- lifecycle -------------------------------------------------------------------------
-    def _model(self, name: str) -> dict[str, "ModelRuntime"]:
+    def _model(self, name: str) -> dict[str, ModelRuntime]:
         if name not in self.runtimes:
             raise RegistryError(f"model {name!r} is not configured or not loaded yet", 404)
         return self.runtimes[name]
@@ -143,8 +144,6 @@ class Registry:
             return vid
 
     async def _load(self, name: str, version: str, warm: bool, cpu_threads_bind: str | None = None) -> str:
-        from llmd.service import ModelRuntime
-
         cfg = self.service.config.model(name)
         assert cfg is not None
         existing = [v for v in self.runtimes.get(name, {}) if v.startswith(version)]
@@ -243,18 +242,18 @@ class Registry:
                               "ready": rt.ready} for v, rt in rts.items()]}
 
 
-def _in_flight(rt: "ModelRuntime") -> int:
+def _in_flight(rt: ModelRuntime) -> int:
     return (len(rt.scheduler.running) + len(rt.queue)) if rt.scheduler is not None else 0
 
 
-async def _stop_runtime(rt: "ModelRuntime") -> None:
+async def _stop_runtime(rt: ModelRuntime) -> None:
     if rt.scheduler is not None:
         await rt.scheduler.stop()
     if rt.backend is not None:
         await rt.backend.stop()
 
 
-async def _warm_up(rt: "ModelRuntime") -> None:
+async def _warm_up(rt: ModelRuntime) -> None:
     """A few short generations straight to the engine, out of rotation (first requests pay
     for cold caches and lazy initialisation; better the registry pays than a user)."""
     backend = rt.backend

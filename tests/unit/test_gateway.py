@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 
-from tests.conftest import LiveServer, async_wait_until, client_ids, fake_toml
+from tests.conftest import LiveServer, async_wait_until, fake_toml
 
 MSG = [{"role": "user", "content": "hello there"}]
 

@@ -1,0 +1,149 @@
+"""A job's trip from the fair queue through the engine and back, free of HTTP.
+
+`run` waits until the scheduler releases the job, streams deltas from the engine, resumes
+after a preemption, and aborts the engine request on every exit path that did not finish
+it; `screened` passes those deltas through the output filters. Both count tokens as they
+come (the record, the scheduler's fairness counters, the ledger's progress).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from dataclasses import replace
+from typing import AsyncIterator
+
+from llmd.backends import BackendError, EngineDead, PromptError
+from llmd.backends.base import Delta, Prompt, Sampling
+from llmd.errors import APIError, bad_request, deadline_exceeded, engine_failed, unavailable
+from llmd.filters import ContentFiltered
+from llmd.metering import Ledger
+from llmd.policy.scheduler import Dropped
+from llmd.runtime import Job
+
+PRIORITY = {"interactive": 0, "batch": 1}  # vLLM's priority: lower runs first under KV pressure
+PROGRESS_EVERY_S = 1.0  # how often a live request's token count reaches the ledger (crash loss bound)
+
+
+def deadline(job: Job) -> asyncio.Timeout:
+    """Bounds the whole run, queueing and the client's writes included."""
+    loop = asyncio.get_running_loop()
+    return asyncio.timeout_at(loop.time() + (job.deadline - time.monotonic()))
+
+def deadline_error(job: Job) -> APIError:
+    if job.record.t_dispatch is None:
+        job.record.decision = "dropped:deadline"
+        return deadline_exceeded("the request's deadline passed while it waited in the queue; it was not run")
+    return deadline_exceeded()
+
+async def run(job: Job, ledger: Ledger) -> AsyncIterator[Delta]:
+    """Deltas from the engine. Run it inside `deadline(job)`; raises APIError on failure."""
+    rec, rt, entry = job.record, job.runtime, job.entry
+    backend, sched = rt.backend, rt.scheduler
+    assert backend is not None and sched is not None
+    prompt, sampling, attempt = job.prompt, job.sampling, 0
+    current = [job.engine_id]
+    entry.abort = lambda: backend.abort(current[0])
+    produced: list[int] = []
+    while True:
+        try:
+            await sched.wait_turn(entry)
+        except Dropped as e:
+            rec.decision = f"dropped:{e.reason}"
+            raise deadline_exceeded(str(e)) from None
+        if rec.t_dispatch is None:
+            rec.t_dispatch = time.monotonic()
+        # Preempted between its dispatch and its start (the scheduler's abort found nothing
+        # to abort): it goes back to the queue without ever reaching the engine.
+        preempted = entry.preempt_requested
+        try:
+            gen = (_nothing() if preempted
+                   else backend.generate(current[0], prompt, sampling, PRIORITY[entry.req.klass]))
+            async with contextlib.aclosing(gen):
+                async for delta in gen:
+                    if delta.finish_reason == "abort" and entry.preempt_requested:
+                        preempted = True
+                        break
+                    _account(job, delta, ledger)
+                    produced.extend(delta.token_ids)
+                    yield delta
+                    if entry.preempt_requested and not job.finished:
+                        # The abort may have reached the engine before this request did
+                        # (then it aborted nothing): abort it from here, once it runs.
+                        preempted = True
+                        await backend.abort(current[0])
+                        break
+        except EngineDead as e:
+            raise unavailable(str(e), "engine_dead", retry_after=30) from None
+        except PromptError as e:
+            raise bad_request(str(e)) from None
+        except BackendError as e:
+            raise engine_failed(str(e)) from None
+        finally:
+            if not job.finished and not preempted:
+                # Disconnect, deadline or error: make sure the engine stops computing it now.
+                with contextlib.suppress(Exception):
+                    await backend.abort(current[0])
+            sched.finished(entry)
+        if not preempted:
+            return
+        # Preempted for interactive traffic: queue again and resume from what was produced.
+        rec.preemptions += 1
+        entry.preempt_requested = False
+        attempt += 1
+        current[0] = f"{job.engine_id}-r{attempt}"
+        ids = job.prompt.token_ids + produced
+        prompt = Prompt(token_ids=ids, engine_input={"prompt_token_ids": ids})
+        sampling = _replace_max_tokens(sampling, job.sampling.max_tokens - rec.output_tokens)
+
+async def screened(job: Job, ledger: Ledger) -> AsyncIterator[Delta]:
+    """`run`'s deltas after the output filters: text is released only once every filter
+    has seen it (held back by at most holdback_tokens), redacted where a filter says so;
+    a blocking match raises ContentFiltered and aborts the engine request."""
+    window = job.window
+    async with contextlib.aclosing(run(job, ledger)) as deltas:
+        if window is None:
+            async for d in deltas:
+                yield d
+            return
+        async for d in deltas:
+            seen = len(window.redactions)
+            text, hit = window.feed(d.text, d.num_tokens, d.finish_reason is not None)
+            if len(window.redactions) != seen:  # only when this delta redacted something
+                job.record.redacted = ",".join(dict.fromkeys(window.redactions))
+            if hit is not None:
+                rec = job.record
+                rec.filter, rec.finish_reason = hit.label, "content_filter"
+                rec.status, rec.http_status, rec.error_code = "filtered", 200, "content_filter"
+                raise ContentFiltered(hit, "The output was stopped by a content filter.")
+            if text or d.finish_reason is not None:
+                yield replace(d, text=text)
+
+def _account(job: Job, delta: Delta, ledger: Ledger) -> None:
+    rec = job.record
+    now = time.monotonic()
+    prev = rec.t_last_token
+    rec.on_tokens(delta.num_tokens, now)
+    if prev is not None and delta.num_tokens and job.runtime.cfg.scheduling.target_itl_ms:
+        job.runtime.gaps.extend([(time.time(), (now - prev) / delta.num_tokens)] * delta.num_tokens)
+    rec.output_tokens += delta.num_tokens
+    if now - job.last_progress >= PROGRESS_EVERY_S:
+        job.last_progress = now
+        ledger.progress(rec.request_id, output_tokens=rec.output_tokens, cached_tokens=rec.cached_prompt_tokens)
+    rec.cached_prompt_tokens = max(rec.cached_prompt_tokens, delta.cached_prompt_tokens)
+    if delta.num_tokens:
+        assert job.runtime.scheduler is not None
+        job.runtime.scheduler.on_output(job.entry, delta.num_tokens)
+    if delta.finish_reason is not None:
+        job.finished = True
+        rec.finish_reason = delta.finish_reason
+
+
+async def _nothing() -> AsyncIterator[Delta]:
+    return
+    yield  # an async generator that yields nothing
+
+
+def _replace_max_tokens(s: Sampling, n: int) -> Sampling:
+    return replace(s, max_tokens=max(1, n))
