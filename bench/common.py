@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -53,6 +55,27 @@ def wait_ready(proc: subprocess.Popen, url: str, timeout: float, log: Path) -> N
             pass
         time.sleep(1)
     raise RuntimeError(f"server not ready at {url} after {timeout:.0f}s; log {log}:\n{tail(log)}")
+
+
+def stop(proc: subprocess.Popen, grace: float = 30.0) -> None:
+    """SIGTERM the server we started, then SIGKILL it and anything left in its process group."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(grace)
+        except subprocess.TimeoutExpired:
+            pass
+    try:  # its own session: the group id is its PID; sweep engine children left behind
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+    for _ in range(100):  # until the whole group is gone, so the next server never overlaps this one
+        try:
+            os.killpg(proc.pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
 
 
 def tail(path: Path, n: int = 30) -> str:

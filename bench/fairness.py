@@ -34,7 +34,6 @@ import os
 import random
 import shlex
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -46,7 +45,7 @@ from typing import Any, Awaitable, Callable, Iterator
 
 import httpx
 
-from common import free_port, model_dir, tool, wait_ready  # bench/ is on sys.path
+from common import free_port, model_dir, stop, tool, wait_ready  # bench/ is on sys.path
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
@@ -66,27 +65,6 @@ PLACES = ["the mountains", "the desert", "the ocean", "a forest", "the city", "t
 
 
 # -- servers ------------------------------------------------------------------
-def stop(proc: subprocess.Popen, grace: float = 30.0) -> None:
-    """SIGTERM the server we started, then SIGKILL it and anything left in its process group."""
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(grace)
-        except subprocess.TimeoutExpired:
-            pass
-    try:  # its own session: the group id is its PID; sweep engine children left behind
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    proc.wait()
-    for _ in range(100):  # until the whole group is gone, so the next server never overlaps this one
-        try:
-            os.killpg(proc.pid, 0)
-        except ProcessLookupError:
-            break
-        time.sleep(0.1)
-
-
 def source_stamp() -> float:
     """Newest modification time of llmd's sources: servers started before and after an edit run different code."""
     return max((f.stat().st_mtime for f in (ROOT / "llmd").rglob("*.py")), default=0.0)

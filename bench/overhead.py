@@ -21,7 +21,6 @@ import json
 import os
 import shlex
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -33,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from common import free_port, model_dir, tail, tool, wait_ready  # bench/ is on sys.path
+from common import free_port, model_dir, stop, tail, tool, wait_ready  # bench/ is on sys.path
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
@@ -88,21 +87,6 @@ dtype = "float32"
         return [tool("llmd"), "serve", "--config", str(cfg)]
 
     return {"vllm": Server("vllm", "/health", vllm), "llmd": Server("llmd", "/ready", llmd)}
-
-
-def stop(proc: subprocess.Popen, grace: float = 30.0) -> None:
-    """SIGTERM the server we started, then SIGKILL it and anything left in its process group."""
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(grace)
-        except subprocess.TimeoutExpired:
-            pass
-    try:  # its own session: the group id is its PID; sweep engine children left behind
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    proc.wait()
 
 
 def bench(args: argparse.Namespace, model: Path, port: int, out: Path, env: dict[str, str]) -> dict:
