@@ -148,6 +148,7 @@ step_ms_per_seq = 0.0
 max_num_seqs = 256
 [models.scheduling]
 reserved_seats = 0
+prior_tokens_per_s = 20000.0  # the fake engine's rate: the default prior (a CPU model's) sheds the first bursts
 """
 
 
