@@ -224,8 +224,7 @@ def client_main(port: int, seconds: float, concurrency: int, stream_tokens: int)
 
     async def go() -> int:
         conns = [await asyncio.open_connection("127.0.0.1", port) for _ in range(concurrency)]
-        for r, w in conns:  # every connection warm before the clock starts
-            await one(r, w)
+        await asyncio.gather(*(one(r, w) for r, w in conns))  # every connection warm before the clock starts
         done = 0
         print("go", flush=True)
         cpu0[0], stop = time.process_time(), time.perf_counter() + seconds
