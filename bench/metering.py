@@ -380,7 +380,7 @@ def _serve_lines(so: dict[str, Any], verdict: str) -> list[str]:
             else "worst case: non-streaming, 16 tokens")
     cost = 1 - so["pooled"]
     return [
-        f"**{kind.capitalize()}** (the load client used {so['client_us']:.0f} µs of CPU per request):", "",
+        f"**{kind[0].upper() + kind[1:]}** (the load client used {so['client_us']:.0f} µs of CPU per request):", "",
         "| round | with ledger req/s | without req/s | ratio | serving loop busy, with / without | "
         "serving-process CPU µs/req, with / without |",
         "| --- | --- | --- | --- | --- | --- |",
