@@ -39,7 +39,7 @@ def serve(config_path: str, host: str | None, port: int | None) -> None:
     if port is not None:
         cfg.server.port = port
     from llmd.gateway import create_app
-    from llmd.service import Service
+    from llmd.node import build_node
     from llmd.telemetry import configure_logging, log
 
     configure_logging(cfg.server.log_level)
@@ -50,7 +50,7 @@ def serve(config_path: str, host: str | None, port: int | None) -> None:
                 store.resolve(m.source, m.version)
             except StoreError as e:
                 raise click.ClickException(f"{cfg.path}: models[{cfg.models.index(m)}].source: {e}") from None
-    app = create_app(cfg, Service(cfg, store))
+    app = create_app(build_node(cfg, store))
     log.info("serving", host=cfg.server.host, port=cfg.server.port, config=str(cfg.path),
              models=[m.name for m in cfg.models])
     app.run(host=cfg.server.host, port=cfg.server.port, single_process=True, access_log=False, motd=False)

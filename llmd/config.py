@@ -247,6 +247,12 @@ class ModelConfig(_Strict):
     def prompt_limit(self) -> int:
         return self.max_prompt_tokens or self.engine.max_model_len - 1
 
+    @property
+    def seats(self) -> int:
+        """Sequences our scheduler lets into the engine at once."""
+        engine_seats = self.fake.max_num_seqs if self.backend == "fake" else self.engine.max_num_seqs
+        return self.scheduling.max_running or engine_seats
+
 
 class TenantConfig(_Strict):
     name: Annotated[str, Field(min_length=1, pattern=r"^[A-Za-z0-9][A-Za-z0-9._\-]*$")]

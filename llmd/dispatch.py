@@ -2,8 +2,9 @@
 
 `run` waits until the scheduler releases the job, streams deltas from the engine, resumes
 after a preemption, and aborts the engine request on every exit path that did not finish
-it; `screened` passes those deltas through the output filters. Both count tokens as they
-come (the record, the scheduler's fairness counters, the ledger's progress).
+it; `screened` passes those deltas through the output filters. Tokens are counted in one
+place, `_account`: the record (the one count), the scheduler's fairness charge, the ITL
+controller's samples and the ledger's progress read from it.
 """
 
 from __future__ import annotations
@@ -18,12 +19,10 @@ from llmd.backends import BackendError, EngineDead, PromptError
 from llmd.backends.base import Delta, Prompt, Sampling
 from llmd.errors import APIError, bad_request, deadline_exceeded, engine_failed, unavailable
 from llmd.filters import ContentFiltered
-from llmd.metering import Ledger
 from llmd.policy.scheduler import Dropped
 from llmd.runtime import Job
 
 PRIORITY = {"interactive": 0, "batch": 1}  # vLLM's priority: lower runs first under KV pressure
-PROGRESS_EVERY_S = 1.0  # how often a live request's token count reaches the ledger (crash loss bound)
 
 
 def deadline(job: Job) -> asyncio.Timeout:
@@ -37,11 +36,10 @@ def deadline_error(job: Job) -> APIError:
         return deadline_exceeded("the request's deadline passed while it waited in the queue; it was not run")
     return deadline_exceeded()
 
-async def run(job: Job, ledger: Ledger) -> AsyncIterator[Delta]:
+async def run(job: Job) -> AsyncIterator[Delta]:
     """Deltas from the engine. Run it inside `deadline(job)`; raises APIError on failure."""
     rec, rt, entry = job.record, job.runtime, job.entry
     backend, sched = rt.backend, rt.scheduler
-    assert backend is not None and sched is not None
     prompt, sampling, attempt = job.prompt, job.sampling, 0
     current = [job.engine_id]
     entry.abort = lambda: backend.abort(current[0])
@@ -65,7 +63,7 @@ async def run(job: Job, ledger: Ledger) -> AsyncIterator[Delta]:
                     if delta.finish_reason == "abort" and entry.preempt_requested:
                         preempted = True
                         break
-                    _account(job, delta, ledger)
+                    _account(job, delta)
                     produced.extend(delta.token_ids)
                     yield delta
                     if entry.preempt_requested and not job.finished:
@@ -97,12 +95,12 @@ async def run(job: Job, ledger: Ledger) -> AsyncIterator[Delta]:
         prompt = Prompt(token_ids=ids, engine_input={"prompt_token_ids": ids})
         sampling = _replace_max_tokens(sampling, job.sampling.max_tokens - rec.output_tokens)
 
-async def screened(job: Job, ledger: Ledger) -> AsyncIterator[Delta]:
+async def screened(job: Job) -> AsyncIterator[Delta]:
     """`run`'s deltas after the output filters: text is released only once every filter
     has seen it (held back by at most holdback_tokens), redacted where a filter says so;
     a blocking match raises ContentFiltered and aborts the engine request."""
     window = job.window
-    async with contextlib.aclosing(run(job, ledger)) as deltas:
+    async with contextlib.aclosing(run(job)) as deltas:
         if window is None:
             async for d in deltas:
                 yield d
@@ -113,14 +111,14 @@ async def screened(job: Job, ledger: Ledger) -> AsyncIterator[Delta]:
             if len(window.redactions) != seen:  # only when this delta redacted something
                 job.record.redacted = ",".join(dict.fromkeys(window.redactions))
             if hit is not None:
-                rec = job.record
-                rec.filter, rec.finish_reason = hit.label, "content_filter"
-                rec.status, rec.http_status, rec.error_code = "filtered", 200, "content_filter"
-                raise ContentFiltered(hit, "The output was stopped by a content filter.")
+                job.record.filter, job.record.finish_reason = hit.label, "content_filter"
+                stop = ContentFiltered(hit, "The output was stopped by a content filter.", status=200)
+                job.life.fail(stop)
+                raise stop
             if text or d.finish_reason is not None:
                 yield replace(d, text=text)
 
-def _account(job: Job, delta: Delta, ledger: Ledger) -> None:
+def _account(job: Job, delta: Delta) -> None:
     rec = job.record
     now = time.monotonic()
     prev = rec.t_last_token
@@ -128,12 +126,9 @@ def _account(job: Job, delta: Delta, ledger: Ledger) -> None:
     if prev is not None and delta.num_tokens and job.runtime.cfg.scheduling.target_itl_ms:
         job.runtime.gaps.extend([(time.time(), (now - prev) / delta.num_tokens)] * delta.num_tokens)
     rec.output_tokens += delta.num_tokens
-    if now - job.last_progress >= PROGRESS_EVERY_S:
-        job.last_progress = now
-        ledger.progress(rec.request_id, output_tokens=rec.output_tokens, cached_tokens=rec.cached_prompt_tokens)
     rec.cached_prompt_tokens = max(rec.cached_prompt_tokens, delta.cached_prompt_tokens)
+    job.life.progress(now)
     if delta.num_tokens:
-        assert job.runtime.scheduler is not None
         job.runtime.scheduler.on_output(job.entry, delta.num_tokens)
     if delta.finish_reason is not None:
         job.finished = True

@@ -7,7 +7,8 @@ after it finished replays the stored outcome from SQLite, kept 24 hours; the
 same key with another body is a 409. When every reader has gone, the run gets a
 short grace period for a reconnect before it is cancelled (and its engine
 request aborted). Outcomes of runs that never executed (refused, cancelled) are
-not kept, so a retry of those runs for real.
+not kept, so a retry of those runs for real. No HTTP here: `IdempotentRuns.open`
+gives the gateway a LiveRun to read, whichever of the three it is.
 """
 
 from __future__ import annotations
@@ -17,11 +18,21 @@ import contextlib
 import hashlib
 import json
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, AsyncIterator
 
 import aiosqlite
+import structlog
+
+from llmd import streaming
+from llmd.errors import APIError
+from llmd.lifecycle import Lifecycle, RequestLife
+from llmd.protocol import ChatRequest, CompletionRequest
+from llmd.runtime import Job
+
+log = structlog.get_logger("llmd.idempotency")
 
 TTL_S = 24 * 3600.0
 
@@ -113,11 +124,11 @@ class LiveRun:
 
 
 class IdempotencyStore:
-    def __init__(self, path: Path, grace_s: float = 10.0, ttl_s: float = TTL_S) -> None:
+    """Finished runs' outcomes by (tenant, key), kept `ttl_s`."""
+
+    def __init__(self, path: Path, ttl_s: float = TTL_S) -> None:
         self.path = path
-        self.grace_s = grace_s
         self.ttl_s = ttl_s
-        self.live: dict[tuple[str, str], LiveRun] = {}
         self._db: aiosqlite.Connection | None = None
 
     async def start(self) -> None:
@@ -131,11 +142,6 @@ class IdempotencyStore:
         await self._db.commit()
 
     async def stop(self) -> None:
-        for run in list(self.live.values()):
-            if run.task is not None:
-                run.task.cancel()
-                with contextlib.suppress(BaseException):
-                    await run.task
         if self._db is not None:
             await self._db.close()
             self._db = None
@@ -155,3 +161,94 @@ class IdempotencyStore:
             "INSERT OR REPLACE INTO idempotency (tenant, key, request_hash, outcome, created_at) VALUES (?, ?, ?, ?, ?)",
             (key[0], key[1], req_hash, outcome.to_json(), time.time()))
         await self._db.commit()
+
+
+def conflict() -> APIError:
+    return APIError(409, "This Idempotency-Key was already used with a different request body.",
+                    "invalid_request_error", "idempotency_key_reused", "Idempotency-Key")
+
+
+Admit = Callable[[RequestLife], Awaitable[Job]]  # admits the request under the life it is given
+
+
+class IdempotentRuns:
+    """The live runs by (tenant, key), over the store of finished ones."""
+
+    def __init__(self, store: IdempotencyStore, lifecycle: Lifecycle, grace_s: float = 10.0) -> None:
+        self.store = store
+        self.lifecycle = lifecycle
+        self.grace_s = grace_s
+        self.live: dict[tuple[str, str], LiveRun] = {}
+
+    async def stop(self) -> None:
+        for run in list(self.live.values()):
+            if run.task is not None:
+                run.task.cancel()
+                with contextlib.suppress(BaseException):
+                    await run.task
+
+    async def open(self, life: RequestLife, key: tuple[str, str], req_hash: str,
+                   req: ChatRequest | CompletionRequest, admit: Admit) -> LiveRun:
+        """The run behind `key`: a live one to attach to, a stored one to replay (`life` is
+        dropped: the request it belongs to already has its record), or a new one, to which
+        `life` is handed. Raises the 409 of a key reused with another body."""
+        run = self.live.get(key)
+        if run is not None:
+            life.drop()
+            if run.req_hash != req_hash:
+                raise conflict()
+            return run
+        run = LiveRun(key, req_hash, req.stream)
+        self.live[key] = run  # reserved before any await: concurrent retries attach to it
+        try:
+            done = await self.store.lookup(key)
+        except BaseException:
+            self.live.pop(key, None)
+            raise
+        if done is None:
+            owned = life.hand_off()
+            run.task = asyncio.get_running_loop().create_task(self._execute(owned, run, req, admit))
+            return run
+        self.live.pop(key, None)
+        life.drop()
+        if done[0] != req_hash:
+            raise conflict()
+        log.info("idempotent_replay", tenant=key[0], request_id=life.record.request_id)
+        run.headers = done[1].headers
+        run.finish(done[1])
+        return run
+
+    async def _execute(self, life: RequestLife, run: LiveRun, req: ChatRequest | CompletionRequest,
+                       admit: Admit) -> None:
+        """The run itself, detached from any one reader; its life alone meters and records."""
+        outcome: Outcome | None = None
+        try:
+            async with self.lifecycle.own(life):
+                outcome = await _generate(run, req, await admit(life))
+        except APIError as e:
+            outcome = Outcome(e.status, dict(e.headers), e.body(), list(run.events) if run.events else None)
+        except asyncio.CancelledError:
+            outcome = Outcome(499, {}, APIError(499, "the request was cancelled", "server_error", "cancelled").body(),
+                              list(run.events) if run.events else None)
+        except Exception:
+            log.exception("idempotent_run_failed", request_id=life.record.request_id)
+            outcome = Outcome(500, {}, APIError(500, "internal server error", "server_error", "internal_error").body())
+        finally:
+            # Kept only for a run that ran: a refused one leaves its key free, a cancelled one too.
+            if life.admitted and life.record.status != "cancelled" and outcome is not None:
+                with contextlib.suppress(Exception):
+                    await self.store.save(run.key, run.req_hash, outcome)
+            self.live.pop(run.key, None)
+            run.finish(outcome or Outcome(500, {}, None))
+
+
+async def _generate(run: LiveRun, req: ChatRequest | CompletionRequest, job: Job) -> Outcome:
+    run.headers = dict(job.headers)
+    if not req.stream:
+        return Outcome(200, run.headers, await streaming.complete(job, req))
+
+    async def emit(payload: str) -> None:
+        run.append(payload)
+
+    await streaming.pump(job, req, emit)
+    return Outcome(200, run.headers, None, list(run.events))

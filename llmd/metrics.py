@@ -15,12 +15,14 @@ from __future__ import annotations
 from bisect import bisect_left
 from collections import defaultdict
 from itertools import accumulate
-from typing import Any, Iterable
+from typing import Any, Iterable, Mapping, Protocol
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.utils import floatToGoString
 
+from llmd.policy.classes import CLASSES
+from llmd.runtime import ModelRuntime
 from llmd.telemetry import log
 
 # vLLM's defaults (vllm/v1/metrics/buckets.py); ITL gets three finer buckets below
@@ -34,6 +36,14 @@ LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.
 QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1) + LATENCY_BUCKETS  # most waits are sub-0.3 s
 
 MT = ("model", "tenant")
+
+
+class Served(Protocol):
+    """What the live gauges read: the registry's served versions."""
+
+    def primaries(self) -> Mapping[str, ModelRuntime | None]: ...
+
+    def versions(self, model: str) -> Mapping[str, ModelRuntime]: ...
 
 
 def _label(v: Any) -> str:
@@ -89,30 +99,28 @@ class _Live:
         return list(f.values())
 
     def _fill(self, f: dict[str, Any]) -> None:
-        for name, rt in self.m.service.models.items():
+        for name, rt in self.m.served.primaries().items():
+            if rt is None:  # still loading, or failed to: nothing queued, no engine series
+                for klass in CLASSES:
+                    f["depth"].add_metric([name, klass], 0)
+                continue
             for klass in rt.queue.classes:
                 f["depth"].add_metric([name, klass], rt.queue.depth(klass))
-            sched, backend = rt.scheduler, rt.backend
-            if sched is not None:
-                det = sched.detector
-                seats = det.itl.limit if getattr(det, "itl", None) is not None else det.max_seats
-                f["sched"].add_metric([name], len(sched.running))
-                f["seats"].add_metric([name], int(seats))  # read, not seat_limit(): that steps the AIMD
-                f["spre"].add_metric([name], sched.preempted)
-                f["sdrop"].add_metric([name], sched.dropped)
-            if backend is not None:
-                s = backend.stats
-                f["running"].add_metric([name], s.running)
-                f["waiting"].add_metric([name], s.waiting)
-                f["kv"].add_metric([name], s.kv_usage)
-                f["pq"].add_metric([name], s.prefix_queries)
-                f["ph"].add_metric([name], s.prefix_hits)
-                f["pre"].add_metric([name], s.preemptions)
-                f["info"].add_metric([name, _label(backend.version)], 1)
-                registry = getattr(self.m.service, "registry", None)
-                for version, other in (registry.runtimes.get(name, {}) if registry else {}).items():
-                    if other is not rt and other.backend is not None:
-                        f["info"].add_metric([name, version], 1)  # the other loaded versions
+            sched, s = rt.scheduler, rt.backend.stats
+            det = sched.detector
+            seats = det.itl.limit if getattr(det, "itl", None) is not None else det.max_seats
+            f["sched"].add_metric([name], len(sched.running))
+            f["seats"].add_metric([name], int(seats))  # read, not seat_limit(): that steps the AIMD
+            f["spre"].add_metric([name], sched.preempted)
+            f["sdrop"].add_metric([name], sched.dropped)
+            f["running"].add_metric([name], s.running)
+            f["waiting"].add_metric([name], s.waiting)
+            f["kv"].add_metric([name], s.kv_usage)
+            f["pq"].add_metric([name], s.prefix_queries)
+            f["ph"].add_metric([name], s.prefix_hits)
+            f["pre"].add_metric([name], s.preemptions)
+            for version in self.m.served.versions(name):  # the configured one and any other loaded
+                f["info"].add_metric([name, version], 1)
         les = [floatToGoString(b) for b in ITL_BUCKETS] + ["+Inf"]
         for key, counts in self.m._itl_counts.items():
             f["itl"].add_metric(list(key), list(zip(les, accumulate(counts))), self.m._itl_sum[key])
@@ -123,10 +131,10 @@ class _Live:
 
 
 class Metrics:
-    """All of llmd's metrics for one Service; `observe` is a RECORD_SINKS callable."""
+    """All of llmd's metrics for one node; `observe` takes each finished request record."""
 
-    def __init__(self, service: Any) -> None:
-        self.service = service
+    def __init__(self, served: Served) -> None:
+        self.served = served
         self.registry = CollectorRegistry()
         r = self.registry
         self.ttft = Histogram("llmd:time_to_first_token_seconds", "Histogram of time to first token in seconds "

@@ -1,8 +1,9 @@
 """A served model version at run time, and a request admitted to it.
 
-`ModelRuntime` holds one version's engine, fair queue and scheduler (the registry keeps one
-per loaded version); `Job` is what admission hands to dispatch: everything a request needs
-to wait its turn, run and be settled.
+`ModelRuntime` is one version's engine, fair queue and scheduler, built whole around a
+started engine (the registry keeps one per loaded version: a version is fully served or
+does not exist). `Job` is what admission hands to dispatch: everything a request needs to
+wait its turn, run and be ended by its `RequestLife`.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from llmd.backends import Backend
 from llmd.backends.base import Prompt, Sampling
 from llmd.config import ModelConfig, TenantConfig
 from llmd.filters import OutputWindow
-from llmd.policy import admission
+from llmd.lifecycle import RequestLife
 from llmd.policy.classes import ModelQueue
 from llmd.policy.fairness import FAIRNESS
 from llmd.policy.saturation import SaturationDetector, ThroughputEstimate
@@ -24,62 +25,81 @@ from llmd.telemetry import RequestRecord
 
 
 class ModelRuntime:
-    """One configured model: its backend (once loaded), its queue and scheduler, its load state."""
+    """One served version: its started engine, its queue, and the scheduler between them."""
 
-    def __init__(self, cfg: ModelConfig, tenants: list[TenantConfig]) -> None:
+    def __init__(self, cfg: ModelConfig, backend: Backend, queue: ModelQueue, scheduler: Scheduler,
+                 gaps: deque[tuple[float, float]]) -> None:
         self.cfg = cfg
-        self.backend: Backend | None = None
-        self.scheduler: Scheduler | None = None
+        self.backend = backend
+        self.queue = queue
+        self.scheduler = scheduler
         # (wall time, seconds) per token between a request's tokens as they reach the gateway:
         # what the ITL controller steers on.
-        self.gaps: deque[tuple[float, float]] = deque(maxlen=16384)
-        self.load_error: str | None = None
-        sc = cfg.scheduling
-        weights = {t.name: t.weight for t in tenants}
-        ordering = {t.name: t.ordering for t in tenants}
-        if sc.fairness == "vtc":
-            self.queue = ModelQueue(lambda: FAIRNESS["vtc"](weights, sc.w_in, sc.w_out), lambda t: ordering.get(t, "fifo"))
-        else:
-            self.queue = ModelQueue(FAIRNESS["fcfs"], lambda t: ordering.get(t, "fifo"))
+        self.gaps = gaps
+
+    @property
+    def version(self) -> str:
+        return self.backend.version
 
     @property
     def ready(self) -> bool:
-        return self.backend is not None and self.backend.ready and self.backend.healthy
+        return self.backend.ready and self.backend.healthy
 
     @property
     def served_name(self) -> str:
         """The `model` field of a response: the name and the version that served it."""
-        return f"{self.cfg.name}@{self.backend.version[:12]}" if self.backend else self.cfg.name
+        return f"{self.cfg.name}@{self.backend.version[:12]}"
 
-    def attach(self, backend: Backend) -> None:
-        sc = self.cfg.scheduling
-        seats = sc.max_running or (self.cfg.fake.max_num_seqs if self.cfg.backend == "fake" else self.cfg.engine.max_num_seqs)
-        detector = SaturationDetector(seats, sc.kv_high, sc.target_itl_ms, sc.target_itl_margin,
-                                      itl_samples=lambda: self.gaps)
-        self.scheduler = Scheduler(self.queue, detector, backend.stats, ThroughputEstimate(sc.prior_tokens_per_s),
-                                   preempt_batch=sc.preempt_batch, reserved_seats=sc.reserved_seats,
-                                   preempt_for_fairness=sc.preempt_for_fairness,
-                                   batch_seats_with_interactive=(sc.batch_seats_with_interactive
-                                                                 if sc.batch_seats_with_interactive is not None
-                                                                 else max(1, seats // 4)),
-                                   interactive_quiet_s=sc.interactive_quiet_s)
-        self.scheduler.start()
-        self.backend = backend
+    @property
+    def in_flight(self) -> int:
+        return len(self.scheduler.running) + len(self.queue)
+
+    async def stop(self) -> None:
+        await self.scheduler.stop()
+        await self.backend.stop()
 
 
-@dataclass
+def build_runtime(cfg: ModelConfig, backend: Backend, tenants: list[TenantConfig]) -> ModelRuntime:
+    """The queue and scheduler for a started engine, with the tenants' weights and orderings."""
+    sc = cfg.scheduling
+    weights = {t.name: t.weight for t in tenants}
+    ordering = {t.name: t.ordering for t in tenants}
+    if sc.fairness == "vtc":
+        queue = ModelQueue(lambda: FAIRNESS["vtc"](weights, sc.w_in, sc.w_out), lambda t: ordering.get(t, "fifo"))
+    else:
+        queue = ModelQueue(FAIRNESS["fcfs"], lambda t: ordering.get(t, "fifo"))
+    gaps: deque[tuple[float, float]] = deque(maxlen=16384)
+    seats = cfg.seats
+    detector = SaturationDetector(seats, sc.kv_high, sc.target_itl_ms, sc.target_itl_margin,
+                                  itl_samples=lambda: gaps)
+    batch_seats = sc.batch_seats_with_interactive
+    scheduler = Scheduler(queue, detector, backend.stats, ThroughputEstimate(sc.prior_tokens_per_s),
+                          preempt_batch=sc.preempt_batch, reserved_seats=sc.reserved_seats,
+                          preempt_for_fairness=sc.preempt_for_fairness,
+                          batch_seats_with_interactive=batch_seats if batch_seats is not None else max(1, seats // 4),
+                          interactive_quiet_s=sc.interactive_quiet_s)
+    scheduler.start()
+    return ModelRuntime(cfg, backend, queue, scheduler, gaps)
+
+
+@dataclass(eq=False)
 class Job:
     """A request that passed every cheap check and now waits for, or uses, the engine."""
 
-    engine_id: str
+    life: RequestLife
     runtime: ModelRuntime
     prompt: Prompt
     sampling: Sampling
     deadline: float  # time.monotonic() by which it must finish
-    record: RequestRecord
-    entry: Entry
-    quota: admission.Ticket | None = None
-    headers: dict[str, str] = field(default_factory=dict)
-    finished: bool = False
-    last_progress: float = field(default_factory=time.monotonic)  # admission opened the row: 1st progress 1 s on
+    entry: Entry  # the scheduler's view of it
+    engine_id: str
+    headers: dict[str, str] = field(default_factory=dict)  # the version, x-ratelimit-*, X-LLMD-Degraded
     window: OutputWindow | None = None  # the output filters, when the model or tenant has any
+    finished: bool = False  # the engine said it finished (no abort needed)
+
+    @property
+    def record(self) -> RequestRecord:
+        return self.life.record
+
+    def time_left(self) -> float:
+        return self.deadline - time.monotonic()

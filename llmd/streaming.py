@@ -15,7 +15,7 @@ from llmd import dispatch, protocol
 from llmd.errors import APIError
 from llmd.filters import ContentFiltered
 from llmd.protocol import ChatRequest, CompletionRequest
-from llmd.service import Job, Service, classify
+from llmd.runtime import Job
 
 DONE = "[DONE]"
 
@@ -29,13 +29,13 @@ def _ids(job: Job, req: ChatRequest | CompletionRequest) -> tuple[str, bool]:
     return ("chatcmpl-" if is_chat else "cmpl-") + job.record.request_id, is_chat
 
 
-async def complete(service: Service, job: Job, req: ChatRequest | CompletionRequest) -> dict[str, Any]:
+async def complete(job: Job, req: ChatRequest | CompletionRequest) -> dict[str, Any]:
     """The non-streaming response body; raises APIError (deadline, engine failure)."""
     parts: list[str] = []
     finish: str | None = None
     try:
         async with dispatch.deadline(job):
-            async for d in dispatch.screened(job, service.ledger):
+            async for d in dispatch.screened(job):
                 parts.append(d.text)
                 finish = d.finish_reason or finish
     except TimeoutError:
@@ -49,14 +49,14 @@ async def complete(service: Service, job: Job, req: ChatRequest | CompletionRequ
     return build(cid, job.runtime.served_name, protocol.created_now(), "".join(parts), finish, u)
 
 
-async def _payloads(service: Service, job: Job, req: ChatRequest | CompletionRequest) -> AsyncIterator[str]:
+async def _payloads(job: Job, req: ChatRequest | CompletionRequest) -> AsyncIterator[str]:
     rec, model = job.record, job.runtime.served_name
     cid, is_chat = _ids(job, req)
     created = protocol.created_now()
     first = True
     stopped: ContentFiltered | None = None
     try:
-        async for d in dispatch.screened(job, service.ledger):
+        async for d in dispatch.screened(job):
             if not d.text and d.finish_reason is None:
                 continue
             if is_chat:
@@ -81,12 +81,11 @@ async def _payloads(service: Service, job: Job, req: ChatRequest | CompletionReq
     yield DONE
 
 
-async def pump(service: Service, job: Job, req: ChatRequest | CompletionRequest,
-               emit: Callable[[str], Awaitable[None]]) -> None:
+async def pump(job: Job, req: ChatRequest | CompletionRequest, emit: Callable[[str], Awaitable[None]]) -> None:
     started = False
     try:
         async with dispatch.deadline(job):
-            async for payload in _payloads(service, job, req):
+            async for payload in _payloads(job, req):
                 started = True
                 await emit(payload)
         return
@@ -97,8 +96,7 @@ async def pump(service: Service, job: Job, req: ChatRequest | CompletionRequest,
     if not started:
         raise err
     # Tokens were already delivered: end the stream with a terminal error event.
-    rec = job.record
-    rec.status, rec.http_status, rec.error_code = classify(err)
-    rec.finish_reason = rec.finish_reason or "error"
+    job.life.fail(err)
+    job.record.finish_reason = job.record.finish_reason or "error"
     await emit(dumps(err.body()))
     await emit(DONE)

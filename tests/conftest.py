@@ -45,7 +45,7 @@ def smollm2_path() -> Path:
 @dataclass
 class LiveServer:
     url: str
-    service: Any
+    node: Any
     server: Any
 
     @property
@@ -54,8 +54,12 @@ class LiveServer:
 
     stopped: bool = False
 
+    def runtime(self, model: str = "fake") -> Any:
+        """The model's configured version: its engine, queue and scheduler."""
+        return self.node.registry.primary(model)
+
     def backend(self, model: str = "fake") -> Any:
-        return self.service.models[model].backend
+        return self.runtime(model).backend
 
     async def stop(self) -> None:
         """Shut the server down as sanic would (the fixture does it for the ones left running)."""
@@ -75,7 +79,7 @@ class LiveServer:
 async def make_server(tmp_path: Path) -> AsyncIterator[Any]:
     """Start the real sanic app on a free loopback port inside the test's event loop."""
     from llmd.gateway import create_app
-    from llmd.service import Service
+    from llmd.node import build_node
 
     started: list[LiveServer] = []
 
@@ -85,8 +89,8 @@ async def make_server(tmp_path: Path) -> AsyncIterator[Any]:
         cfg.server.port = port
         if cfg.server.db_path is None:
             cfg.server.db_path = tmp_path / f"llmd-{port}.db"
-        service = Service(cfg, store)
-        app = create_app(cfg, service, name=f"llmd_test_{next(_names)}", load_models=False)
+        node = build_node(cfg, store)
+        app = create_app(node, name=f"llmd_test_{next(_names)}", load_models=False)
         app.config.MOTD = False
         app.config.TOUCHUP = False  # touchup recompiles methods per app; breaks with many apps per process
         server = await app.create_server(host="127.0.0.1", port=port, return_asyncio_server=True, access_log=False)
@@ -94,8 +98,8 @@ async def make_server(tmp_path: Path) -> AsyncIterator[Any]:
         await server.startup()
         await server.before_start()
         await server.after_start()
-        await service.start()
-        live = LiveServer(f"http://127.0.0.1:{port}", service, server)
+        await node.load()
+        live = LiveServer(f"http://127.0.0.1:{port}", node, server)
         started.append(live)
         return live
 

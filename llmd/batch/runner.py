@@ -1,8 +1,8 @@
 """A batch's life: validating -> in_progress -> finalizing -> completed (or failed,
 expired, cancelling -> cancelled), resumable from the store at any point.
 
-Items run through the same `Service.admit` and `streaming.complete` as an interactive
-request, in the `batch` class: the scheduler gives them only seats interactive traffic
+Items run through the same `RequestLife`, `Service.admit` and `streaming.complete` as an
+interactive request, in the `batch` class: the scheduler gives them only seats interactive traffic
 leaves and preempts them when interactive requests wait. The runner keeps a bounded number
 of items queued or running per model and tenant (enough to keep the engine full when
 interactive traffic stops) and paces itself on refusals: a 429/503 before admission is
@@ -26,14 +26,14 @@ from typing import Any
 import structlog
 
 from llmd import protocol, streaming
-from llmd.auth import principal_for
+from llmd.auth import Principal, principal_for
 from llmd.batch.lines import ENDPOINTS, Item, LineError, output_line, parse_file
 from llmd.batch.store import Batch, BatchStore
-from llmd.config import BatchConfig
+from llmd.config import Config
 from llmd.errors import APIError
+from llmd.lifecycle import Lifecycle, RequestLife
 from llmd.registry.routing import parse_model
-from llmd.runtime import Job
-from llmd.service import Service, classify
+from llmd.service import Service
 from llmd.telemetry import RequestRecord
 
 log = structlog.get_logger("llmd.batch")
@@ -41,8 +41,9 @@ RETRY_MIN_S, RETRY_MAX_S = 0.5, 30.0
 
 
 class BatchRunner:
-    def __init__(self, service: Service, store: BatchStore, cfg: BatchConfig) -> None:
-        self.service, self.store, self.cfg = service, store, cfg
+    def __init__(self, store: BatchStore, config: Config, lifecycle: Lifecycle, service: Service) -> None:
+        self.store, self.config, self.cfg = store, config, config.batch
+        self.lifecycle, self.service = lifecycle, service
         self._drivers: dict[str, asyncio.Task[None]] = {}
         self._cancel: dict[str, asyncio.Event] = {}
         self._slots: dict[tuple[str, str], asyncio.Semaphore] = {}
@@ -101,10 +102,10 @@ class BatchRunner:
             return
         items, errors, model = await asyncio.to_thread(
             parse_file, data, b.endpoint, self.cfg.max_requests, self.cfg.max_line_bytes)
-        who = principal_for(self.service.config, b.tenant, b.key_id)
-        if not errors and model is not None and (parse_model(model)[0] not in self.service.models or who is None
-                                                 or who.tenant is None
-                                                 or not who.tenant.may_use(parse_model(model)[0])):
+        who = principal_for(self.config, b.tenant, b.key_id)
+        name = parse_model(model)[0] if model is not None else None
+        if not errors and name is not None and (self.config.model(name) is None or who is None or who.tenant is None
+                                                or not who.tenant.may_use(name)):
             errors = [_model_error(items[0].line, model)]
         if errors:
             await self._fail(b, [e.as_dict() for e in errors])
@@ -140,11 +141,9 @@ class BatchRunner:
     def _slots_for(self, b: Batch) -> asyncio.Semaphore:
         key = (b.model or "", b.tenant)
         if key not in self._slots:
-            rt = self.service.models.get(parse_model(b.model or "")[0])  # gone from the config: its items fail with 404
-            seats = 8 if rt is None else rt.cfg.scheduling.max_running or (
-                rt.cfg.fake.max_num_seqs if rt.cfg.backend == "fake" else rt.cfg.engine.max_num_seqs)
-            n = self.cfg.max_in_flight or 2 * seats
-            who = principal_for(self.service.config, b.tenant, b.key_id)
+            cfg = self.config.model(parse_model(b.model or "")[0])  # gone from the config: its items fail with 404
+            n = self.cfg.max_in_flight or 2 * (cfg.seats if cfg is not None else 8)
+            who = principal_for(self.config, b.tenant, b.key_id)
             if who is not None and who.tenant is not None and who.tenant.max_concurrent:
                 n = min(n, max(1, who.tenant.max_concurrent // 2))  # leave the tenant room for chats
             self._slots[key] = asyncio.Semaphore(n)
@@ -161,49 +160,54 @@ class BatchRunner:
 
     async def _item(self, b: Batch, item: Item, cancel: asyncio.Event) -> None:
         """Run one item to a stored result; retried while refused before admission."""
-        who = principal_for(self.service.config, b.tenant, b.key_id)
-        cls = ENDPOINTS[b.endpoint]
+        who = principal_for(self.config, b.tenant, b.key_id)
         delay = RETRY_MIN_S
         while True:
             rec = RequestRecord(request_id=f"{b.id}-{item.line}", endpoint=b.endpoint)
             rec.idempotency_key = f"{b.id}/{item.custom_id}"
-            job: Job | None = None
-            try:
-                if who is None or who.tenant is None:
-                    raise APIError(403, f"tenant {b.tenant!r} is no longer configured", "permission_error")
-                rec.tenant, rec.key_id = who.tenant.name, who.key_id
-                rec.price_multiplier = self._multiplier(b, who.tenant.batch_multiplier)
-                req = protocol.parse(cls, item.body.encode("utf-8"))
-                job = await self.service.admit(req, rec, max(1.0, b.expires_at - time.time()), who, "batch")
-                body = await streaming.complete(self.service, job, req)
-                response = {"status_code": 200, "request_id": rec.request_id, "body": body}
-            except APIError as e:
-                if job is None and e.status in (429, 503) and time.time() < b.expires_at:
-                    wait = _retry_after(e, delay)
-                    delay = min(RETRY_MAX_S, delay * 2)
-                    log.debug("batch_item_deferred", batch_id=b.id, line=item.line, code=e.code, wait_s=wait)
-                    await asyncio.sleep(wait)  # not metered: it never reached the queue
-                    continue
-                rec.status, rec.http_status, rec.error_code = classify(e)
-                response = {"status_code": e.status, "request_id": rec.request_id, "body": e.body()}
-            except asyncio.CancelledError:
-                if job is not None:
-                    # A stop leaves the item to run again (its row reopens); a cancel ends it.
-                    rec.status, rec.http_status, rec.error_code = (
-                        ("interrupted", 503, "server_stopping") if self._stopping and not cancel.is_set()
-                        else classify(asyncio.CancelledError()))
-                    self.service.close(job, rec)
-                raise
-            self.service.close(job, rec)
-            await self.service.ledger.flush()  # the bill first: a crash now must not run it unbilled
-            await self.store.save_result(b.id, item.line, response["status_code"], response)
-            return
+            async with self.lifecycle.request(rec) as life:
+                result = await self._attempt(life, b, item, who, cancel)
+                if isinstance(result, APIError):
+                    life.drop()  # refused before it was queued: not metered, retried
+            if not isinstance(result, APIError):
+                break
+            wait = _retry_after(result, delay)
+            delay = min(RETRY_MAX_S, delay * 2)
+            log.debug("batch_item_deferred", batch_id=b.id, line=item.line, code=result.code, wait_s=wait)
+            await asyncio.sleep(wait)
+        await self.lifecycle.ledger.flush()  # the bill first: a crash now must not run it unbilled
+        await self.store.save_result(b.id, item.line, result["status_code"], result)
+
+    async def _attempt(self, life: RequestLife, b: Batch, item: Item, who: Principal | None,
+                       cancel: asyncio.Event) -> dict[str, Any] | APIError:
+        """The item's response; or the refusal, when it was refused before admission and may be retried."""
+        rec = life.record
+        try:
+            if who is None or who.tenant is None:
+                raise APIError(403, f"tenant {b.tenant!r} is no longer configured", "permission_error")
+            life.identify(who)
+            rec.price_multiplier = self._multiplier(b, who.tenant.batch_multiplier)
+            req = protocol.parse(ENDPOINTS[b.endpoint], item.body.encode("utf-8"))
+            job = await self.service.admit(life, req, who, max(1.0, b.expires_at - time.time()), "batch")
+            body = await streaming.complete(job, req)
+            return {"status_code": 200, "request_id": rec.request_id, "body": body}
+        except APIError as e:
+            if not life.admitted and e.status in (429, 503) and time.time() < b.expires_at:
+                return e
+            life.fail(e)
+            return {"status_code": e.status, "request_id": rec.request_id, "body": e.body()}
+        except asyncio.CancelledError:
+            if not life.admitted:
+                life.drop()  # never queued: nothing to meter; it runs at the next start
+            elif self._stopping and not cancel.is_set():
+                life.end_as("interrupted", 503, "server_stopping")  # runs again at the next start, row reopened
+            raise
 
     def _multiplier(self, b: Batch, tenant_multiplier: float | None) -> float:
         if tenant_multiplier is not None:
             return tenant_multiplier
-        rt = self.service.models.get(parse_model(b.model or "")[0])
-        return rt.cfg.pricing.batch_multiplier if rt is not None else 1.0
+        cfg = self.config.model(parse_model(b.model or "")[0])
+        return cfg.pricing.batch_multiplier if cfg is not None else 1.0
 
     async def _finalize(self, b: Batch) -> None:
         final = "cancelled" if b.status == "cancelling" else "completed"

@@ -1,8 +1,10 @@
 """Each model's loaded versions (one engine, queue and scheduler each) and the live routing
-view. The view is rebuilt and swapped in whole after every change, and every change is
-written to the registry's SQLite first, so a restart comes back with the same versions and
-the same split. A request is routed to a version once, before admission; from then on it
-only ever touches that version's engine, so it can never be served by other weights.
+view. The registry owns every served version: it loads the configured ones at start, more
+through its admin API, and stops them all. The view is rebuilt and swapped in whole after
+every change, and every change is written to the registry's SQLite first, so a restart
+comes back with the same versions and the same split. A request is routed to a version
+once, before admission; from then on it only ever touches that version's engine, so it can
+never be served by other weights.
 """
 
 from __future__ import annotations
@@ -11,22 +13,22 @@ import asyncio
 import contextlib
 import time
 import uuid
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import structlog
 
-from llmd.backends import build_backend
+from llmd.backends import Backend, build_backend
 from llmd.backends.base import Sampling
+from llmd.config import ModelConfig
 from llmd.registry.routing import RoutingError, RoutingView, Split
 from llmd.registry.store import RegistryStore
 from llmd.runtime import ModelRuntime
-
-if TYPE_CHECKING:
-    from llmd.service import Service
+from llmd.store import WeightStore
 
 log = structlog.get_logger("llmd.registry")
 WARMUP_PROMPTS = ("Hello!", "Write one sentence about the sea.", "What is 2 + 2?")
+RuntimeFactory = Callable[[ModelConfig, Backend], ModelRuntime]  # a started engine -> its served version
 
 
 class RegistryError(Exception):
@@ -38,29 +40,69 @@ class RegistryError(Exception):
 
 
 class Registry:
-    def __init__(self, service: "Service", path: Path) -> None:
-        self.service = service
-        self.store = RegistryStore(path)
+    def __init__(self, models: list[ModelConfig], store: RegistryStore, weights: WeightStore,
+                 make_runtime: RuntimeFactory) -> None:
+        self.configs = {m.name: m for m in models}
+        self.store = store
+        self.weights = weights
+        self._make_runtime = make_runtime
         self.runtimes: dict[str, dict[str, ModelRuntime]] = {}  # model -> version id -> runtime
+        self.configured: dict[str, str] = {}  # model -> the version its config loaded
+        self.load_errors: dict[str, str] = {}  # model -> why its configured version failed to load
         self.states: dict[str, dict[str, str]] = {}
         self.view = RoutingView()
         self._weights: dict[str, dict[str, float]] = {}  # model -> the current split's weights
         self.asleep: dict[str, set[str]] = {}  # versions whose engine sleeps (GPU memory freed)
         self._lock = asyncio.Lock()  # one lifecycle change at a time
 
+    # -- what is served --------------------------------------------------------------------
+    def config(self, model: str) -> ModelConfig | None:
+        return self.configs.get(model)
+
+    def primary(self, model: str) -> ModelRuntime | None:
+        """The configured version, once loaded."""
+        version = self.configured.get(model)
+        return self.runtimes[model][version] if version is not None else None
+
+    def primaries(self) -> dict[str, ModelRuntime | None]:
+        """Every configured model, in config order, with its configured version (None until loaded)."""
+        return {name: self.primary(name) for name in self.configs}
+
+    def versions(self, model: str) -> Mapping[str, ModelRuntime]:
+        return self.runtimes.get(model, {})
+
+    def load_error(self, model: str) -> str | None:
+        return self.load_errors.get(model)
+
+    @property
+    def ready(self) -> bool:
+        return all(rt is not None and rt.ready for rt in self.primaries().values())
+
     # -- start and stop --------------------------------------------------------------------
+    async def load_configured(self) -> None:
+        """Load every configured model and route to it at once; one that fails to load is
+        reported (on /ready and in each request for it), the others still serve."""
+        for name, cfg in self.configs.items():
+            t0 = time.monotonic()
+            try:
+                backend = await build_backend(cfg, self.weights)
+                await backend.start()
+            except Exception as e:  # noqa: BLE001 - surfaced, the others still serve
+                self.load_errors[name] = str(e)
+                log.error("model_load_failed", model=name, error=str(e))
+                continue
+            self.runtimes[name] = {backend.version: self._make_runtime(cfg, backend)}
+            self.configured[name] = backend.version
+            self.states[name] = {backend.version: "active"}
+            self._weights = {**self._weights, name: {backend.version: 1.0}}
+            self._publish()
+            log.info("model_loaded", model=name, version=backend.version, seconds=round(time.monotonic() - t0, 2))
+
     async def restore(self) -> None:
-        """After the configured versions loaded: route everything to them at once, then load
-        the other versions the registry had loaded (minutes on a real engine) and put back
-        each model's last split (or keep all traffic on the configured version)."""
-        for name, rt in self.service.models.items():
-            if rt.backend is not None:
-                self.runtimes[name] = {rt.backend.version: rt}
-                self.states[name] = {rt.backend.version: "active"}
-                self._weights = {**self._weights, name: {rt.backend.version: 1.0}}
-        self._publish()
-        for name, versions in list(self.runtimes.items()):
-            primary = next(iter(versions))
+        """After the configured versions loaded: load the other versions the registry had
+        loaded (minutes on a real engine) and put back each model's last split (or keep all
+        traffic on the configured version)."""
+        for name, primary in list(self.configured.items()):
             saved = await self.store.versions(name)
             for version, state in saved.items():
                 if version != primary and state in ("active", "standby"):
@@ -78,12 +120,11 @@ class Registry:
             self._publish()
 
     async def stop(self) -> None:
-        for name, versions in self.runtimes.items():
-            primary = self.service.models[name]
+        for versions in self.runtimes.values():
             for rt in versions.values():
-                if rt is not primary:  # the service stops its own
-                    await _stop_runtime(rt)
+                await rt.stop()
         self.runtimes.clear()
+        self.configured.clear()
         await self.store.stop()
 
     # -- routing ---------------------------------------------------------------------------
@@ -107,7 +148,7 @@ class Registry:
         states = self.states[name]
         for v in weights:  # a version put into rotation wakes up before any request reaches it
             if weights[v] > 0 and v in self.asleep.get(name, set()):
-                await self.runtimes[name][v].backend.wake_up()  # type: ignore[union-attr]
+                await self.runtimes[name][v].backend.wake_up()
                 self.asleep[name].discard(v)
         for v in self.runtimes[name]:
             want = "active" if weights.get(v, 0) > 0 else ("standby" if states.get(v) in ("active", None) else states[v])
@@ -144,8 +185,7 @@ class Registry:
             return vid
 
     async def _load(self, name: str, version: str, warm: bool, cpu_threads_bind: str | None = None) -> str:
-        cfg = self.service.config.model(name)
-        assert cfg is not None
+        cfg = self.configs[name]
         existing = [v for v in self.runtimes.get(name, {}) if v.startswith(version)]
         if len(existing) == 1:
             return existing[0]
@@ -154,12 +194,11 @@ class Registry:
             vcfg.engine = cfg.engine.model_copy(update={"cpu_threads_bind": cpu_threads_bind})
         t0 = time.monotonic()
         try:
-            backend = await build_backend(vcfg, self.service.store)
+            backend = await build_backend(vcfg, self.weights)
         except Exception as e:
             raise RegistryError(f"cannot load {name}@{version}: {e}", 400) from None
         await backend.start()
-        rt = ModelRuntime(vcfg, self.service.config.tenants)
-        rt.attach(backend)
+        rt = self._make_runtime(vcfg, backend)
         if warm:
             await _warm_up(rt)
         if await backend.sleep():  # standby costs no accelerator memory where sleep mode exists
@@ -206,10 +245,10 @@ class Registry:
             self._publish()
         rt = self.runtimes[name][vid]
         end = time.monotonic() + timeout_s
-        while _in_flight(rt) and time.monotonic() < end:
+        while rt.in_flight and time.monotonic() < end:
             await asyncio.sleep(0.05)
-        left = _in_flight(rt)
-        if not left and vid not in self.asleep.get(name, set()) and await rt.backend.sleep():  # type: ignore[union-attr]
+        left = rt.in_flight
+        if not left and vid not in self.asleep.get(name, set()) and await rt.backend.sleep():
             self.asleep.setdefault(name, set()).add(vid)
         log.info("version_drained", model=name, version=vid, left=left)
         return {"version": vid, "in_flight": left, "drained": left == 0}
@@ -217,7 +256,7 @@ class Registry:
     async def unload(self, name: str, version: str, timeout_s: float) -> dict[str, Any]:
         """Drain, then stop the engine. The configured version stays loaded."""
         vid = self.resolve(name, version)
-        if self.runtimes[name][vid] is self.service.models[name]:
+        if vid == self.configured.get(name):
             raise RegistryError(f"{name}@{vid[:12]} is the configured version; change the config to drop it")
         out = await self.drain(name, vid, timeout_s)
         if not out["drained"]:
@@ -229,7 +268,7 @@ class Registry:
             self.asleep.get(name, set()).discard(vid)
             await self.store.set_state(name, vid, "unloaded")
             self._publish()
-        await _stop_runtime(rt)
+        await rt.stop()
         return out
 
     def describe(self, name: str) -> dict[str, Any]:
@@ -238,26 +277,14 @@ class Registry:
         return {"model": name, "split": {v: w for v, w in weights.items()},
                 "versions": [{"version": v, "state": self.states[name].get(v), "weight": weights.get(v, 0.0),
                               "asleep": v in self.asleep.get(name, set()),
-                              "configured": rt is self.service.models[name], "in_flight": _in_flight(rt),
+                              "configured": v == self.configured.get(name), "in_flight": rt.in_flight,
                               "ready": rt.ready} for v, rt in rts.items()]}
-
-
-def _in_flight(rt: ModelRuntime) -> int:
-    return (len(rt.scheduler.running) + len(rt.queue)) if rt.scheduler is not None else 0
-
-
-async def _stop_runtime(rt: ModelRuntime) -> None:
-    if rt.scheduler is not None:
-        await rt.scheduler.stop()
-    if rt.backend is not None:
-        await rt.backend.stop()
 
 
 async def _warm_up(rt: ModelRuntime) -> None:
     """A few short generations straight to the engine, out of rotation (first requests pay
     for cold caches and lazy initialisation; better the registry pays than a user)."""
     backend = rt.backend
-    assert backend is not None
     for text in WARMUP_PROMPTS:
         rid = f"warmup-{uuid.uuid4().hex[:12]}"
         prompt = backend.render_chat([{"role": "user", "content": text}])

@@ -89,7 +89,7 @@ def jsonl(text: str) -> list[dict[str, Any]]:
 
 
 def usage_rows(live: LiveServer) -> list[dict[str, Any]]:
-    with sqlite3.connect(live.service.config.server.db_path) as db:
+    with sqlite3.connect(live.node.config.server.db_path) as db:
         db.row_factory = sqlite3.Row
         return [dict(r) for r in db.execute("SELECT * FROM usage")]
 
@@ -251,7 +251,7 @@ async def test_cancel_ends_the_batch_with_every_item_accounted_for(make_server) 
     assert set(rows.values()) == {1} and len(rows) >= len(out)  # ran ones metered once; never-run ones not at all
     with pytest.raises(openai.ConflictError):
         await c.batches.cancel(b.id)
-    assert not live.service.models["fake"].scheduler.running  # nothing left computing
+    assert not live.runtime("fake").scheduler.running  # nothing left computing
 
 
 async def test_a_batch_past_its_window_expires_with_every_item_accounted_for(make_server) -> None:
@@ -270,7 +270,7 @@ async def test_a_batch_past_its_window_expires_with_every_item_accounted_for(mak
     codes = Counter(e["error"]["code"] if e["error"] else e["response"]["body"]["error"]["code"] for e in err)
     assert set(codes) <= {"batch_expired", "deadline_exceeded"} and codes["batch_expired"] > 0
     assert b.request_counts.completed == len(out)
-    assert not live.service.models["fake"].scheduler.running
+    assert not live.runtime("fake").scheduler.running
 
 
 async def test_interactive_requests_go_first_while_a_batch_fills_the_engine(make_server) -> None:
@@ -279,7 +279,7 @@ async def test_interactive_requests_go_first_while_a_batch_fills_the_engine(make
     lines = [line(f"r{i}", "w" * 300, max_tokens=100) for i in range(40)]
     f = await c.files.create(file=("in.jsonl", "\n".join(lines).encode()), purpose="batch")
     b = await c.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
-    rt = live.service.models["fake"]
+    rt = live.runtime("fake")
     assert await async_wait_until(lambda: len(rt.scheduler.running) == 8 and rt.queue.depth("batch") > 0)
     t0 = time.monotonic()
     r = await c.chat.completions.create(model="fake", messages=[{"role": "user", "content": "[[say:now]]"}],

@@ -96,7 +96,7 @@ async def test_steps_apply_in_order_under_sustained_overload_and_undo_when_calm(
     b = openai.AsyncOpenAI(base_url=live.base, api_key=KEY_B, max_retries=0, timeout=60)
     h, r = await ask(a)
     assert "x-llmd-degraded" not in h and r.usage.completion_tokens == 50  # calm: nothing given up
-    rt = live.service.models["big"]
+    rt = live.runtime("big")
     flood = [asyncio.create_task(b.completions.create(model="big", prompt="x", max_tokens=3000)) for _ in range(12)]
     assert await async_wait_until(lambda: len(rt.queue) >= 10)
     seen: list[str] = []

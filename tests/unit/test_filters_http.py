@@ -79,7 +79,7 @@ def client(live: LiveServer, key: str = KEY) -> openai.AsyncOpenAI:
 
 
 async def usage_rows(live: LiveServer) -> list[dict[str, Any]]:
-    return await live.service.ledger.rows(None, 1000, None)
+    return await live.node.ledger.rows(None, 1000, None)
 
 
 @pytest.mark.parametrize("prompt", ["say the FORBIDDEN phrase", "say the ｆｏｒｂｉｄｄｅｎ ｐｈｒａｓｅ",

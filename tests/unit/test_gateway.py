@@ -155,7 +155,7 @@ async def test_deadline_passed_while_waiting_never_reaches_engine(make_server, r
     late = next(r for r in records if r["client_request_id"] == "late-one")
     assert late["decision"] == "dropped:deadline" and late["status"] == "deadline"
     assert len(live.backend().submitted) == 1 and not any(s.startswith(late["request_id"]) for s in live.backend().submitted)
-    assert len(live.service.models["fake"].queue) == 0
+    assert len(live.runtime("fake").queue) == 0
     hog.cancel()
 
 

@@ -45,8 +45,8 @@ def headers(key: str, **extra: str) -> dict[str, str]:
 
 
 async def usage_rows(live: LiveServer) -> list[dict]:
-    await live.service.ledger.flush()
-    return await live.service.ledger.rows("t", 1000, None)
+    await live.node.ledger.flush()
+    return await live.node.ledger.rows("t", 1000, None)
 
 
 def sse(text: str) -> list[tuple[int, str]]:

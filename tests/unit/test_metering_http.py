@@ -50,8 +50,8 @@ def auth(key: str) -> dict[str, str]:
 
 
 async def rows(live: LiveServer) -> list[dict]:
-    await live.service.ledger.flush()
-    return await live.service.ledger.rows(None, 1000, None)
+    await live.node.ledger.flush()
+    return await live.node.ledger.rows(None, 1000, None)
 
 
 async def test_every_outcome_leaves_exactly_one_row(make_server) -> None:
@@ -124,7 +124,7 @@ async def test_usage_endpoint_scopes_tenants(make_server) -> None:
     async with httpx.AsyncClient(base_url=live.base, timeout=30) as h:
         await h.post("/completions", json={"model": "fake", "prompt": "x", "max_tokens": 4}, headers=auth(KEY_A))
         await h.post("/completions", json={"model": "fake", "prompt": "x", "max_tokens": 5}, headers=auth(KEY_B))
-        await live.service.ledger.flush()
+        await live.node.ledger.flush()
         mine = (await h.get("/usage", headers=auth(KEY_A))).json()["data"]
         assert [(d["tenant"], d["output_tokens"]) for d in mine] == [("a", 4)]
         assert (await h.get("/usage?tenant=b", headers=auth(KEY_A))).status_code == 403

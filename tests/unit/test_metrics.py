@@ -17,24 +17,36 @@ from llmd.policy.queue import QueuedRequest
 from llmd.policy.saturation import SaturationDetector
 
 
-def _runtime(stats: EngineStats | None, detector: SaturationDetector | None = None) -> SimpleNamespace:
+def _runtime(stats: EngineStats, detector: SaturationDetector | None = None) -> SimpleNamespace:
     queue = ModelQueue(FAIRNESS["fcfs"], lambda t: "fifo")
-    sched = None
-    if stats is not None:
-        sched = SimpleNamespace(running={1: object(), 2: object()}, dropped=3, preempted=4,
-                                detector=detector or SaturationDetector(8))
-    backend = SimpleNamespace(stats=stats, version="v7") if stats is not None else None
+    sched = SimpleNamespace(running={1: object(), 2: object()}, dropped=3, preempted=4,
+                            detector=detector or SaturationDetector(8))
+    backend = SimpleNamespace(stats=stats, version="v7")
     return SimpleNamespace(queue=queue, scheduler=sched, backend=backend)
 
 
+class Served:
+    """The registry's served versions, as the live gauges read them."""
+
+    def __init__(self, models: dict[str, Any]) -> None:
+        self.models = models
+
+    def primaries(self) -> dict[str, Any]:
+        return self.models
+
+    def versions(self, model: str) -> dict[str, Any]:
+        rt = self.models[model]
+        return {rt.backend.version: rt} if rt is not None else {}
+
+
 @pytest.fixture
-def svc() -> SimpleNamespace:
+def svc() -> Served:
     stats = EngineStats()
     stats.record(StepRecord(t=1.0, running=5, waiting=2, kv_usage=0.4, generated_tokens=9),
                  prefix_queries=100, prefix_hits=60, preempted=1)
     stats.record(StepRecord(t=2.0, running=6, waiting=1, kv_usage=0.5, generated_tokens=9),
                  prefix_queries=20, prefix_hits=10, preempted=2)
-    return SimpleNamespace(models={"m": _runtime(stats), "loading": _runtime(None)})
+    return Served({"m": _runtime(stats), "loading": None})
 
 
 def rec(**kw: Any) -> dict[str, Any]:
@@ -76,7 +88,7 @@ def feed(m: Metrics) -> None:
                   prefill_s=None))
 
 
-def test_requests_tokens_and_shed(svc: SimpleNamespace) -> None:
+def test_requests_tokens_and_shed(svc: Served) -> None:
     m = Metrics(svc)
     feed(m)
     f = scrape(m)
@@ -101,7 +113,7 @@ def test_requests_tokens_and_shed(svc: SimpleNamespace) -> None:
     assert not [s for s in f["llmd:cost_per_million_tokens"].samples if s.labels["tenant"] == "b"]
 
 
-def test_histograms(svc: SimpleNamespace) -> None:
+def test_histograms(svc: Served) -> None:
     m = Metrics(svc)
     feed(m)
     f = scrape(m)
@@ -131,7 +143,7 @@ def test_histograms(svc: SimpleNamespace) -> None:
     assert value(f, pre, pre + "_sum", model="m", tenant="a") == pytest.approx(0.16)
 
 
-def test_live_gauges_read_at_scrape(svc: SimpleNamespace) -> None:
+def test_live_gauges_read_at_scrape(svc: Served) -> None:
     m = Metrics(svc)
     rt = svc.models["m"]
     for i, klass in enumerate(("interactive", "batch", "batch")):
@@ -151,7 +163,7 @@ def test_live_gauges_read_at_scrape(svc: SimpleNamespace) -> None:
     assert value(f, "llmd:scheduler_dropped", "llmd:scheduler_dropped_total", model="m") == 3
     assert value(f, "llmd:scheduler_seat_limit", "llmd:scheduler_seat_limit", model="m") == 8
     assert value(f, "llmd:model_info", "llmd:model_info", model="m", version="v7") == 1
-    # a model still loading has a queue but no engine series
+    # a model still loading has an empty queue but no engine series
     assert not [s for s in f["llmd:num_requests_running"].samples if s.labels["model"] == "loading"]
 
     # live: the next scrape sees changed objects without any observe()
@@ -167,7 +179,7 @@ def test_live_gauges_read_at_scrape(svc: SimpleNamespace) -> None:
     assert value(f, "llmd:queue_depth", "llmd:queue_depth", model="m", **{"class": "interactive"}) == 0
 
 
-def test_adaptive_seat_limit_is_read_not_stepped(svc: SimpleNamespace) -> None:
+def test_adaptive_seat_limit_is_read_not_stepped(svc: Served) -> None:
     det = SaturationDetector(8, target_itl_ms=50.0)
     det.itl.limit = 5.6
     svc.models["m"].scheduler.detector = det
@@ -176,7 +188,7 @@ def test_adaptive_seat_limit_is_read_not_stepped(svc: SimpleNamespace) -> None:
     assert det.itl._next == 0.0  # scraping did not run an AIMD step
 
 
-def test_private_registry_names_and_isolation(svc: SimpleNamespace) -> None:
+def test_private_registry_names_and_isolation(svc: Served) -> None:
     before = set(REGISTRY._names_to_collectors)
     a, b = Metrics(svc), Metrics(svc)  # two instances: no duplicate-registration errors
     feed(a)
@@ -191,7 +203,7 @@ def test_private_registry_names_and_isolation(svc: SimpleNamespace) -> None:
             assert s.name.startswith("llmd:"), s.name
 
 
-def test_observe_never_raises(svc: SimpleNamespace) -> None:
+def test_observe_never_raises(svc: Served) -> None:
     m = Metrics(svc)
     m.observe(rec(ttft_s="not a number"))  # a malformed record is logged, not raised into emit()
     m.observe({})
@@ -199,7 +211,7 @@ def test_observe_never_raises(svc: SimpleNamespace) -> None:
     assert value(f, "llmd:requests", "llmd:requests_total", model="", tenant="", status="") == 1
 
 
-def test_itl_matches_prometheus_histogram(svc: SimpleNamespace) -> None:
+def test_itl_matches_prometheus_histogram(svc: Served) -> None:
     """ITL is bucketed by hand for speed; it must render exactly as a prometheus_client Histogram would."""
     import random
 

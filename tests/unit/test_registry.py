@@ -106,7 +106,7 @@ async def test_ninety_ten_split_over_a_thousand_requests(make_server, tmp_path: 
         r = await h.post("/admin/models/m/versions", json={"version": v2[:12], "cpu_threads_bind": "1"})
         assert r.status_code == 200, r.text
         assert {v["version"]: v["state"] for v in r.json()["versions"]} == {v1: "active", v2: "standby"}
-        rts = live.service.registry.runtimes["m"]
+        rts = live.node.registry.runtimes["m"]
         assert rts[v2].cfg.engine.cpu_threads_bind == "1" and rts[v1].cfg.engine.cpu_threads_bind is None
         r = await h.put("/admin/models/m/split", json={"weights": {v1[:12]: 90, v2[:12]: 10}})
         assert r.status_code == 200, r.text
@@ -124,14 +124,14 @@ async def test_ninety_ten_split_over_a_thousand_requests(make_server, tmp_path: 
         assert resp.model == f"m@{ver[:12]}"  # the response names the version that served it
     assert all(len(vs) == 1 for vs in by_conv.values())  # every conversation on one version
     # Nothing served by a version other than the one routed: each engine saw exactly its requests.
-    engines = live.service.registry.runtimes["m"]
+    engines = live.node.registry.runtimes["m"]
     seen = {v: {e.rsplit("-", 1)[0] for e in engines[v].backend.submitted if e.startswith("req-")} for v in (v1, v2)}
     assert sum(e.startswith("warmup-") for e in engines[v2].backend.submitted) == 3  # warmed up out of rotation
     served = Counter(ver for _, ver, _ in results)
     assert len(seen[v1]) == served[v1] and len(seen[v2]) == served[v2] and not seen[v1] & seen[v2]
     # `llmd compare` reads the same numbers back from the request log and the ledger.
-    await live.service.ledger.flush()
-    db = live.service.config.server.db_path
+    await live.node.ledger.flush()
+    db = live.node.config.server.db_path
     stats = compare(db, "m", [v1[:12], v2[:10]])
     assert [s["requests"] for s in stats] == [served[v1], served[v2]]
     assert all(s["truncated"] == 1.0 and s["out_p50"] == 2 and s["errors"] == 0 for s in stats)
@@ -185,7 +185,7 @@ async def test_drain_under_live_streams_breaks_none_then_unload(make_server, tmp
             return n, finish
 
         streams = [asyncio.create_task(stream()) for _ in range(8)]
-        rt2 = live.service.registry.runtimes["m"][v2]
+        rt2 = live.node.registry.runtimes["m"][v2]
         while len(rt2.scheduler.running) < 8:
             await asyncio.sleep(0.01)
         r = await h.post(f"/admin/models/m/versions/{v2[:12]}/drain", json={"timeout_s": 1})
@@ -234,7 +234,7 @@ async def test_standby_sleeps_where_the_engine_can_and_wakes_on_promotion(make_s
     async with admin(live) as h:
         r = await h.post("/admin/models/m/versions", json={"version": v2})
         assert r.status_code == 200 and {v["version"]: v["asleep"] for v in r.json()["versions"]} == {v1: False, v2: True}
-        eng2 = live.service.registry.runtimes["m"][v2].backend
+        eng2 = live.node.registry.runtimes["m"][v2].backend
         assert eng2.sleeping
         with pytest.raises(openai.NotFoundError):
             await ask(c, None, model=f"m@{v2[:12]}")

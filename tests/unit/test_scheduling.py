@@ -142,7 +142,7 @@ async def test_overload_503_when_queue_full(make_server) -> None:
     hog = asyncio.create_task(c.completions.create(model="fake", prompt="x", max_tokens=300))
     assert await async_wait_until(lambda: len(live.backend().submitted) == 1)
     waiting = asyncio.create_task(c.completions.create(model="fake", prompt="x", max_tokens=5))
-    assert await async_wait_until(lambda: len(live.service.models["fake"].queue) == 1)
+    assert await async_wait_until(lambda: len(live.runtime("fake").queue) == 1)
     with pytest.raises(openai.InternalServerError) as e:
         await c.completions.create(model="fake", prompt="x", max_tokens=5)
     assert e.value.status_code == 503 and e.value.code == "overloaded" and int(e.value.response.headers["retry-after"]) >= 1
@@ -152,7 +152,7 @@ async def test_overload_503_when_queue_full(make_server) -> None:
 
 async def test_overload_503_when_deadline_unreachable(make_server) -> None:
     live = await make_server(toml(max_running=1, step_ms=10))
-    rt = live.service.models["fake"]
+    rt = live.runtime("fake")
     c = client(live, KEY_B)
     hog = asyncio.create_task(c.completions.create(model="fake", prompt="x", max_tokens=400))
     assert await async_wait_until(lambda: len(live.backend().submitted) == 1)
@@ -177,7 +177,7 @@ async def test_interactive_goes_before_batch(make_server, records) -> None:
     for i in range(3):
         order.append(asyncio.create_task(c.completions.create(
             model="fake", prompt="x", max_tokens=3, extra_headers={"X-Priority-Class": "batch", "X-Request-ID": f"batch{i}"})))
-    await async_wait_until(lambda: live.service.models["fake"].queue.depth("batch") == 3)
+    await async_wait_until(lambda: live.runtime("fake").queue.depth("batch") == 3)
     for i in range(2):
         order.append(asyncio.create_task(c.completions.create(
             model="fake", prompt="x", max_tokens=3, extra_headers={"X-Request-ID": f"inter{i}"})))
@@ -200,13 +200,13 @@ async def test_batch_is_preempted_and_resumes(make_server) -> None:
     assert len(be.aborted) == 1 and len(be.submitted) == 3
     assert done.usage.completion_tokens == 120 and done.choices[0].finish_reason == "length"
     assert len(done.choices[0].text.split()) == 120
-    assert live.service.models["fake"].scheduler.preempted == 1
+    assert live.runtime("fake").scheduler.preempted == 1
 
 
 async def test_batch_keeps_only_its_capped_seats_while_interactive_traffic_is_about(make_server) -> None:
     live = await make_server(toml(max_running=8, step_ms=5).replace(
         "[models.scheduling]", "[models.scheduling]\nbatch_seats_with_interactive = 2\ninteractive_quiet_s = 0.3"))
-    sched = live.service.models["fake"].scheduler
+    sched = live.runtime("fake").scheduler
     c = client(live, KEY_A)
     bulk = [asyncio.create_task(c.completions.create(model="fake", prompt="x", max_tokens=400,
                                                      extra_headers={"X-Priority-Class": "batch"})) for _ in range(8)]
@@ -238,7 +238,7 @@ async def test_a_sequence_preempted_before_it_reached_the_engine_is_requeued(mak
     queue and resumes, instead of running to the end while counted as being preempted (which
     blocked every further preemption, and a newcomer waited seconds)."""
     live = await make_server(toml(max_running=2, step_ms=5))
-    sched, be = live.service.models["fake"].scheduler, live.backend()
+    sched, be = live.runtime("fake").scheduler, live.backend()
     orig, hit = sched._dispatch, []
 
     def dispatch(t) -> None:  # what _preempt does, right after the dispatch, with an abort that misses
@@ -269,7 +269,7 @@ async def test_decisions_are_in_the_request_log(make_server, records) -> None:
 
 async def test_newcomer_gets_a_seat_during_a_flood(make_server) -> None:
     live = await make_server(toml(max_running=8, step_ms=5))
-    rt = live.service.models["fake"]
+    rt = live.runtime("fake")
     a = client(live, KEY_A)
     flood = [asyncio.create_task(a.completions.create(model="fake", prompt="x", max_tokens=2000)) for _ in range(20)]
     # Alone, A may use every seat; the rest of its flood queues.
@@ -293,7 +293,7 @@ async def test_a_lowered_seat_limit_is_reached_by_preemption_and_a_newcomer_gets
     generations to end would take 10 s each: the 4 newest are preempted at once (and queued
     to resume), and B, below its share, takes the seat of a fifth, handed over directly."""
     live = await make_server(toml(max_running=8, step_ms=5))
-    rt = live.service.models["fake"]
+    rt = live.runtime("fake")
     a = client(live, KEY_A)
     flood = [asyncio.create_task(a.completions.create(model="fake", prompt="x", max_tokens=2000)) for _ in range(20)]
     assert await async_wait_until(lambda: len(rt.scheduler.running) == 8 and len(rt.queue) == 12)
@@ -316,7 +316,7 @@ async def test_a_lowered_seat_limit_is_reached_by_preemption_and_a_newcomer_gets
 async def test_reserved_seats_go_to_tenants_below_their_share(make_server) -> None:
     live = await make_server(toml(max_running=8, step_ms=5).replace(
         "[models.scheduling]", "[models.scheduling]\npreempt_for_fairness = false"))
-    rt = live.service.models["fake"]
+    rt = live.runtime("fake")
     a, b = client(live, KEY_A), client(live, KEY_B)
     b_hog = asyncio.create_task(b.completions.create(model="fake", prompt="x", max_tokens=2000))
     assert await async_wait_until(lambda: rt.scheduler.tenant_running.get("b") == 1)
@@ -340,7 +340,7 @@ async def test_vtc_serves_a_light_tenant_ahead_of_a_heavy_backlog(make_server, r
     assert await async_wait_until(lambda: len(be.submitted) == 1)
     heavy = [asyncio.create_task(a.completions.create(model="fake", prompt="x", max_tokens=50, extra_headers={"X-Request-ID": f"a{i}"}))
              for i in range(5)]
-    assert await async_wait_until(lambda: len(live.service.models["fake"].queue) == 5)
+    assert await async_wait_until(lambda: len(live.runtime("fake").queue) == 5)
     light = asyncio.create_task(b.completions.create(model="fake", prompt="x", max_tokens=5, extra_headers={"X-Request-ID": "b0"}))
     await asyncio.gather(hog, light, *heavy)
     order = client_ids(be.submitted, records)

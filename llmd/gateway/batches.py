@@ -1,11 +1,10 @@
-"""The Files and Batches routes (HTTP layer: imports sanic), shaped like OpenAI's so the
-official SDK works unchanged. Everything is scoped to the caller's tenant: another
-tenant's file or batch is a 404, exactly like one that does not exist."""
+"""The Files and Batches routes, shaped like OpenAI's so the official SDK works unchanged.
+Everything is scoped to the caller's tenant: another tenant's file or batch is a 404,
+exactly like one that does not exist."""
 
 from __future__ import annotations
 
 import asyncio
-import json
 from typing import Any, Callable
 
 from sanic import Request, Sanic
@@ -14,6 +13,7 @@ from sanic.response import json as json_response
 
 from llmd.auth import Principal
 from llmd.batch.lines import ENDPOINTS
+from llmd.batch.objects import batch_object
 from llmd.batch.runner import BatchRunner
 from llmd.batch.store import Batch, BatchStore
 from llmd.config import BatchConfig
@@ -145,41 +145,6 @@ def add_routes(app: Sanic, store: BatchStore, runner: BatchRunner, cfg: BatchCon
             raise APIError(409, f"a batch that is {b.status} cannot be cancelled", code="batch_not_cancellable")
         await runner.cancel(b)
         return json_response(await batch_object(store, await batch_or_404(tenant, batch_id)))
-
-
-async def batch_object(store: BatchStore, b: Batch) -> dict[str, Any]:
-    """The OpenAI Batch object for `b`, with its request counts and token usage."""
-    c = await store.counts(b.id)
-    out: dict[str, Any] = {
-        "id": b.id, "object": "batch", "endpoint": b.endpoint, "model": b.model,
-        "input_file_id": b.input_file_id, "completion_window": b.completion_window, "status": b.status,
-        "output_file_id": b.output_file_id, "error_file_id": b.error_file_id,
-        "errors": b.errors, "created_at": b.created_at, "expires_at": b.expires_at, **b.times,
-        "request_counts": {"total": c.get("total", 0), "completed": c.get("completed", 0),
-                           "failed": c.get("failed", 0)},
-        "metadata": b.metadata,
-    }
-    if c.get("total"):
-        out["usage"] = {"input_tokens": c["input_tokens"],
-                        "input_tokens_details": {"cached_tokens": c["cached_tokens"]},
-                        "output_tokens": c["output_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
-                        "total_tokens": c["input_tokens"] + c["output_tokens"]}
-    return out
-
-
-async def submit_one(store: BatchStore, runner: BatchRunner, who: Principal, endpoint: str,
-                     body: dict[str, Any], custom_id: str) -> dict[str, Any]:
-    """One request turned into a batch of one (a client that opted in, refused for overload)."""
-    assert who.tenant is not None
-    body = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
-    line = json.dumps({"custom_id": custom_id, "method": "POST", "url": endpoint, "body": body})
-    f = await store.add_file(who.tenant.name, "batch", f"{custom_id}.jsonl", line.encode("utf-8"))
-    batch_id = await store.add_batch(who.tenant.name, who.key_id, endpoint, f["id"], "24h",
-                                     {"converted_from": custom_id})
-    runner.kick(batch_id)
-    b = await store.get_batch(batch_id)
-    assert b is not None
-    return await batch_object(store, b)
 
 
 def _file(f: dict[str, Any]) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""Registry admin routes (HTTP layer: imports sanic); every one needs an admin key.
+"""Registry admin routes; every one needs an admin key.
 
     GET    /admin/models/{model}                          versions, states, split
     POST   /admin/models/{model}/versions                 {"version": ID_OR_PREFIX, "warm": true,

@@ -1,0 +1,82 @@
+"""The sanic app: request ids, the node's start and stop, and every route mounted.
+
+The gateway is the HTTP layer (the only package that imports sanic): it authenticates,
+parses and frames; the node's collaborators (llmd/node.py) do the rest.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import uuid
+
+from sanic import Request, Sanic
+from sanic.response import HTTPResponse
+
+from llmd.auth import Authenticator, Principal, require_admin
+from llmd.gateway import batches, generate, node_routes, registry
+from llmd.gateway.errors import OpenAIErrorHandler
+from llmd.node import Node
+
+_CLIENT_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
+
+
+def create_app(node: Node, name: str = "llmd", load_models: bool = True) -> Sanic:
+    config = node.config
+    app = Sanic(name, error_handler=OpenAIErrorHandler())
+    srv = config.server
+    app.config.REQUEST_MAX_SIZE = srv.max_body_bytes
+    app.config.RESPONSE_TIMEOUT = srv.max_deadline_s + 60
+    app.config.REQUEST_TIMEOUT = 60
+    app.config.NOISY_EXCEPTIONS = False
+    app.ctx.node = node
+    auth = Authenticator(config)
+    # Open mode with no admin keys is a single user on loopback: the admin views are theirs.
+    admin_open = config.open_mode and not config.auth.admin_keys
+
+    def principal(request: Request) -> Principal:
+        return auth.authenticate(request.headers.get("authorization"))
+
+    def admin(request: Request) -> None:
+        if not admin_open:
+            require_admin(principal(request))
+
+    _track_ids(app)
+    _run_node(app, node, load_models)
+    generate.add_routes(app, node, principal)
+    node_routes.add_routes(app, node, principal, admin)
+    batches.add_routes(app, node.batches, node.batch_runner, config.batch, principal)
+    registry.add_routes(app, node.registry, admin)
+    return app
+
+
+def _track_ids(app: Sanic) -> None:
+    @app.on_request
+    async def _assign_id(request: Request) -> None:
+        # Our id is always unique (the ledger's key); a client's own id is echoed and logged.
+        given = request.headers.get("x-request-id")
+        request.ctx.request_id = f"req-{uuid.uuid4().hex}"
+        request.ctx.client_request_id = given if given and _CLIENT_ID.match(given) else None
+        request.ctx.response_id = request.ctx.client_request_id or request.ctx.request_id
+
+    @app.on_response
+    async def _echo_id(request: Request, response: HTTPResponse) -> None:
+        rid = getattr(request.ctx, "response_id", None)
+        if rid and "X-Request-ID" not in response.headers:
+            response.headers["X-Request-ID"] = rid
+
+
+def _run_node(app: Sanic, node: Node, load_models: bool) -> None:
+    @app.before_server_start
+    async def _open(app: Sanic) -> None:
+        await node.open()
+
+    if load_models:
+        # Load in the background so /health answers (and /ready says 503) while engines start.
+        @app.after_server_start
+        async def _load(app: Sanic) -> None:
+            app.ctx.loader = asyncio.get_running_loop().create_task(node.load())
+
+    @app.before_server_stop
+    async def _close(app: Sanic) -> None:
+        await node.close()

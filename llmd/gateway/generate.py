@@ -1,0 +1,162 @@
+"""The generation routes: /v1/chat/completions and /v1/completions.
+
+A request is parsed and admitted before any response starts, so every refusal has a
+proper status code. A streamed response starts only when the first tokens exist; from
+then on failures become a terminal SSE error event. Every request runs inside its
+`RequestLife` (llmd/lifecycle.py), which ends it once whatever the exit; sanic cancels a
+handler whose client went away, which unwinds the run and aborts the engine request.
+A request with an Idempotency-Key hands its life to an idempotent run and only reads it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Callable
+
+from sanic import Request, Sanic
+from sanic.response import HTTPResponse, ResponseStream
+from sanic.response import json as json_response
+
+from llmd import protocol, streaming
+from llmd.auth import Principal
+from llmd.batch import objects as batch_objects
+from llmd.errors import APIError
+from llmd.policy.admission import AdmissionRefused
+from llmd.idempotency import LiveRun, request_hash
+from llmd.lifecycle import RequestLife
+from llmd.limits import deadline_seconds
+from llmd.node import Node
+from llmd.protocol import ChatRequest, CompletionRequest
+from llmd.runtime import Job
+from llmd.telemetry import RequestRecord
+
+DEADLINE_HEADER = "x-request-timeout"
+CLASS_HEADER = "x-priority-class"
+CONVERSATION_HEADER = "x-conversation-id"  # sticks a conversation to one version (else the `user` field)
+BATCH_OK_HEADER = "x-llmd-batch-ok"  # "1": when degraded to the batch tier, take a batch (202), not a 503
+
+Request_ = ChatRequest | CompletionRequest
+
+
+def add_routes(app: Sanic, node: Node, principal: Callable[[Request], Principal]) -> None:
+    async def generate(request: Request, cls: type[Request_]) -> HTTPResponse | None:
+        try:
+            return await _generate(request, node, principal, cls)
+        except AdmissionRefused as e:
+            # Degraded to the batch tier, and this client said it takes a batch instead of a 503.
+            if e.reason != "overloaded_use_batch" or request.headers.get(BATCH_OK_HEADER, "").lower() not in ("1", "true"):
+                raise
+            b = await batch_objects.submit_one(node.batches, node.batch_runner, principal(request), request.path,
+                                               json.loads(request.body), request.ctx.request_id)
+            return json_response(b, status=202, headers={"Location": f"/v1/batches/{b['id']}",
+                                                         "X-Request-ID": request.ctx.response_id})
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> HTTPResponse | None:
+        return await generate(request, ChatRequest)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> HTTPResponse | None:
+        return await generate(request, CompletionRequest)
+
+
+async def _generate(request: Request, node: Node, principal: Callable[[Request], Principal],
+                    cls: type[Request_]) -> HTTPResponse | None:
+    rec = RequestRecord(request_id=request.ctx.request_id, endpoint=request.path,
+                        client_request_id=request.ctx.client_request_id)
+    async with node.lifecycle.request(rec) as life:
+        who = principal(request)
+        life.identify(who)
+        req = protocol.parse(cls, request.body)
+        rec.stream = req.stream
+        deadline_s = deadline_seconds(node.config.server, request.headers.get(DEADLINE_HEADER))
+        klass, conversation = request.headers.get(CLASS_HEADER), request.headers.get(CONVERSATION_HEADER)
+        key = request.headers.get("idempotency-key")
+        if key is not None:
+            last_id = _last_event_id(request)
+            run = await _open_run(request, node, life, who, req, key, deadline_s)
+            return await _read_run(request, node, run, last_id)
+        job = await node.service.admit(life, req, who, deadline_s, klass, conversation)
+        if not req.stream:
+            body = await streaming.complete(job, req)
+            return json_response(body, headers=_headers(request, job))
+        await _stream_inline(request, job, req)
+        return None
+
+
+def _headers(request: Request, job: Job) -> dict[str, str]:
+    return {"X-Request-ID": request.ctx.response_id} | job.headers
+
+
+def _frame(i: int | None, payload: str) -> str:
+    # Event ids only where they can be used (resumable, idempotent streams): some common SSE
+    # clients, vLLM's own benchmark among them, choke on any line that is not `data:`.
+    return f"data: {payload}\n\n" if i is None else f"id: {i}\ndata: {payload}\n\n"
+
+
+async def _stream_inline(request: Request, job: Job, req: Request_) -> None:
+    """A stream whose reader is its only owner: a disconnect cancels it (and aborts the engine request)."""
+    response: ResponseStream | None = None
+
+    async def emit(payload: str) -> None:
+        nonlocal response
+        if response is None:
+            response = await request.respond(content_type="text/event-stream",
+                                             headers=_headers(request, job) | {"Cache-Control": "no-cache"})
+        await response.send(_frame(None, payload))
+
+    await streaming.pump(job, req, emit)
+    if response is not None:
+        with contextlib.suppress(Exception):
+            await response.eof()
+
+
+async def _open_run(request: Request, node: Node, life: RequestLife, who: Principal, req: Request_, key: str,
+                    deadline_s: float) -> LiveRun:
+    """Run, attach to, or replay the one generation behind (tenant, key)."""
+    if who.tenant is None:
+        raise APIError(400, "Idempotency-Key needs a tenant's key", param="Idempotency-Key")
+    if not 1 <= len(key) <= 255:
+        raise APIError(400, "Idempotency-Key must be 1 to 255 characters", param="Idempotency-Key")
+    klass, conversation = request.headers.get(CLASS_HEADER), request.headers.get(CONVERSATION_HEADER)
+    life.record.idempotency_key = key
+
+    async def admit(owned: RequestLife) -> Job:
+        return await node.service.admit(owned, req, who, deadline_s, klass, conversation)
+
+    h = request_hash(request.path, json.loads(request.body))
+    return await node.runs.open(life, (who.tenant.name, key), h, req, admit)
+
+
+def _last_event_id(request: Request) -> int:
+    raw = request.headers.get("last-event-id")
+    if raw is None:
+        return -1
+    try:
+        return int(raw)
+    except ValueError:
+        raise APIError(400, "Last-Event-ID must be an event id from this stream", param="Last-Event-ID") from None
+
+
+async def _read_run(request: Request, node: Node, run: LiveRun, last_id: int) -> HTTPResponse | None:
+    own_id = {"X-Request-ID": request.ctx.response_id}
+    run.attach()
+    try:
+        if not run.stream:
+            out = await run.wait_done()
+            return json_response(out.body, status=out.status, headers=out.headers | own_id)
+        await run.wait_start()
+        if not run.started:  # failed before its first payload: a plain HTTP error
+            out = run.outcome
+            assert out is not None
+            return json_response(out.body, status=out.status, headers=out.headers | own_id)
+        response = await request.respond(content_type="text/event-stream",
+                                         headers=run.headers | own_id | {"Cache-Control": "no-cache"})
+        async for i, payload in run.follow(last_id + 1):
+            await response.send(_frame(i, payload))
+        with contextlib.suppress(Exception):
+            await response.eof()
+        return None
+    finally:
+        run.detach(node.runs.grace_s)

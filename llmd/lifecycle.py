@@ -1,0 +1,168 @@
+"""One owner of a request's life: whatever the exit, it ends exactly once, here.
+
+Every path that serves a request (the inline HTTP handler, an idempotent run, a batch
+item, and later a forwarded one) opens a `RequestLife` with `Lifecycle.request(record)`
+and runs inside it. The first outcome recorded wins (a stream's terminal error, a filter
+stop, a stop that interrupts a batch item); an exception that escapes the block is the
+outcome otherwise. On leaving the block the life ends once: the tenant's quota is settled
+with what the request used, the record is logged and counted, the ledger row is closed.
+A life is either ended by its owner, handed to a new owner (an idempotent run's task), or
+dropped without a trace (a retry that attaches to, or replays, a run that already exists;
+a batch item refused before admission, which will be retried).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from llmd.auth import Principal
+from llmd.errors import APIError
+from llmd.metering import Ledger
+from llmd.policy.admission import Ticket
+from llmd.telemetry import RequestRecord
+
+LEDGER_STATUS = {"rejected": "error"}  # record status -> ledger status where they differ
+PROGRESS_EVERY_S = 1.0  # how often a live request's token count reaches the ledger (crash loss bound)
+
+
+class Settler(Protocol):
+    """What ending a request needs from admission control: give the reservation back."""
+
+    def settle(self, ticket: Ticket, actual_tokens: int) -> None: ...
+
+
+def classify(exc: BaseException) -> tuple[str, int, str | None]:
+    """(status, http status, error code) of a request that ended with `exc`."""
+    if isinstance(exc, APIError):
+        if exc.code == "deadline_exceeded":
+            status = "deadline"
+        elif exc.code == "content_filter":
+            status = "filtered"
+        elif exc.status in (429, 503) and getattr(exc, "reason", None):
+            status = "shed"
+        else:
+            status = "rejected" if exc.status < 500 else "error"
+        return status, exc.status, exc.code
+    if isinstance(exc, asyncio.CancelledError):
+        return "cancelled", 499, "client_disconnected"
+    return "error", 500, "internal_error"
+
+
+@dataclass(eq=False)
+class RequestLife:
+    """A request from arrival to its one end. `record` holds what is known about it."""
+
+    record: RequestRecord
+    owner: Lifecycle
+    ticket: Ticket | None = None  # the admission reservation, once admitted
+    last_progress: float = 0.0
+    _outcome: bool = False  # an outcome was recorded; later ones are ignored
+    _state: str = "live"  # live | handed_off | dropped | ended
+
+    @property
+    def admitted(self) -> bool:
+        return self.ticket is not None
+
+    @property
+    def live(self) -> bool:
+        """Still this owner's to end (not ended, handed off or dropped)."""
+        return self._state == "live"
+
+    def identify(self, who: Principal) -> None:
+        self.record.tenant = who.tenant.name if who.tenant else None
+        self.record.key_id = who.key_id
+
+    def fail(self, exc: BaseException) -> None:
+        """Record how the request ended from `exc`; the first outcome recorded wins."""
+        self.end_as(*classify(exc))
+
+    def end_as(self, status: str, http_status: int, code: str | None) -> None:
+        if not self._outcome:
+            self._outcome = True
+            self.record.status, self.record.http_status, self.record.error_code = status, http_status, code
+
+    def admit(self, ticket: Ticket) -> None:
+        """Admission reserved quota: the request's ledger row opens now (a crash closes it as interrupted)."""
+        self.ticket = ticket
+        self.last_progress = time.monotonic()
+        self.owner.opened(self)
+
+    def progress(self, now: float) -> None:
+        """Tokens so far to the ledger, at most once per PROGRESS_EVERY_S."""
+        if now - self.last_progress >= PROGRESS_EVERY_S:
+            self.last_progress = now
+            self.owner.ledger.progress(self.record.request_id, output_tokens=self.record.output_tokens,
+                                       cached_tokens=self.record.cached_prompt_tokens)
+
+    def hand_off(self) -> RequestLife:
+        """Give the life to a new owner (who must run it in `Lifecycle.own`); this owner leaves it."""
+        assert self._state == "live", self._state
+        self._state = "handed_off"
+        return RequestLife(self.record, self.owner, self.ticket, self.last_progress, self._outcome)
+
+    def drop(self) -> None:
+        """Leave no trace: no log line, no ledger row (the request was not really one)."""
+        if self._state == "live":
+            self._state = "dropped"
+
+    def end(self) -> None:
+        if self._state == "live":
+            self._state = "ended"
+            self.owner.ended(self)
+
+
+class Lifecycle:
+    """Opens request lives and ends them: quota, log line, metrics, ledger, exactly once."""
+
+    def __init__(self, ledger: Ledger, admission: Settler, observe: Callable[[dict[str, Any]], None]) -> None:
+        self.ledger = ledger
+        self._admission = admission
+        self._observe = observe
+
+    def request(self, record: RequestRecord) -> contextlib.AbstractAsyncContextManager[RequestLife]:
+        """A new life for `record`, ended when the block exits (unless handed off or dropped)."""
+        return self.own(RequestLife(record, self))
+
+    @contextlib.asynccontextmanager
+    async def own(self, life: RequestLife) -> AsyncIterator[RequestLife]:
+        try:
+            yield life
+        except BaseException as e:
+            if life.live:
+                life.fail(e)
+            raise
+        finally:
+            life.end()
+
+    def opened(self, life: RequestLife) -> None:
+        r = life.record
+        assert r.tenant is not None and r.model is not None
+        self.ledger.open(r.request_id, tenant=r.tenant, key_id=r.key_id, model=r.model, version=r.version,
+                         prompt_tokens=r.prompt_tokens, max_tokens=r.max_tokens, priority_class=r.priority_class,
+                         idempotency_key=None, t_arrival=r.ts)  # the key: at close, once it is used
+
+    def ended(self, life: RequestLife) -> None:
+        rec = life.record
+        if life.ticket is not None:
+            self._admission.settle(life.ticket, rec.prompt_tokens + rec.output_tokens)
+        price = self.ledger.prices.get(rec.model or "") if rec.tenant is not None else None
+        if price is not None:
+            rec.cost = price.cost(rec.prompt_tokens, rec.output_tokens, rec.price_multiplier)
+        d = rec.emit()
+        self._observe(d)
+        if rec.tenant is None:
+            return  # never authenticated: nothing to bill
+        first = rec.ts + (rec.t_first_token - rec.t_arrival) if rec.t_first_token is not None else None
+        self.ledger.close(
+            rec.request_id, status=LEDGER_STATUS.get(rec.status, rec.status), tenant=rec.tenant, key_id=rec.key_id,
+            model=rec.model, version=rec.version, prompt_tokens=rec.prompt_tokens,
+            cached_tokens=rec.cached_prompt_tokens, output_tokens=rec.output_tokens, t_arrival=rec.ts,
+            t_first_token=first, t_end=time.time(), priority_class=rec.priority_class,
+            # A request refused before it ran does not consume its idempotency key.
+            idempotency_key=rec.idempotency_key if life.admitted else None, cost_multiplier=rec.price_multiplier)
+        self.ledger.record_request(d)

@@ -1,0 +1,94 @@
+"""The one wiring point: every collaborator of a node is built here, and each is handed
+only the narrow things it uses (the ledger, the registry, the lifecycle), never the node.
+
+`build_node` constructs; `Node.open` opens the stores (the ledger first, so rows a crash
+left open are closed as `interrupted` before anything runs) and resumes unfinished
+batches; `Node.load` loads the models; `Node.close` stops it all in the reverse order.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from pathlib import Path
+
+from llmd.batch.runner import BatchRunner
+from llmd.batch.store import BatchStore
+from llmd.config import Config
+from llmd.filters import Filters
+from llmd.filters.guard import Guard
+from llmd.idempotency import IdempotencyStore, IdempotentRuns
+from llmd.lifecycle import Lifecycle
+from llmd.metering import Ledger, Price
+from llmd.metrics import Metrics
+from llmd.policy.admission import AdmissionController
+from llmd.registry.registry import Registry
+from llmd.registry.store import RegistryStore
+from llmd.runtime import build_runtime
+from llmd.service import Service, degraders
+from llmd.store import WeightStore, home
+from llmd.telemetry import log
+
+
+@dataclass(eq=False)
+class Node:
+    """One llmd node's collaborators, as the gateway and the CLI reach them."""
+
+    config: Config
+    ledger: Ledger
+    registry: Registry
+    admission: AdmissionController
+    metrics: Metrics
+    lifecycle: Lifecycle
+    service: Service
+    runs: IdempotentRuns
+    batches: BatchStore
+    batch_runner: BatchRunner
+
+    async def open(self) -> None:
+        recovered = await self.ledger.start()
+        if recovered:
+            log.warning("ledger_recovered", interrupted_rows=recovered)
+        await self.runs.store.start()
+        await self.registry.store.start()
+        await self.batches.start()
+        await self.batch_runner.start()  # unfinished batches resume (their items wait for the models)
+
+    async def load(self) -> None:
+        """Load every configured model, then the other versions the registry had and its splits."""
+        await self.registry.load_configured()
+        await self.registry.restore()
+
+    async def close(self) -> None:
+        await self.batch_runner.stop()  # first: its items in flight are metered as interrupted
+        await self.runs.stop()
+        await self.runs.store.stop()
+        await self.registry.stop()
+        await self.ledger.stop()
+        await self.batches.stop()
+
+    @property
+    def ready(self) -> bool:
+        return self.registry.ready
+
+
+def build_node(config: Config, store: WeightStore | None = None, ledger: Ledger | None = None) -> Node:
+    """Everything a node runs, wired. `ledger` replaces the SQLite ledger (benchmarks' stand-ins)."""
+    db = config.server.db_path or home() / "llmd.db"
+    prices = {m.name: Price(m.pricing.input_per_mtok, m.pricing.output_per_mtok) for m in config.models}
+    ledger = ledger or Ledger(db, config.server.node, prices)
+    registry = Registry(config.models, RegistryStore(db.with_suffix(".registry.db")), store or WeightStore(),
+                        functools.partial(build_runtime, tenants=config.tenants))
+    admission = AdmissionController(config.tenants)
+    metrics = Metrics(registry)
+    lifecycle = Lifecycle(ledger, admission, metrics.observe)
+    filters = Filters(config, Guard(lambda model: service.route(model).backend))
+    service = Service(config.server.node, registry, admission, filters, degraders(config.models))
+    runs = IdempotentRuns(IdempotencyStore(db.with_suffix(".idempotency.db")), lifecycle, config.server.resume_grace_s)
+    batches = BatchStore(db.with_suffix(".batches.db"), config.batch.data_dir or _files_dir(db))
+    runner = BatchRunner(batches, config, lifecycle, service)
+    return Node(config, ledger, registry, admission, metrics, lifecycle, service, runs, batches, runner)
+
+
+def _files_dir(db: Path) -> Path:
+    return db.parent / f"{db.stem}-files"
