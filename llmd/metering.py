@@ -10,8 +10,8 @@ refused before admission get a row too). After a crash the next start() closes e
 still open as `interrupted` with the tokens last recorded, so at most one progress
 interval of output goes unbilled and nothing is billed twice.
 
-All times are wall-clock epoch seconds (time.time()); RequestRecord keeps monotonic times,
-so convert them with `wall()` before handing them over.
+All times are wall-clock epoch seconds (time.time()); RequestRecord keeps monotonic times
+beside its wall-clock arrival `ts`, from which the lifecycle derives the others.
 """
 
 from __future__ import annotations
@@ -88,11 +88,6 @@ class Price:
 
     def cost(self, prompt_tokens: int, output_tokens: int, multiplier: float = 1.0) -> float:
         return (prompt_tokens * self.input_per_mtok + output_tokens * self.output_per_mtok) / 1e6 * multiplier
-
-
-def wall(t_monotonic: float) -> float:
-    """A time.monotonic() reading as epoch seconds (the ledger stores wall-clock times)."""
-    return time.time() - (time.monotonic() - t_monotonic)
 
 
 class Ledger:

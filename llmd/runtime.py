@@ -8,7 +8,6 @@ wait its turn, run and be ended by its `RequestLife`.
 
 from __future__ import annotations
 
-import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -100,6 +99,3 @@ class Job:
     @property
     def record(self) -> RequestRecord:
         return self.life.record
-
-    def time_left(self) -> float:
-        return self.deadline - time.monotonic()

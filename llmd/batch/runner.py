@@ -27,7 +27,7 @@ import structlog
 
 from llmd import protocol, streaming
 from llmd.auth import Principal, principal_for
-from llmd.batch.lines import ENDPOINTS, Item, LineError, output_line, parse_file
+from llmd.batch.lines import ENDPOINTS, MAX_ERRORS, Item, LineError, output_line, parse_file
 from llmd.batch.store import Batch, BatchStore
 from llmd.config import Config
 from llmd.errors import APIError
@@ -114,7 +114,7 @@ class BatchRunner:
         log.info("batch_started", batch_id=b.id, tenant=b.tenant, model=model, items=len(items))
 
     async def _fail(self, b: Batch, errors: list[dict[str, Any]]) -> None:
-        body = {"object": "list", "data": errors[:100]}
+        body = {"object": "list", "data": errors[:MAX_ERRORS]}
         await self.store.set_status(b.id, "failed", only_from=("validating",), errors=json.dumps(body))
         log.info("batch_invalid", batch_id=b.id, errors=len(errors))
 

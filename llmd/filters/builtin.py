@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import re
-import time
 from typing import Awaitable, Callable, Iterable
 
 from llmd.filters.base import Action, Match
@@ -162,10 +161,8 @@ class Classifier:
         self.name, self.model, self.ask = name, model, ask
         self.timeout_s, self.on_error, self.unsafe = timeout_ms / 1000, on_error, unsafe_answer.lower()
         self.last_error: str | None = None
-        self.last_latency_s = 0.0
 
     async def check_prompt(self, text: str) -> Match | None:
-        t0 = time.monotonic()
         try:
             async with asyncio.timeout(self.timeout_s):
                 answer = await self.ask(self.model, text, self.timeout_s)
@@ -174,8 +171,6 @@ class Classifier:
             if self.on_error == "closed":
                 return Match(self.name, "unavailable", "block")
             return None
-        finally:
-            self.last_latency_s = time.monotonic() - t0
         self.last_error = None
         if answer.strip().lower().startswith(self.unsafe):
             return Match(self.name, "unsafe", "block")
