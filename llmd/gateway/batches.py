@@ -5,6 +5,7 @@ exactly like one that does not exist."""
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
 from typing import Any, Callable
 
 from sanic import Request, Sanic
@@ -22,31 +23,46 @@ from llmd.protocol import json_object
 
 def add_routes(app: Sanic, store: BatchStore, runner: BatchRunner, cfg: BatchConfig,
                principal: Callable[[Request], Principal]) -> None:
-    def tenant_of(request: Request) -> str:
-        who = principal(request)
+    scope = _Scope(store, runner, cfg, principal)
+    _file_routes(app, scope)
+    _batch_routes(app, scope)
+
+
+@dataclass(frozen=True)
+class _Scope:
+    """What the handlers share: the store, the runner, the limits, and who is calling."""
+
+    store: BatchStore
+    runner: BatchRunner
+    cfg: BatchConfig
+    principal: Callable[[Request], Principal]
+
+    def tenant_of(self, request: Request) -> str:
+        who = self.principal(request)
         if who.tenant is None:
             raise APIError(403, "files and batches belong to a tenant: use a tenant's key", "permission_error",
                            "tenant_required")
         return who.tenant.name
 
-    async def file_or_404(tenant: str, file_id: str) -> dict[str, Any]:
-        f = await store.get_file(tenant, file_id)
+    async def file_or_404(self, tenant: str, file_id: str) -> dict[str, Any]:
+        f = await self.store.get_file(tenant, file_id)
         if f is None:
             raise not_found(f"No such File object: {file_id}", "file_not_found", "file_id")
         return f
 
-    async def batch_or_404(tenant: str, batch_id: str) -> Batch:
-        b = await store.get_batch(batch_id, tenant)
+    async def batch_or_404(self, tenant: str, batch_id: str) -> Batch:
+        b = await self.store.get_batch(batch_id, tenant)
         if b is None:
             raise not_found(f"No such Batch object: {batch_id}", "batch_not_found", "batch_id")
         return b
 
-    # -- files ---------------------------------------------------------------------------
+
+def _file_routes(app: Sanic, sc: _Scope) -> None:
     @app.post("/v1/files", stream=True)
     async def upload(request: Request) -> HTTPResponse:
-        tenant = tenant_of(request)
+        tenant = sc.tenant_of(request)
         # A streamed route has no size limit of its own: set this one's before reading.
-        request.stream.request_max_size = cfg.max_file_bytes + 64 * 1024  # + the multipart framing
+        request.stream.request_max_size = sc.cfg.max_file_bytes + 64 * 1024  # + the multipart framing
         await request.receive_body()
         if not (request.content_type or "").startswith("multipart/form-data"):
             raise bad_request("upload the file as multipart/form-data with fields 'file' and 'purpose'")
@@ -56,95 +72,101 @@ def add_routes(app: Sanic, store: BatchStore, runner: BatchRunner, cfg: BatchCon
         upload = request.files.get("file")
         if upload is None:
             raise bad_request("Missing required parameter: 'file'", "file", "missing_required_parameter")
-        if len(upload.body) > cfg.max_file_bytes:
-            raise APIError(413, f"the file is over the {cfg.max_file_bytes}-byte limit", code="file_too_large",
+        if len(upload.body) > sc.cfg.max_file_bytes:
+            raise APIError(413, f"the file is over the {sc.cfg.max_file_bytes}-byte limit", code="file_too_large",
                            param="file")
         if not upload.body.strip():
             raise bad_request("the file is empty", "file", "empty_file")
-        f = await store.add_file(tenant, purpose, upload.name or "upload.jsonl", upload.body)
+        f = await sc.store.add_file(tenant, purpose, upload.name or "upload.jsonl", upload.body)
         return json_response(_file(f))
 
     @app.get("/v1/files")
     async def list_files(request: Request) -> HTTPResponse:
-        tenant = tenant_of(request)
+        tenant = sc.tenant_of(request)
         limit = _limit(request, 10000)
         order = request.args.get("order", "desc")
         if order not in ("asc", "desc"):
             raise bad_request("order must be 'asc' or 'desc'", "order")
-        rows = await store.list_files(tenant, request.args.get("purpose"), request.args.get("after"), limit + 1,
+        rows = await sc.store.list_files(tenant, request.args.get("purpose"), request.args.get("after"), limit + 1,
                                       newest_first=order == "desc")
         return json_response(_page([_file(f) for f in rows], limit))
 
     @app.get("/v1/files/<file_id:str>")
     async def get_file(request: Request, file_id: str) -> HTTPResponse:
-        return json_response(_file(await file_or_404(tenant_of(request), file_id)))
+        return json_response(_file(await sc.file_or_404(sc.tenant_of(request), file_id)))
 
     @app.get("/v1/files/<file_id:str>/content")
     async def file_content(request: Request, file_id: str) -> HTTPResponse:
-        f = await file_or_404(tenant_of(request), file_id)
+        f = await sc.file_or_404(sc.tenant_of(request), file_id)
         try:
-            data = await asyncio.to_thread(store.file_path(f["id"]).read_bytes)
+            data = await asyncio.to_thread(sc.store.file_path(f["id"]).read_bytes)
         except OSError:
             raise not_found(f"the content of {file_id} is gone", "file_not_found", "file_id") from None
         return raw(data, content_type="application/jsonl")
 
     @app.delete("/v1/files/<file_id:str>")
     async def delete_file(request: Request, file_id: str) -> HTTPResponse:
-        tenant = tenant_of(request)
-        await file_or_404(tenant, file_id)
-        await store.delete_file(tenant, file_id)
+        tenant = sc.tenant_of(request)
+        await sc.file_or_404(tenant, file_id)
+        await sc.store.delete_file(tenant, file_id)
         return json_response({"id": file_id, "object": "file", "deleted": True})
 
-    # -- batches -------------------------------------------------------------------------
+
+def _batch_routes(app: Sanic, sc: _Scope) -> None:
     @app.post("/v1/batches")
     async def create_batch(request: Request) -> HTTPResponse:
-        who = principal(request)
-        tenant = tenant_of(request)
-        body = json_object(request.body)
-        fid, endpoint, window = body.get("input_file_id"), body.get("endpoint"), body.get("completion_window")
-        meta = body.get("metadata")
-        extra = sorted(set(body) - {"input_file_id", "endpoint", "completion_window", "metadata"})
-        if extra:
-            raise bad_request(f"Unrecognized request argument supplied: {extra[0]}", extra[0], "unknown_parameter")
-        if not isinstance(fid, str):
-            raise bad_request("Missing required parameter: 'input_file_id'", "input_file_id", "missing_required_parameter")
-        if endpoint not in ENDPOINTS:
-            raise bad_request(f"endpoint must be one of {sorted(ENDPOINTS)}, got {endpoint!r}", "endpoint", "invalid_value")
-        if window not in cfg.completion_windows:
-            raise bad_request(f"completion_window must be one of {cfg.completion_windows}, got {window!r}",
-                              "completion_window", "invalid_value")
-        if meta is not None and not (isinstance(meta, dict) and len(meta) <= 16 and all(
-                isinstance(k, str) and isinstance(v, str) and len(k) <= 64 and len(v) <= 512 for k, v in meta.items())):
-            raise bad_request("metadata must map at most 16 keys (64 chars) to strings (512 chars)", "metadata",
-                              "invalid_value")
-        f = await file_or_404(tenant, fid)
+        who = sc.principal(request)
+        tenant = sc.tenant_of(request)
+        fid, endpoint, window, meta = _batch_params(json_object(request.body), sc.cfg)
+        f = await sc.file_or_404(tenant, fid)
         if f["purpose"] != "batch":
             raise bad_request(f"file {fid} has purpose {f['purpose']!r}, not 'batch'", "input_file_id", "invalid_value")
-        batch_id = await store.add_batch(tenant, who.key_id, endpoint, fid, window, meta)
-        runner.kick(batch_id)
-        b = await store.get_batch(batch_id)
+        batch_id = await sc.store.add_batch(tenant, who.key_id, endpoint, fid, window, meta)
+        sc.runner.kick(batch_id)
+        b = await sc.store.get_batch(batch_id)
         assert b is not None
-        return json_response(await batch_object(store, b))
+        return json_response(await batch_object(sc.store, b))
 
     @app.get("/v1/batches")
     async def list_batches(request: Request) -> HTTPResponse:
-        tenant = tenant_of(request)
+        tenant = sc.tenant_of(request)
         limit = _limit(request, 100)
-        rows = await store.list_batches(tenant, request.args.get("after"), limit + 1)
-        return json_response(_page([await batch_object(store, b) for b in rows[:limit + 1]], limit))
+        rows = await sc.store.list_batches(tenant, request.args.get("after"), limit + 1)
+        return json_response(_page([await batch_object(sc.store, b) for b in rows[:limit + 1]], limit))
 
     @app.get("/v1/batches/<batch_id:str>")
     async def get_batch(request: Request, batch_id: str) -> HTTPResponse:
-        return json_response(await batch_object(store, await batch_or_404(tenant_of(request), batch_id)))
+        return json_response(await batch_object(sc.store, await sc.batch_or_404(sc.tenant_of(request), batch_id)))
 
     @app.post("/v1/batches/<batch_id:str>/cancel")
     async def cancel_batch(request: Request, batch_id: str) -> HTTPResponse:
-        tenant = tenant_of(request)
-        b = await batch_or_404(tenant, batch_id)
+        tenant = sc.tenant_of(request)
+        b = await sc.batch_or_404(tenant, batch_id)
         if b.status not in ("validating", "in_progress", "cancelling"):
             raise APIError(409, f"a batch that is {b.status} cannot be cancelled", code="batch_not_cancellable")
-        await runner.cancel(b)
-        return json_response(await batch_object(store, await batch_or_404(tenant, batch_id)))
+        await sc.runner.cancel(b)
+        return json_response(await batch_object(sc.store, await sc.batch_or_404(tenant, batch_id)))
+
+
+def _batch_params(body: dict[str, Any], cfg: BatchConfig) -> tuple[str, str, str, dict[str, str] | None]:
+    """(input_file_id, endpoint, completion_window, metadata) of a create-batch body, each checked."""
+    fid, endpoint, window = body.get("input_file_id"), body.get("endpoint"), body.get("completion_window")
+    meta = body.get("metadata")
+    extra = sorted(set(body) - {"input_file_id", "endpoint", "completion_window", "metadata"})
+    if extra:
+        raise bad_request(f"Unrecognized request argument supplied: {extra[0]}", extra[0], "unknown_parameter")
+    if not isinstance(fid, str):
+        raise bad_request("Missing required parameter: 'input_file_id'", "input_file_id", "missing_required_parameter")
+    if not isinstance(endpoint, str) or endpoint not in ENDPOINTS:
+        raise bad_request(f"endpoint must be one of {sorted(ENDPOINTS)}, got {endpoint!r}", "endpoint", "invalid_value")
+    if not isinstance(window, str) or window not in cfg.completion_windows:
+        raise bad_request(f"completion_window must be one of {cfg.completion_windows}, got {window!r}",
+                          "completion_window", "invalid_value")
+    if meta is not None and not (isinstance(meta, dict) and len(meta) <= 16 and all(
+            isinstance(k, str) and isinstance(v, str) and len(k) <= 64 and len(v) <= 512 for k, v in meta.items())):
+        raise bad_request("metadata must map at most 16 keys (64 chars) to strings (512 chars)", "metadata",
+                          "invalid_value")
+    return fid, endpoint, window, meta
 
 
 def _file(f: dict[str, Any]) -> dict[str, Any]:
