@@ -16,26 +16,24 @@ the targets and written to docs/benchmarks.md, section "## Overhead: llmd vs vll
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import os
-import shlex
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
-from common import free_port, model_dir, stop, tail, tool, wait_ready  # bench/ is on sys.path
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root: `bench` and `llmd`
 
-ROOT = Path(__file__).resolve().parent.parent
-BIN = Path(sys.executable).parent
+from bench.lib import report, stats
+from bench.lib.servers import free_port, model_dir, running, tail, tool
+
 SECTION = "## Overhead: llmd vs vllm serve"
 TARGET_THROUGHPUT = 0.97  # llmd/vLLM output throughput, at least
 TARGET_TTFT = 1.05  # llmd/vLLM median TTFT, at most
@@ -103,7 +101,7 @@ def bench(args: argparse.Namespace, model: Path, port: int, out: Path, env: dict
         cmd.append("--ignore-eos")
     log = out.with_suffix(".log")
     with log.open("w") as f:
-        rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env).returncode
+        rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, check=False).returncode
     if rc != 0 or not out.exists():
         raise RuntimeError(f"bench serve failed (rc {rc}); log {log}:\n{tail(log)}")
     return json.loads(out.read_text())
@@ -125,18 +123,16 @@ def probe(args: argparse.Namespace, port: int) -> str:
 
 
 def one_round(args: argparse.Namespace, model: Path, srv: Server, scratch: Path, tag: str) -> dict:
+    """A fresh server, benchmarked once by `bench serve`, then stopped with its process group."""
     port = free_port()
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1"}
+    env = {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1"}
     log = scratch / f"{tag}-{srv.name}-server.log"
-    with log.open("w") as f:
-        proc = subprocess.Popen(srv.command(port, scratch), stdout=f, stderr=subprocess.STDOUT,
-                                env=env, cwd=ROOT, start_new_session=True)
-    try:
-        t0 = time.monotonic()
-        wait_ready(proc, f"http://127.0.0.1:{port}{srv.ready_path}", args.ready_timeout, log)
+    t0 = time.monotonic()
+    with running(srv.command(port, scratch), f"http://127.0.0.1:{port}{srv.ready_path}", log,
+                 args.ready_timeout, env) as proc:
         print(f"  {srv.name} ready on :{port} after {time.monotonic() - t0:.0f}s (pid {proc.pid})", flush=True)
         load1 = os.getloadavg()[0]  # the machine is shared: record how busy it was
-        result = bench(args, model, port, scratch / f"{tag}-{srv.name}.json", env)
+        result = bench(args, model, port, scratch / f"{tag}-{srv.name}.json", {**os.environ, **env})
         result["load1_before"] = load1
         if result.get("failed"):
             print(f"WARNING: {srv.name}: {result['failed']} of {args.num_prompts} requests failed; "
@@ -144,57 +140,39 @@ def one_round(args: argparse.Namespace, model: Path, srv: Server, scratch: Path,
         if not result.get("completed"):
             raise RuntimeError(f"{srv.name}: no request completed")
         return result
-    finally:
-        stop(proc)
-
-
-def fmt_row(cells: list[str]) -> str:
-    return "| " + " | ".join(cells) + " |"
 
 
 def table(rows: list[tuple[str, str, dict]]) -> list[str]:
+    """Every measured round's figures (bench serve's own percentiles: numpy's, as bench/lib/stats.py)."""
     head = ["round", "server"] + [m[0] for m in METRICS] + ["ok/failed", "load1 before"]
-    lines = [fmt_row(head), fmt_row(["---"] * len(head))]
-    for rnd, name, r in rows:
-        vals = [f"{r.get(k, float('nan')):.1f}" for _, k in METRICS]
-        lines.append(fmt_row([rnd, name] + vals + [f"{r.get('completed')}/{r.get('failed')}", f"{r['load1_before']:.2f}"]))
-    return lines
+    return report.table(head, [[rnd, name, *(f"{r.get(k, float('nan')):.1f}" for _, k in METRICS),
+                                f"{r.get('completed')}/{r.get('failed')}", f"{r['load1_before']:.2f}"]
+                               for rnd, name, r in rows])
 
 
 def summary(results: dict[str, list[dict]]) -> tuple[list[str], bool | None]:
+    """Medians over rounds per server, and the median of the per-round llmd/vLLM ratios against the targets."""
     names = [n for n in ("vllm", "llmd") if results.get(n)]
-    lines = [fmt_row(["figure"] + [f"{n} (median)" for n in names] + (["llmd/vllm (median of rounds)"] if len(names) == 2 else [])),
-             fmt_row(["---"] * (len(names) + 1 + (len(names) == 2)))]
+    both = len(names) == 2
+    head = ["figure"] + [f"{n} (median)" for n in names] + (["llmd/vllm (median of rounds)"] if both else [])
+    rows: list[list[str]] = []
     ratios: dict[str, float] = {}
     for label, key in METRICS:
-        cells = [label] + [f"{statistics.median(r[key] for r in results[n]):.1f}" for n in names]
-        if len(names) == 2:
-            ratios[key] = statistics.median(l[key] / v[key] for l, v in zip(results["llmd"], results["vllm"]))
+        cells = [label] + [f"{stats.median(r[key] for r in results[n]):.1f}" for n in names]
+        if both:
+            ratios[key] = stats.median(lm[key] / v[key] for lm, v in zip(results["llmd"], results["vllm"], strict=True))
             cells.append(f"{ratios[key]:.3f}")
-        lines.append(fmt_row(cells))
-    if len(names) < 2:
+        rows.append(cells)
+    lines = report.table(head, rows)
+    if not both:
         return lines, None
     tp, ttft = ratios["output_throughput"], ratios["p50_ttft_ms"]
-    ok_tp, ok_ttft = tp >= TARGET_THROUGHPUT, ttft <= TARGET_TTFT
-    lines += ["", f"- output throughput ratio {tp:.3f} (target >= {TARGET_THROUGHPUT}): {'PASS' if ok_tp else 'MISS'}",
-              f"- median TTFT ratio {ttft:.3f} (target <= {TARGET_TTFT}): {'PASS' if ok_ttft else 'MISS'}"]
-    return lines, ok_tp and ok_ttft
+    verdicts = [(f"output throughput ratio {tp:.3f} (target >= {TARGET_THROUGHPUT})", tp >= TARGET_THROUGHPUT),
+                (f"median TTFT ratio {ttft:.3f} (target <= {TARGET_TTFT})", ttft <= TARGET_TTFT)]
+    return [*lines, "", *report.verdict_lines(verdicts)], all(ok for _, ok in verdicts)
 
 
-def write_docs(path: Path, body: list[str]) -> None:
-    text = path.read_text() if path.exists() else "# Benchmarks\n"
-    lines = text.splitlines()
-    start = next((i for i, l in enumerate(lines) if l.strip() == SECTION), None)
-    if start is None:
-        new = lines + [""] + body
-    else:
-        end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
-        new = lines[:start] + body + ([""] if end < len(lines) else []) + lines[end:]
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("\n".join(new).rstrip("\n") + "\n")
-
-
-def main() -> int:
+def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--servers", default="vllm,llmd", help="comma list of: vllm, llmd")
     p.add_argument("--rounds", type=int, default=3, help="measured rounds per server (plus one warm-up)")
@@ -212,54 +190,63 @@ def main() -> int:
     p.add_argument("--source", default="smollm2", help="weight-store model name")
     p.add_argument("--model-dir", help="model folder (default: the weight store's)")
     p.add_argument("--ready-timeout", type=float, default=300.0)
-    p.add_argument("--docs", default=str(ROOT / "docs" / "benchmarks.md"))
+    p.add_argument("--docs", default=str(report.DOC))
     p.add_argument("--no-docs", action="store_true", help="do not write the docs section")
     p.add_argument("--keep", action="store_true", help="keep the scratch folder (logs, JSON results)")
     args = p.parse_args()
+    args.chosen = [s.strip() for s in args.servers.split(",") if s.strip()]
+    if not args.chosen or any(s not in ("vllm", "llmd") for s in args.chosen):
+        p.error("--servers takes a comma list of vllm, llmd")
+    return args
 
-    model = model_dir(args)
+
+def run_rounds(args: argparse.Namespace, model: Path, scratch: Path) -> tuple[dict[str, list[dict]],
+                                                                            list[tuple[str, str, dict]]]:
+    """A discarded warm-up round, then --rounds measured ones, server order alternating (ABBA)."""
     specs = servers(args, model)
-    chosen = [s.strip() for s in args.servers.split(",") if s.strip()]
-    if not chosen or any(s not in specs for s in chosen):
-        p.error(f"--servers takes a comma list of {', '.join(specs)}")
+    results: dict[str, list[dict]] = {n: [] for n in args.chosen}
+    rows: list[tuple[str, str, dict]] = []
+    for rnd in range(args.rounds + 1):
+        tag = "warmup" if rnd == 0 else f"r{rnd}"
+        order = args.chosen if rnd % 2 == 0 else args.chosen[::-1]
+        print(f"round {tag}: {', '.join(order)}", flush=True)
+        for name in order:
+            r = one_round(args, model, specs[name], scratch, tag)
+            if rnd:
+                results[name].append(r)
+                rows.append((tag, name, r))
+        if rnd:
+            print("\n".join(table([x for x in rows if x[0] == tag])), flush=True)
+    return results, rows
+
+
+def main() -> int:
+    args = parse_args()
+    model = model_dir(args)
     scratch = Path(tempfile.mkdtemp(prefix="llmd-overhead-"))
     print(f"model {model}; scratch {scratch}")
-    results: dict[str, list[dict]] = {n: [] for n in chosen}
-    rows: list[tuple[str, str, dict]] = []
     try:
-        for rnd in range(args.rounds + 1):
-            tag = "warmup" if rnd == 0 else f"r{rnd}"
-            order = chosen if rnd % 2 == 0 else chosen[::-1]
-            print(f"round {tag}: {', '.join(order)}", flush=True)
-            for name in order:
-                r = one_round(args, model, specs[name], scratch, tag)
-                if rnd:
-                    results[name].append(r)
-                    rows.append((tag, name, r))
-            if rnd:
-                print("\n".join(table([x for x in rows if x[0] == tag])), flush=True)
+        results, rows = run_rounds(args, model, scratch)
     finally:
         if args.keep:
             print(f"kept {scratch}")
         else:
             shutil.rmtree(scratch, ignore_errors=True)
-
     sum_lines, verdict = summary(results)
     print("\nsummary\n" + "\n".join(sum_lines))
-    if len(chosen) == 2 and not args.no_docs:
-        cmd = "python " + " ".join(shlex.quote(a) for a in [os.path.relpath(sys.argv[0], ROOT)] + sys.argv[1:])
-        body = [SECTION, "", f"Date: {dt.datetime.now().astimezone():%Y-%m-%d %H:%M %Z}", "",
-                f"Command: `{cmd}`", "",
-                f"Settings: model `{args.name}` ({model}), dtype float32, eager, max_model_len 2048, "
-                "max_num_seqs 64, max_num_batched_tokens 2048, prefix caching on, 1 GiB KV cache; "
-                f"`bench serve --backend openai --dataset-name random`, input {args.input_len}, "
-                f"output {args.output_len}{' (ignore_eos)' if args.ignore_eos else ''}, "
-                f"{args.num_prompts} prompts, max concurrency {args.max_concurrency}, request rate "
-                f"{args.request_rate}, temperature {args.temperature}, {args.num_warmups} warm-up requests; "
-                f"one discarded warm-up round per server, then {args.rounds} measured rounds, "
-                "fresh server each round, order alternating (ABBA).", "",
-                "Per round:", ""] + table(rows) + ["", "Summary:", ""] + sum_lines
-        write_docs(Path(args.docs), body)
+    if len(args.chosen) == 2 and not args.no_docs:
+        body = [SECTION, "", report.stamp(), "",
+                (f"Settings: model `{args.name}` ({model}), dtype float32, eager, max_model_len 2048, "
+                 "max_num_seqs 64, max_num_batched_tokens 2048, prefix caching on, 1 GiB KV cache; "
+                 f"`bench serve --backend openai --dataset-name random`, input {args.input_len}, "
+                 f"output {args.output_len}{' (ignore_eos)' if args.ignore_eos else ''}, "
+                 f"{args.num_prompts} prompts, max concurrency {args.max_concurrency}, request rate "
+                 f"{args.request_rate}, temperature {args.temperature}, {args.num_warmups} warm-up requests; "
+                 f"one discarded warm-up round per server, then {args.rounds} measured rounds, "
+                 "fresh server each round, order alternating (ABBA); percentiles are bench serve's (numpy's "
+                 "linear interpolation, the definition of bench/lib/stats.py)."), "",
+                "Per round:", "", *table(rows), "", "Summary:", "", *sum_lines]
+        report.write_section(Path(args.docs), body)
         print(f"wrote section to {args.docs}")
     return 0 if verdict in (True, None) else 1
 

@@ -1,0 +1,247 @@
+"""Every way a benchmark or a test starts and stops a server, in one place.
+
+In-process: the real sanic gateway and service in the caller's event loop (fake backend), for
+benches that need the server's internals (bench/metering.py swaps `node.lifecycle.ledger`) and for
+the unit tests' `make_server` fixture. Subprocess: `llmd serve` (or `vllm serve`) in its own
+session, so stopping it can sweep the engine processes it leaves behind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+BIN = Path(sys.executable).parent
+
+
+# -- lookups ------------------------------------------------------------------
+def tool(name: str) -> str:
+    """A console script of this environment (`llmd`, `llmd-vllm`), so benches run the installed code."""
+    path = BIN / name
+    found = str(path) if path.exists() else shutil.which(name)
+    if not found:
+        sys.exit(f"{name!r} not found next to {sys.executable} or on PATH; run `pip install -e .`")
+    return found
+
+
+def model_dir(args: argparse.Namespace) -> Path:
+    """`--model-dir`, else the weight store's copy of `--source` (what `vllm serve` needs as a path)."""
+    if args.model_dir:
+        return Path(args.model_dir)
+    from llmd.store import StoreError, WeightStore
+
+    try:
+        return WeightStore().resolve(args.source).path
+    except StoreError as e:
+        sys.exit(f"{e}\n(run `make model` first)")
+
+
+def two_version_store() -> tuple[Path, str, str]:
+    """An LLMD_HOME whose store holds SmolLM2 twice under different content hashes: the stored
+    (bf16) weights, hard-linked, and a float32 copy (made once, then kept next to the store).
+    Returns (home, bf16 version, float32 version); the rollout bench and engine tests share it."""
+    from llmd.store import WeightStore
+
+    root = WeightStore().root.parent.parent / "llmd-test-versions"
+    ws = WeightStore(root)
+    a = ws.link_from(WeightStore().resolve("smollm2"))
+    return root, a.version, ws.cast_copy(a, "float32").version
+
+
+def free_port() -> int:
+    """A loopback port nothing listens on now (sanic reads port=0 as "the default", 8000)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def tail(path: Path, n: int = 30) -> str:
+    """The last `n` lines of a server log, for error messages."""
+    return "\n".join(path.read_text(errors="replace").splitlines()[-n:]) if path.exists() else ""
+
+
+# -- in process -----------------------------------------------------------------
+@dataclass
+class LiveServer:
+    """The real gateway serving on loopback inside this event loop."""
+
+    url: str
+    node: Any  # llmd.node.Node
+    server: Any  # sanic's AsyncioServer
+    stopped: bool = False
+
+    @property
+    def base(self) -> str:
+        return self.url + "/v1"
+
+    @property
+    def port(self) -> int:
+        return int(self.url.rsplit(":", 1)[1])
+
+    def runtime(self, model: str = "fake") -> Any:
+        """The model's configured version: its engine, queue and scheduler."""
+        return self.node.registry.primary(model)
+
+    def backend(self, model: str = "fake") -> Any:
+        return self.runtime(model).backend
+
+    async def stop(self) -> None:
+        """Shut the server down as sanic would; a second call does nothing."""
+        if self.stopped:
+            return
+        self.stopped = True
+        await self.server.before_stop()
+        self.server.close()
+        # As sanic's own shutdown does: drop keep-alive connections, or wait_closed waits for them.
+        for conn in list(self.server.connections):
+            conn.close_if_idle() or conn.abort()
+        await self.server.wait_closed()
+        await self.server.after_stop()
+
+
+def quiet_logs() -> None:
+    """Warnings only from llmd and sanic: a bench's own output is what it reports."""
+    from llmd.telemetry import configure_logging
+
+    configure_logging("warning")
+    logging.getLogger("sanic").setLevel(logging.WARNING)
+
+
+async def start_inprocess(cfg: Any, name: str, store: Any = None, port: int | None = None) -> LiveServer:
+    """The real gateway and node for `cfg` (an llmd.config.Config; its server.port is set
+    to the port used) on loopback, in this event loop. `name` must be unique per process
+    (sanic registers apps by name); `store` is a WeightStore (None: the default one).
+
+    Built by llmd's own wiring point (`llmd.node.build_node`), as `llmd serve` is. The
+    request path reaches the ledger through `node.lifecycle.ledger` on every request, so
+    bench/metering.py can swap in stand-ins between rounds."""
+    from llmd.gateway import create_app
+    from llmd.node import build_node
+
+    port = port or free_port()
+    cfg.server.port = port
+    node = build_node(cfg, store)
+    app = create_app(node, name=name, load_models=False)
+    app.config.MOTD = False
+    app.config.TOUCHUP = False  # touchup recompiles methods per app; breaks with many apps per process
+    server = await app.create_server(host="127.0.0.1", port=port, return_asyncio_server=True, access_log=False)
+    assert server is not None
+    await server.startup()
+    await server.before_start()
+    await server.after_start()
+    await node.load()
+    return LiveServer(f"http://127.0.0.1:{port}", node, server)
+
+
+# -- subprocesses -----------------------------------------------------------------
+def spawn(argv: list[str], log: Path, env_extra: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+    """Start `argv` in its own session (its PID is its process group's id, so `stop` can sweep
+    the engine processes it starts), output to `log`, from the repository root."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env_extra or {})}
+    with log.open("wb") as f:
+        return subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True)
+
+
+def wait_ready(proc: subprocess.Popen[bytes], url: str, timeout: float, log: Path, interval: float = 0.5) -> None:
+    """Poll `url` until it answers 200; raise (with the log's tail) if the process exits or time runs out."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}; log {log}:\n{tail(log)}")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:  # refused, or HTTPError (503 while models load)
+            pass
+        time.sleep(interval)
+    raise RuntimeError(f"server not ready at {url} after {timeout:.0f}s; log {log}:\n{tail(log)}")
+
+
+def stop(proc: subprocess.Popen[bytes], grace: float = 30.0) -> None:
+    """SIGTERM the server (unless it already exited), then SIGKILL anything left in its process
+    group and wait until the group is gone, so the next server never overlaps this one."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(grace)
+        except subprocess.TimeoutExpired:
+            pass
+    try:  # its own session: the group id is its PID; sweep engine children left behind
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+    for _ in range(100):
+        try:
+            os.killpg(proc.pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+
+
+@contextmanager
+def running(argv: list[str], ready_url: str, log: Path, timeout: float,
+            env_extra: dict[str, str] | None = None) -> Iterator[subprocess.Popen[bytes]]:
+    """A server process that is ready inside the block and stopped (group and all) after it."""
+    proc = spawn(argv, log, env_extra)
+    try:
+        wait_ready(proc, ready_url, timeout, log)
+        yield proc
+    finally:
+        stop(proc)
+
+
+@dataclass
+class ServerProcess:
+    """`llmd serve` running in a subprocess, and how to reach it."""
+
+    url: str
+    proc: subprocess.Popen[bytes]
+    log_path: Path
+
+    @property
+    def base(self) -> str:
+        return self.url + "/v1"
+
+    def log_lines(self) -> list[str]:
+        return self.log_path.read_text(errors="replace").splitlines()
+
+    def engine_stats(self, since: float | None = None, model: str = "smollm2") -> dict[str, Any]:
+        """`model`'s entry of /admin/engines (per-step history after `since`, wall clock)."""
+        import httpx
+
+        q = f"?since={since}" if since is not None else ""
+        return httpx.get(f"{self.url}/admin/engines{q}", timeout=10).json()[model]
+
+
+def start_server_process(toml: str, tmp: Path, ready_timeout: float = 240.0,
+                         env_extra: dict[str, str] | None = None) -> ServerProcess:
+    """`llmd serve` on a config made from `toml` (its {port} and {db} filled in, files in `tmp`),
+    ready to serve; stopped again if it does not get ready."""
+    port = free_port()
+    cfg = tmp / "config.toml"
+    cfg.write_text(toml.format(port=port, db=tmp / "llmd.db"))
+    log = tmp / "server.log"
+    proc = spawn([sys.executable, "-m", "llmd", "serve", "--config", str(cfg)], log, env_extra)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(proc, url + "/ready", ready_timeout, log)
+    except BaseException:
+        stop(proc)
+        raise
+    return ServerProcess(url, proc, log)
