@@ -1,6 +1,6 @@
 """Every way a benchmark or a test starts and stops a server, in one place.
 
-In-process: the real sanic gateway and service in the caller's event loop (fake backend), for
+In-process: the real sanic gateway and node in the caller's event loop (fake backend), for
 benches that need the server's internals (bench/metering.py swaps `node.lifecycle.ledger`) and for
 the unit tests' `make_server` fixture. Subprocess: `llmd serve` (or `vllm serve`) in its own
 session, so stopping it can sweep the engine processes it leaves behind.
