@@ -28,7 +28,7 @@ async def build_backend(cfg: ModelConfig, store: WeightStore) -> Backend:
         return VllmBackend(cfg.name, stored.version, stored.path, cfg.engine)
     if cfg.backend == "fake":
         from llmd.backends.fake import FakeBackend
-        from llmd.tokenizer import TiktokenTokenizer
+        from llmd.backends.tokenizer import TiktokenTokenizer
 
         tok = TiktokenTokenizer.from_hf_dir(stored.path) if stored else TiktokenTokenizer.simple()
         version = stored.version if stored else "fake-" + cfg.name

@@ -31,7 +31,7 @@ from llmd.backends.base import (
     now,
 )
 from llmd.config import FakeEngineConfig
-from llmd.tokenizer import TiktokenTokenizer
+from llmd.backends.tokenizer import TiktokenTokenizer
 
 WORDS = (
     "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november "

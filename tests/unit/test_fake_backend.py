@@ -12,7 +12,7 @@ import pytest
 from llmd.backends.base import Backend, BackendError, Delta, EngineDead, PromptError, Sampling, now
 from llmd.backends.fake import FakeBackend
 from llmd.config import FakeEngineConfig
-from llmd.tokenizer import TiktokenTokenizer
+from llmd.backends.tokenizer import TiktokenTokenizer
 
 TOK = TiktokenTokenizer.simple()
 

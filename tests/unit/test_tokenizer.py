@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from llmd.backends.base import PromptError
-from llmd.tokenizer import TiktokenTokenizer, TokenizerError
+from llmd.backends.tokenizer import TiktokenTokenizer, TokenizerError
 
 
 TEXTS = [
@@ -136,7 +136,7 @@ def test_rejects_non_byte_level_vocab(tmp_path: Path) -> None:
 
 
 def test_template_from_tokenizer_config(tmp_path: Path) -> None:
-    from llmd.tokenizer import _bytes_to_unicode
+    from llmd.backends.tokenizer import _bytes_to_unicode
 
     b2u = _bytes_to_unicode()
     vocab = {b2u[b]: b for b in range(256)}
