@@ -30,10 +30,9 @@ from llmd.batch.runner import BatchRunner
 from llmd.batch.store import BatchStore
 from llmd.registry import http as registry_http
 from llmd.config import Config
-from llmd.errors import APIError, not_found
+from llmd.errors import APIError, AdmissionRefused, not_found
 from llmd.idempotency import IdempotencyStore, LiveRun, Outcome, request_hash
 from llmd.limits import deadline_seconds
-from llmd.policy.admission import AdmissionRefused
 from llmd.protocol import ChatRequest, CompletionRequest
 from llmd.runtime import Job
 from llmd.service import Service, classify

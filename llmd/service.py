@@ -19,7 +19,7 @@ from llmd.backends import PromptError, build_backend
 from llmd.backends.base import Sampling
 from llmd.config import Config, TenantConfig
 from llmd.dispatch import PRIORITY
-from llmd.errors import APIError, bad_request, not_found, unavailable
+from llmd.errors import APIError, AdmissionRefused, bad_request, not_found, ratelimit_headers, refusal_error, unavailable
 from llmd.filters import GUARD_PROMPT, ContentFiltered, Filters, screen_prompt
 from llmd.idempotency import IdempotencyStore
 from llmd.limits import output_budget
@@ -45,7 +45,7 @@ class Service:
         self.config = config
         self.store = store or WeightStore()
         self.models = {m.name: ModelRuntime(m, config.tenants) for m in config.models}
-        self.admission = admission.AdmissionController(config.tenants)
+        self.admission = admission.AdmissionController(config.tenants, time.monotonic)
         db = config.server.db_path or home() / "llmd.db"
         prices = {m.name: Price(m.pricing.input_per_mtok, m.pricing.output_per_mtok) for m in config.models}
         self.ledger = Ledger(db, config.server.node, prices)
@@ -208,14 +208,13 @@ class Service:
         )
         deadline = record.t_arrival + deadline_s
         sc = rt.cfg.scheduling
-        try:
-            quota = self.admission.admit(
-                tenant, prompt.num_tokens + max_tokens, queue_depth=len(rt.queue), max_queue=sc.max_queue,
-                est_wait_s=sched.estimate_wait(tenant.name, klass, sc.fairness == "vtc"),
-                time_left_s=deadline - time.monotonic())
-        except APIError as e:
-            record.decision = f"shed:{getattr(e, 'reason', e.code)}"
-            raise
+        quota = self.admission.admit(
+            tenant, prompt.num_tokens + max_tokens, queue_depth=len(rt.queue), max_queue=sc.max_queue,
+            est_wait_s=sched.estimate_wait(tenant.name, klass, sc.fairness == "vtc"),
+            time_left_s=deadline - time.monotonic())
+        if isinstance(quota, admission.Refusal):
+            record.decision = f"shed:{quota.reason}"
+            raise refusal_error(quota)
         record.decision = "admitted"
         record.replica = f"{self.config.server.node}/{rt.cfg.name}@{backend.version[:12]}"
         self.ledger.open(record.request_id, tenant=tenant.name, key_id=who.key_id, model=rt.cfg.name,
@@ -223,7 +222,8 @@ class Service:
                          priority_class=klass, idempotency_key=None, t_arrival=record.ts)  # the key: at close
         qreq = QueuedRequest(record.request_id, tenant.name, klass, prompt.num_tokens, max_tokens, deadline, record.t_arrival)
         engine_id = f"{record.request_id}-{uuid.uuid4().hex[:8]}"
-        headers = self.admission.headers(tenant) | ({DEGRADED_HEADER: record.degraded} if record.degraded else {})
+        headers = (ratelimit_headers(self.admission.limits(tenant))
+                   | ({DEGRADED_HEADER: record.degraded} if record.degraded else {}))
         return Job(engine_id, rt, prompt, sampling, deadline, record, Entry(qreq), quota, headers,
                    window=self.filters.output_window(rt.cfg, tenant))
 
@@ -246,7 +246,7 @@ class Service:
                     done.append(f"fallback={d.fallback_model}")
         if "batch" in steps and self._overloaded(rt):
             record.decision = "shed:overloaded_use_batch"
-            raise admission.AdmissionRefused(
+            raise AdmissionRefused(
                 "overloaded_use_batch", 503, f"model '{rt.cfg.name}' is overloaded; send this request through the "
                 "Batch API instead (POST /v1/files with purpose=batch, then POST /v1/batches)", "server_error",
                 "overloaded_use_batch", {"Retry-After": "30"})
