@@ -19,10 +19,10 @@ from llmd.backends.base import Delta, Prompt, Sampling
 from llmd.errors import APIError, bad_request, deadline_exceeded, engine_failed, unavailable
 from llmd.filters import ContentFiltered
 from llmd.metering import Ledger
+from llmd.policy.classes import ENGINE_PRIORITY
 from llmd.policy.scheduler import Dropped
 from llmd.runtime import Job
 
-PRIORITY = {"interactive": 0, "batch": 1}  # vLLM's priority: lower runs first under KV pressure
 PROGRESS_EVERY_S = 1.0  # how often a live request's token count reaches the ledger (crash loss bound)
 
 
@@ -59,7 +59,7 @@ async def run(job: Job, ledger: Ledger) -> AsyncIterator[Delta]:
         preempted = entry.preempt_requested
         try:
             gen = (_nothing() if preempted
-                   else backend.generate(current[0], prompt, sampling, PRIORITY[entry.req.klass]))
+                   else backend.generate(current[0], prompt, sampling, ENGINE_PRIORITY[entry.req.klass]))
             async with contextlib.aclosing(gen):
                 async for delta in gen:
                     if delta.finish_reason == "abort" and entry.preempt_requested:

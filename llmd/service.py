@@ -18,7 +18,6 @@ from llmd.auth import Principal
 from llmd.backends import PromptError, build_backend
 from llmd.backends.base import Sampling
 from llmd.config import Config, TenantConfig
-from llmd.dispatch import PRIORITY
 from llmd.errors import APIError, AdmissionRefused, bad_request, not_found, ratelimit_headers, refusal_error, unavailable
 from llmd.filters import GUARD_PROMPT, ContentFiltered, Filters, screen_prompt
 from llmd.idempotency import IdempotencyStore
@@ -26,6 +25,7 @@ from llmd.limits import output_budget
 from llmd.metering import Ledger, Price
 from llmd.metrics import Metrics
 from llmd.policy import admission
+from llmd.policy.classes import CLASSES, ENGINE_PRIORITY, INTERACTIVE
 from llmd.policy.degradation import Degrader
 from llmd.policy.queue import QueuedRequest
 from llmd.policy.scheduler import Entry
@@ -125,8 +125,8 @@ class Service:
     @staticmethod
     def priority_class(tenant: TenantConfig, asked: str | None) -> str:
         klass = asked or tenant.default_class
-        if klass not in PRIORITY:
-            raise bad_request(f"unknown priority class {klass!r}; use one of {sorted(PRIORITY)}", "priority_class")
+        if klass not in CLASSES:
+            raise bad_request(f"unknown priority class {klass!r}; use one of {sorted(CLASSES)}", "priority_class")
         if klass not in tenant.classes:
             raise APIError(403, f"tenant {tenant.name!r} may not use priority class {klass!r}",
                            "permission_error", "class_not_allowed", "priority_class")
@@ -163,7 +163,7 @@ class Service:
         prompt = backend.render_chat([{"role": "system", "content": GUARD_PROMPT}, {"role": "user", "content": text}])
         rid = f"guard-{uuid.uuid4().hex[:12]}"
         parts: list[str] = []
-        gen = backend.generate(rid, prompt, Sampling(max_tokens=3, temperature=0.0), PRIORITY["interactive"])
+        gen = backend.generate(rid, prompt, Sampling(max_tokens=3, temperature=0.0), ENGINE_PRIORITY[INTERACTIVE])
         finished = False
         try:
             async with contextlib.aclosing(gen):
