@@ -54,9 +54,11 @@ class ModelRuntime:
     def attach(self, backend: Backend) -> None:
         sc = self.cfg.scheduling
         seats = sc.max_running or (self.cfg.fake.max_num_seqs if self.cfg.backend == "fake" else self.cfg.engine.max_num_seqs)
+        # The ITL controller's clock is wall time, as its samples' (self.gaps) time stamps are.
         detector = SaturationDetector(seats, sc.kv_high, sc.target_itl_ms, sc.target_itl_margin,
-                                      itl_samples=lambda: self.gaps)
-        self.scheduler = Scheduler(self.queue, detector, backend.stats, ThroughputEstimate(sc.prior_tokens_per_s),
+                                      clock=time.time, itl_samples=lambda: self.gaps)
+        self.scheduler = Scheduler(self.queue, detector, backend.stats,
+                                   ThroughputEstimate(sc.prior_tokens_per_s, clock=time.monotonic),
                                    preempt_batch=sc.preempt_batch, reserved_seats=sc.reserved_seats,
                                    preempt_for_fairness=sc.preempt_for_fairness,
                                    batch_seats_with_interactive=(sc.batch_seats_with_interactive

@@ -52,7 +52,8 @@ class Service:
         self.idempotency: IdempotencyStore | None = IdempotencyStore(db.with_suffix(".idempotency.db"),
                                                                      config.server.resume_grace_s)
         self.registry = Registry(self, db.with_suffix(".registry.db"))
-        self.degraders = {m.name: Degrader(m.degradation.steps, m.degradation.sustain_s, m.degradation.recover_s)
+        self.degraders = {m.name: Degrader(m.degradation.steps, m.degradation.sustain_s, m.degradation.recover_s,
+                                           time.monotonic)
                           for m in config.models if m.degradation.steps}
         self.metrics = Metrics(self)
         self.filters = Filters(config, self.ask_guard)

@@ -73,6 +73,10 @@ class Scheduler:
         self.dropped = 0
         self.preempted = 0
 
+    @property
+    def seat_limit(self) -> int:
+        return self.detector.seat_limit
+
     # -- lifecycle -------------------------------------------------------
     def start(self) -> None:
         if self._task is None:
@@ -149,11 +153,12 @@ class Scheduler:
 
     def _tick(self) -> None:
         self.throughput.observe(self.stats, busy=bool(self.running))
+        self.detector.update(self.stats, len(self.running))  # the one control step per tick
         self._drop_expired()
         while len(self.queue) and self.detector.has_headroom(self.stats, len(self.running)):
             # The last `reserved_seats` seats go only to tenants below their fair share of seats,
             # so one tenant's flood cannot make a newcomer wait for a long generation to end.
-            limit = self.detector.seat_limit(self.stats, len(self.running))
+            limit = self.detector.seat_limit
             reserve_only = limit - len(self.running) <= min(self.reserved_seats, limit // 4)
             share = self._fair_share(limit)
             pred = (lambda t: self._holds(t) < share) if reserve_only else None
@@ -216,7 +221,7 @@ class Scheduler:
           most over-share tenant's newest sequence for a tenant below its fair share. The seat
           of each of these passes straight to the request it was preempted for."""
         running = len(self.running)
-        limit = self.detector.seat_limit(self.stats, running)
+        limit = self.detector.seat_limit
         pending = sum(1 for t in self.running.values() if t.preempt_requested)
         live = [t for t in self.running.values() if not t.preempt_requested]
         chosen: list[Entry] = []
