@@ -20,8 +20,8 @@ from llmd.errors import APIError, bad_request, deadline_exceeded, engine_failed,
 from llmd.filters import ContentFiltered
 from llmd.metering import Ledger
 from llmd.policy.classes import ENGINE_PRIORITY
-from llmd.policy.scheduler import Dropped
 from llmd.runtime import Job
+from llmd.scheduler import Dropped
 
 PROGRESS_EVERY_S = 1.0  # how often a live request's token count reaches the ledger (crash loss bound)
 
@@ -39,16 +39,15 @@ def deadline_error(job: Job) -> APIError:
 
 async def run(job: Job, ledger: Ledger) -> AsyncIterator[Delta]:
     """Deltas from the engine. Run it inside `deadline(job)`; raises APIError on failure."""
-    rec, rt, entry = job.record, job.runtime, job.entry
+    rec, rt, flow = job.record, job.runtime, job.flow
     backend, sched = rt.backend, rt.scheduler
     assert backend is not None and sched is not None
     prompt, sampling, attempt = job.prompt, job.sampling, 0
     current = [job.engine_id]
-    entry.abort = lambda: backend.abort(current[0])
     produced: list[int] = []
     while True:
         try:
-            await sched.wait_turn(entry)
+            await sched.wait_turn(flow, lambda: backend.abort(current[0]))
         except Dropped as e:
             rec.decision = f"dropped:{e.reason}"
             raise deadline_exceeded(str(e)) from None
@@ -56,19 +55,19 @@ async def run(job: Job, ledger: Ledger) -> AsyncIterator[Delta]:
             rec.t_dispatch = time.monotonic()
         # Preempted between its dispatch and its start (the scheduler's abort found nothing
         # to abort): it goes back to the queue without ever reaching the engine.
-        preempted = entry.preempt_requested
+        preempted = flow.preempt_requested
         try:
             gen = (_nothing() if preempted
-                   else backend.generate(current[0], prompt, sampling, ENGINE_PRIORITY[entry.req.klass]))
+                   else backend.generate(current[0], prompt, sampling, ENGINE_PRIORITY[flow.klass]))
             async with contextlib.aclosing(gen):
                 async for delta in gen:
-                    if delta.finish_reason == "abort" and entry.preempt_requested:
+                    if delta.finish_reason == "abort" and flow.preempt_requested:
                         preempted = True
                         break
                     _account(job, delta, ledger)
                     produced.extend(delta.token_ids)
                     yield delta
-                    if entry.preempt_requested and not job.finished:
+                    if flow.preempt_requested and not job.finished:
                         # The abort may have reached the engine before this request did
                         # (then it aborted nothing): abort it from here, once it runs.
                         preempted = True
@@ -85,12 +84,11 @@ async def run(job: Job, ledger: Ledger) -> AsyncIterator[Delta]:
                 # Disconnect, deadline or error: make sure the engine stops computing it now.
                 with contextlib.suppress(Exception):
                     await backend.abort(current[0])
-            sched.finished(entry)
+            sched.finished(flow, rec.output_tokens)
         if not preempted:
             return
         # Preempted for interactive traffic: queue again and resume from what was produced.
         rec.preemptions += 1
-        entry.preempt_requested = False
         attempt += 1
         current[0] = f"{job.engine_id}-r{attempt}"
         ids = job.prompt.token_ids + produced
@@ -134,7 +132,7 @@ def _account(job: Job, delta: Delta, ledger: Ledger) -> None:
     rec.cached_prompt_tokens = max(rec.cached_prompt_tokens, delta.cached_prompt_tokens)
     if delta.num_tokens:
         assert job.runtime.scheduler is not None
-        job.runtime.scheduler.on_output(job.entry, delta.num_tokens)
+        job.runtime.scheduler.on_output(job.flow, delta.num_tokens)
     if delta.finish_reason is not None:
         job.finished = True
         rec.finish_reason = delta.finish_reason

@@ -18,8 +18,11 @@ from llmd.filters import OutputWindow
 from llmd.policy import admission
 from llmd.policy.classes import ModelQueue
 from llmd.policy.fairness import FAIRNESS
+from llmd.policy.preemption import preemption_rules
+from llmd.policy.queue import QueuedRequest
 from llmd.policy.saturation import SaturationDetector, ThroughputEstimate
-from llmd.policy.scheduler import Entry, Scheduler
+from llmd.policy.scheduler import SchedulerCore
+from llmd.scheduler import Scheduler
 from llmd.telemetry import RequestRecord
 
 
@@ -57,14 +60,15 @@ class ModelRuntime:
         # The ITL controller's clock is wall time, as its samples' (self.gaps) time stamps are.
         detector = SaturationDetector(seats, sc.kv_high, sc.target_itl_ms, sc.target_itl_margin,
                                       clock=time.time, itl_samples=lambda: self.gaps)
-        self.scheduler = Scheduler(self.queue, detector, backend.stats,
-                                   ThroughputEstimate(sc.prior_tokens_per_s, clock=time.monotonic),
-                                   preempt_batch=sc.preempt_batch, reserved_seats=sc.reserved_seats,
-                                   preempt_for_fairness=sc.preempt_for_fairness,
-                                   batch_seats_with_interactive=(sc.batch_seats_with_interactive
-                                                                 if sc.batch_seats_with_interactive is not None
-                                                                 else max(1, seats // 4)),
-                                   interactive_quiet_s=sc.interactive_quiet_s)
+        core = SchedulerCore(self.queue, detector, backend.stats,
+                             ThroughputEstimate(sc.prior_tokens_per_s, clock=time.monotonic), clock=time.monotonic,
+                             rules=preemption_rules(sc.preempt_batch, sc.preempt_for_fairness),
+                             reserved_seats=sc.reserved_seats,
+                             batch_seats_with_interactive=(sc.batch_seats_with_interactive
+                                                           if sc.batch_seats_with_interactive is not None
+                                                           else max(1, seats // 4)),
+                             interactive_quiet_s=sc.interactive_quiet_s)
+        self.scheduler = Scheduler(core)
         self.scheduler.start()
         self.backend = backend
 
@@ -79,7 +83,7 @@ class Job:
     sampling: Sampling
     deadline: float  # time.monotonic() by which it must finish
     record: RequestRecord
-    entry: Entry
+    flow: QueuedRequest  # the request as the scheduler sees it: queued, seated, asked to yield
     quota: admission.Ticket | None = None
     headers: dict[str, str] = field(default_factory=dict)
     finished: bool = False

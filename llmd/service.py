@@ -28,7 +28,6 @@ from llmd.policy import admission
 from llmd.policy.classes import CLASSES, ENGINE_PRIORITY, INTERACTIVE
 from llmd.policy.degradation import Degrader
 from llmd.policy.queue import QueuedRequest
-from llmd.policy.scheduler import Entry
 from llmd.protocol import ChatRequest, CompletionRequest
 from llmd.registry.registry import Registry
 from llmd.registry.routing import RoutingError, parse_model
@@ -225,7 +224,7 @@ class Service:
         engine_id = f"{record.request_id}-{uuid.uuid4().hex[:8]}"
         headers = (ratelimit_headers(self.admission.limits(tenant))
                    | ({DEGRADED_HEADER: record.degraded} if record.degraded else {}))
-        return Job(engine_id, rt, prompt, sampling, deadline, record, Entry(qreq), quota, headers,
+        return Job(engine_id, rt, prompt, sampling, deadline, record, qreq, quota, headers,
                    window=self.filters.output_window(rt.cfg, tenant))
 
     def _overloaded(self, rt: ModelRuntime) -> bool:

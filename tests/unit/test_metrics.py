@@ -15,7 +15,8 @@ from llmd.policy.classes import ModelQueue
 from llmd.policy.fairness import FAIRNESS
 from llmd.policy.queue import QueuedRequest
 from llmd.policy.saturation import SaturationDetector, ThroughputEstimate
-from llmd.policy.scheduler import Scheduler
+from llmd.policy.scheduler import SchedulerCore
+from llmd.scheduler import Scheduler
 
 
 def _runtime(stats: EngineStats | None) -> SimpleNamespace:
@@ -175,7 +176,8 @@ def test_adaptive_seat_limit_is_read_not_stepped(svc: SimpleNamespace) -> None:
     assert det.itl is not None
     det.itl.limit = 5.6
     rt = svc.models["m"]
-    rt.scheduler = Scheduler(rt.queue, det, rt.backend.stats, ThroughputEstimate(100.0, clock=clock))
+    rt.scheduler = Scheduler(SchedulerCore(rt.queue, det, rt.backend.stats, ThroughputEstimate(100.0, clock=clock),
+                                           clock=clock))
     f = scrape(Metrics(svc))
     assert value(f, "llmd:scheduler_seat_limit", "llmd:scheduler_seat_limit", model="m") == 5
     assert det.itl._next == 0.0  # scraping did not run an AIMD step
