@@ -13,7 +13,9 @@ import tomllib
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from llmd.policy.classes import CLASSES, INTERACTIVE
 
 DEFAULT_CONFIG_ENV = "LLMD_CONFIG"
 
@@ -71,7 +73,13 @@ class FakeEngineConfig(_Strict):
     sleep_mode: bool = False  # act as an engine with vLLM's sleep mode (a GPU) for the registry
 
 
-PriorityClass = Literal["interactive", "batch"]
+def _known_class(name: str) -> str:
+    if name not in CLASSES:
+        raise ValueError(f"unknown priority class {name!r}; use one of {list(CLASSES)}")
+    return name
+
+
+PriorityClass = Annotated[str, AfterValidator(_known_class)]  # a name from llmd.policy.classes
 KEY_HASH = r"^sha256:[0-9a-f]{64}$"
 
 
@@ -263,8 +271,8 @@ class TenantConfig(_Strict):
     requests_per_minute: Annotated[int, Field(gt=0)] | None = None
     max_concurrent: Annotated[int, Field(gt=0)] | None = None
     models: list[str] = Field(default_factory=lambda: ["*"])
-    default_class: PriorityClass = "interactive"
-    classes: list[PriorityClass] = Field(default_factory=lambda: ["interactive", "batch"])
+    default_class: PriorityClass = INTERACTIVE
+    classes: list[PriorityClass] = Field(default_factory=lambda: list(CLASSES))
     ordering: Literal["fifo", "deadline"] = "fifo"
     # Filters this tenant's requests run in addition to the model's (names from [[filters]]).
     input_filters: list[str] = Field(default_factory=list)

@@ -19,10 +19,10 @@ from llmd.backends import BackendError, EngineDead, PromptError
 from llmd.backends.base import Delta, Prompt, Sampling
 from llmd.errors import APIError, bad_request, deadline_exceeded, engine_failed, unavailable
 from llmd.filters import ContentFiltered
-from llmd.policy.scheduler import Dropped
+from llmd.policy.classes import ENGINE_PRIORITY
 from llmd.runtime import Job
+from llmd.scheduler import Dropped
 
-PRIORITY = {"interactive": 0, "batch": 1}  # vLLM's priority: lower runs first under KV pressure
 
 
 def deadline(job: Job) -> asyncio.Timeout:
@@ -38,15 +38,14 @@ def deadline_error(job: Job) -> APIError:
 
 async def run(job: Job) -> AsyncIterator[Delta]:
     """Deltas from the engine. Run it inside `deadline(job)`; raises APIError on failure."""
-    rec, rt, entry = job.record, job.runtime, job.entry
+    rec, rt, flow = job.record, job.runtime, job.flow
     backend, sched = rt.backend, rt.scheduler
     prompt, sampling, attempt = job.prompt, job.sampling, 0
     current = [job.engine_id]
-    entry.abort = lambda: backend.abort(current[0])
     produced: list[int] = []
     while True:
         try:
-            await sched.wait_turn(entry)
+            await sched.wait_turn(flow, lambda: backend.abort(current[0]))
         except Dropped as e:
             rec.decision = f"dropped:{e.reason}"
             raise deadline_exceeded(str(e)) from None
@@ -54,19 +53,19 @@ async def run(job: Job) -> AsyncIterator[Delta]:
             rec.t_dispatch = time.monotonic()
         # Preempted between its dispatch and its start (the scheduler's abort found nothing
         # to abort): it goes back to the queue without ever reaching the engine.
-        preempted = entry.preempt_requested
+        preempted = flow.preempt_requested
         try:
             gen = (_nothing() if preempted
-                   else backend.generate(current[0], prompt, sampling, PRIORITY[entry.req.klass]))
+                   else backend.generate(current[0], prompt, sampling, ENGINE_PRIORITY[flow.klass]))
             async with contextlib.aclosing(gen):
                 async for delta in gen:
-                    if delta.finish_reason == "abort" and entry.preempt_requested:
+                    if delta.finish_reason == "abort" and flow.preempt_requested:
                         preempted = True
                         break
                     _account(job, delta)
                     produced.extend(delta.token_ids)
                     yield delta
-                    if entry.preempt_requested and not job.finished:
+                    if flow.preempt_requested and not job.finished:
                         # The abort may have reached the engine before this request did
                         # (then it aborted nothing): abort it from here, once it runs.
                         preempted = True
@@ -83,12 +82,11 @@ async def run(job: Job) -> AsyncIterator[Delta]:
                 # Disconnect, deadline or error: make sure the engine stops computing it now.
                 with contextlib.suppress(Exception):
                     await backend.abort(current[0])
-            sched.finished(entry)
+            sched.finished(flow, rec.output_tokens)
         if not preempted:
             return
         # Preempted for interactive traffic: queue again and resume from what was produced.
         rec.preemptions += 1
-        entry.preempt_requested = False
         attempt += 1
         current[0] = f"{job.engine_id}-r{attempt}"
         ids = job.prompt.token_ids + produced
@@ -129,7 +127,7 @@ def _account(job: Job, delta: Delta) -> None:
     rec.cached_prompt_tokens = max(rec.cached_prompt_tokens, delta.cached_prompt_tokens)
     job.life.progress(now)
     if delta.num_tokens:
-        job.runtime.scheduler.on_output(job.entry, delta.num_tokens)
+        job.runtime.scheduler.on_output(job.flow, delta.num_tokens)
     if delta.finish_reason is not None:
         job.finished = True
         rec.finish_reason = delta.finish_reason

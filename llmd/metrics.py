@@ -107,10 +107,8 @@ class _Live:
             for klass in rt.queue.classes:
                 f["depth"].add_metric([name, klass], rt.queue.depth(klass))
             sched, s = rt.scheduler, rt.backend.stats
-            det = sched.detector
-            seats = det.itl.limit if getattr(det, "itl", None) is not None else det.max_seats
             f["sched"].add_metric([name], len(sched.running))
-            f["seats"].add_metric([name], int(seats))  # read, not seat_limit(): that steps the AIMD
+            f["seats"].add_metric([name], sched.seat_limit)
             f["spre"].add_metric([name], sched.preempted)
             f["sdrop"].add_metric([name], sched.dropped)
             f["running"].add_metric([name], s.running)

@@ -9,6 +9,7 @@ batches; `Node.load` loads the models; `Node.close` stops it all in the reverse 
 from __future__ import annotations
 
 import functools
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -79,7 +80,7 @@ def build_node(config: Config, store: WeightStore | None = None, ledger: Ledger 
     ledger = ledger or Ledger(db, config.server.node, prices)
     registry = Registry(config.models, RegistryStore(db.with_suffix(".registry.db")), store or WeightStore(),
                         functools.partial(build_runtime, tenants=config.tenants))
-    admission = AdmissionController(config.tenants)
+    admission = AdmissionController(config.tenants, time.monotonic)
     metrics = Metrics(registry)
     lifecycle = Lifecycle(ledger, admission, metrics.observe)
     filters = Filters(config, Guard(lambda model: service.route(model).backend))

@@ -8,6 +8,7 @@ wait its turn, run and be ended by its `RequestLife`.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -18,8 +19,11 @@ from llmd.filters import OutputWindow
 from llmd.lifecycle import RequestLife
 from llmd.policy.classes import ModelQueue
 from llmd.policy.fairness import FAIRNESS
+from llmd.policy.preemption import preemption_rules
+from llmd.policy.queue import QueuedRequest
 from llmd.policy.saturation import SaturationDetector, ThroughputEstimate
-from llmd.policy.scheduler import Entry, Scheduler
+from llmd.policy.scheduler import SchedulerCore
+from llmd.scheduler import Scheduler
 from llmd.telemetry import RequestRecord
 
 
@@ -69,14 +73,16 @@ def build_runtime(cfg: ModelConfig, backend: Backend, tenants: list[TenantConfig
         queue = ModelQueue(FAIRNESS["fcfs"], lambda t: ordering.get(t, "fifo"))
     gaps: deque[tuple[float, float]] = deque(maxlen=16384)
     seats = cfg.seats
+    # The ITL controller's clock is wall time, as its samples' (gaps) time stamps are.
     detector = SaturationDetector(seats, sc.kv_high, sc.target_itl_ms, sc.target_itl_margin,
-                                  itl_samples=lambda: gaps)
+                                  clock=time.time, itl_samples=lambda: gaps)
     batch_seats = sc.batch_seats_with_interactive
-    scheduler = Scheduler(queue, detector, backend.stats, ThroughputEstimate(sc.prior_tokens_per_s),
-                          preempt_batch=sc.preempt_batch, reserved_seats=sc.reserved_seats,
-                          preempt_for_fairness=sc.preempt_for_fairness,
-                          batch_seats_with_interactive=batch_seats if batch_seats is not None else max(1, seats // 4),
-                          interactive_quiet_s=sc.interactive_quiet_s)
+    core = SchedulerCore(queue, detector, backend.stats, ThroughputEstimate(sc.prior_tokens_per_s, clock=time.monotonic),
+                         clock=time.monotonic, rules=preemption_rules(sc.preempt_batch, sc.preempt_for_fairness),
+                         reserved_seats=sc.reserved_seats,
+                         batch_seats_with_interactive=batch_seats if batch_seats is not None else max(1, seats // 4),
+                         interactive_quiet_s=sc.interactive_quiet_s)
+    scheduler = Scheduler(core)
     scheduler.start()
     return ModelRuntime(cfg, backend, queue, scheduler, gaps)
 
@@ -90,7 +96,7 @@ class Job:
     prompt: Prompt
     sampling: Sampling
     deadline: float  # time.monotonic() by which it must finish
-    entry: Entry  # the scheduler's view of it
+    flow: QueuedRequest  # the request as the scheduler sees it: queued, seated, asked to yield
     engine_id: str
     headers: dict[str, str] = field(default_factory=dict)  # the version, x-ratelimit-*, X-LLMD-Degraded
     window: OutputWindow | None = None  # the output filters, when the model or tenant has any

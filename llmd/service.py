@@ -16,15 +16,14 @@ from llmd.auth import Principal
 from llmd.backends import PromptError
 from llmd.backends.base import Sampling
 from llmd.config import ModelConfig, TenantConfig
-from llmd.dispatch import PRIORITY
-from llmd.errors import APIError, bad_request, not_found, unavailable
+from llmd.errors import AdmissionRefused, APIError, bad_request, not_found, ratelimit_headers, refusal_error, unavailable
 from llmd.filters import ContentFiltered, Filters, screen_prompt
 from llmd.lifecycle import RequestLife
 from llmd.limits import output_budget
 from llmd.policy import admission
+from llmd.policy.classes import CLASSES, INTERACTIVE
 from llmd.policy.degradation import Degrader
 from llmd.policy.queue import QueuedRequest
-from llmd.policy.scheduler import Entry
 from llmd.protocol import ChatRequest, CompletionRequest
 from llmd.registry.registry import Registry
 from llmd.registry.routing import RoutingError, parse_model
@@ -37,7 +36,7 @@ VERSION_HEADER = "X-LLMD-Model-Version"
 
 def degraders(models: list[ModelConfig]) -> dict[str, Degrader]:
     """One degradation state per model that configures steps."""
-    return {m.name: Degrader(m.degradation.steps, m.degradation.sustain_s, m.degradation.recover_s)
+    return {m.name: Degrader(m.degradation.steps, m.degradation.sustain_s, m.degradation.recover_s, time.monotonic)
             for m in models if m.degradation.steps}
 
 
@@ -100,8 +99,8 @@ class Service:
     @staticmethod
     def priority_class(tenant: TenantConfig, asked: str | None) -> str:
         klass = asked or tenant.default_class
-        if klass not in PRIORITY:
-            raise bad_request(f"unknown priority class {klass!r}; use one of {sorted(PRIORITY)}", "priority_class")
+        if klass not in CLASSES:
+            raise bad_request(f"unknown priority class {klass!r}; use one of {sorted(CLASSES)}", "priority_class")
         if klass not in tenant.classes:
             raise APIError(403, f"tenant {tenant.name!r} may not use priority class {klass!r}",
                            "permission_error", "class_not_allowed", "priority_class")
@@ -115,7 +114,7 @@ class Service:
         klass = self.priority_class(tenant, asked_class or req.priority_class)
         record.priority_class = klass
         cap: int | None = None
-        if klass == "interactive" and rt.cfg.name in self.degraders:
+        if klass == INTERACTIVE and rt.cfg.name in self.degraders:
             rt, cap = self._degrade(rt, tenant, record, conversation or req.user)
         backend, sched = rt.backend, rt.scheduler
         record.model, record.version, record.deadline_s = rt.cfg.name, backend.version, deadline_s
@@ -135,27 +134,26 @@ class Service:
         )
         deadline = record.t_arrival + deadline_s
         sc = rt.cfg.scheduling
-        try:
-            ticket = self.admission.admit(
-                tenant, prompt.num_tokens + max_tokens, queue_depth=len(rt.queue), max_queue=sc.max_queue,
-                est_wait_s=sched.estimate_wait(tenant.name, klass, sc.fairness == "vtc"),
-                time_left_s=deadline - time.monotonic())
-        except APIError as e:
-            record.decision = f"shed:{getattr(e, 'reason', e.code)}"
-            raise
+        ticket = self.admission.admit(
+            tenant, prompt.num_tokens + max_tokens, queue_depth=len(rt.queue), max_queue=sc.max_queue,
+            est_wait_s=sched.estimate_wait(tenant.name, klass, sc.fairness == "vtc"),
+            time_left_s=deadline - time.monotonic())
+        if isinstance(ticket, admission.Refusal):
+            record.decision = f"shed:{ticket.reason}"
+            raise refusal_error(ticket)
         record.decision = "admitted"
         record.replica = f"{self.node}/{rt.cfg.name}@{backend.version[:12]}"
         life.admit(ticket)
         flow = QueuedRequest(record.request_id, tenant.name, klass, prompt.num_tokens, max_tokens, deadline,
                              record.t_arrival)
-        headers = {VERSION_HEADER: backend.version} | self.admission.headers(tenant)
+        headers = {VERSION_HEADER: backend.version} | ratelimit_headers(self.admission.limits(tenant))
         if record.degraded:
             headers[DEGRADED_HEADER] = record.degraded
-        return Job(life, rt, prompt, sampling, deadline, Entry(flow), f"{record.request_id}-{uuid.uuid4().hex[:8]}",
+        return Job(life, rt, prompt, sampling, deadline, flow, f"{record.request_id}-{uuid.uuid4().hex[:8]}",
                    headers, window=self.filters.output_window(rt.cfg, tenant))
 
     def _overloaded(self, rt: ModelRuntime) -> bool:
-        return rt.scheduler.estimate_wait("", "interactive", False) > rt.cfg.degradation.overload_wait_s
+        return rt.scheduler.estimate_wait("", INTERACTIVE, False) > rt.cfg.degradation.overload_wait_s
 
     def _degrade(self, rt: ModelRuntime, tenant: TenantConfig, record: RequestRecord,
                  key: str | None) -> tuple[ModelRuntime, int | None]:
@@ -172,7 +170,7 @@ class Service:
                     done.append(f"fallback={d.fallback_model}")
         if "batch" in steps and self._overloaded(rt):
             record.decision = "shed:overloaded_use_batch"
-            raise admission.AdmissionRefused(
+            raise AdmissionRefused(
                 "overloaded_use_batch", 503, f"model '{rt.cfg.name}' is overloaded; send this request through the "
                 "Batch API instead (POST /v1/files with purpose=batch, then POST /v1/batches)", "server_error",
                 "overloaded_use_batch", {"Retry-After": "30"})

@@ -12,8 +12,7 @@ from collections.abc import Callable
 
 from llmd.backends.base import Backend, Sampling
 from llmd.filters.builtin import GUARD_PROMPT
-
-GUARD_PRIORITY = 0  # the engine's priority for a guard question: as an interactive request's
+from llmd.policy.classes import ENGINE_PRIORITY, INTERACTIVE
 
 
 class Guard:
@@ -27,7 +26,7 @@ class Guard:
         prompt = backend.render_chat([{"role": "system", "content": GUARD_PROMPT}, {"role": "user", "content": text}])
         rid = f"guard-{uuid.uuid4().hex[:12]}"
         parts: list[str] = []
-        gen = backend.generate(rid, prompt, Sampling(max_tokens=3, temperature=0.0), GUARD_PRIORITY)
+        gen = backend.generate(rid, prompt, Sampling(max_tokens=3, temperature=0.0), ENGINE_PRIORITY[INTERACTIVE])
         finished = False
         try:
             async with contextlib.aclosing(gen):  # type: ignore[type-var]

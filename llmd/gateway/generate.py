@@ -21,8 +21,7 @@ from sanic.response import json as json_response
 from llmd import protocol, streaming
 from llmd.auth import Principal
 from llmd.batch import objects as batch_objects
-from llmd.errors import APIError
-from llmd.policy.admission import AdmissionRefused
+from llmd.errors import AdmissionRefused, APIError
 from llmd.idempotency import LiveRun, request_hash
 from llmd.lifecycle import RequestLife
 from llmd.limits import deadline_seconds

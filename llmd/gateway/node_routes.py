@@ -87,7 +87,7 @@ def _engines(registry: Registry, since: float | None) -> dict[str, Any]:
             out[name] = rt.backend.stats.snapshot(since) | {
                 "scheduler_running": len(sched.running),
                 "queued": {k: rt.queue.depth(k) for k in rt.queue.classes},
-                "seat_limit": sched.detector.seat_limit(rt.backend.stats, len(sched.running)),
+                "seat_limit": sched.seat_limit,
                 "fairness": {k: c.fairness.snapshot() for k, c in rt.queue.classes.items()},
                 "dropped": sched.dropped, "preempted": sched.preempted,
             }

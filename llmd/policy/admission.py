@@ -1,31 +1,53 @@
 """Admission control: refuse early and cheaply what cannot or should not be served.
 
-Per tenant: a token bucket (tokens_per_minute) and an in-flight cap (max_concurrent);
-globally: a bounded queue and deadline feasibility. A request reserves its worst-case
-token cost up front and `settle` reconciles against what it really used, so a tenant
-cannot overrun its budget by racing many requests. Nothing is taken on a refusal.
-The clock is injectable so tests need no sleeping. Single-threaded (asyncio): no locks.
+Per tenant: a token bucket (tokens_per_minute), a request bucket (requests_per_minute)
+and an in-flight cap (max_concurrent); globally: a bounded queue and deadline
+feasibility. A request reserves its worst-case token cost up front and `settle`
+reconciles against what it really used, so a tenant cannot overrun its budget by racing
+many requests. Nothing is taken on a refusal. The answer is a value (`Ticket` or
+`Refusal`); what it means in HTTP is llmd.errors' business. The clock is injected so
+tests and the simulator need no sleeping. Single-threaded: no locks.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
-import time
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Callable
+from typing import Literal, Protocol
 
-from llmd.config import TenantConfig
-from llmd.errors import APIError
+from llmd.policy.signals import Clock
 
-Clock = Callable[[], float]
 _EPS = 1e-9  # float slack so "exactly enough after 10 s" is enough
+
+Reason = Literal["request_too_large", "concurrency", "queue_full", "deadline_unreachable",
+                 "requests_per_minute", "tokens_per_minute"]
+# "tenant_limit": this tenant is over its own limits (others are served); "overloaded": the server is.
+RefusalKind = Literal["tenant_limit", "overloaded"]
+
+
+class TenantLimits(Protocol):
+    """A tenant as admission sees it (llmd.config.TenantConfig satisfies it)."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def tokens_per_minute(self) -> int | None: ...
+
+    @property
+    def requests_per_minute(self) -> int | None: ...
+
+    @property
+    def max_concurrent(self) -> int | None: ...
 
 
 class TokenBucket:
     """A bucket that starts full and refills continuously, capped at capacity."""
 
-    def __init__(self, capacity: float, refill_per_s: float, clock: Clock = time.monotonic) -> None:
+    def __init__(self, capacity: float, refill_per_s: float, clock: Clock) -> None:
         self.capacity = float(capacity)
         self.refill_per_s = float(refill_per_s)
         self._clock = clock
@@ -68,22 +90,41 @@ class TokenBucket:
         return self.seconds_until(self.capacity)
 
 
-@dataclass
+@dataclass(frozen=True)
 class Ticket:
-    """An admitted request's reservation; hand it to `settle` exactly when it ends."""
+    """An admitted request's reservation; hand it to `settle` once, when the request ends.
+    `serial` tells two tickets of the same size apart, so a second settle is recognised."""
 
     tenant: str
     reserved: int
-    settled: bool = False
+    serial: int
 
 
-class AdmissionRefused(APIError):
-    """An APIError that also says why it was refused, for metrics and logs."""
+@dataclass(frozen=True)
+class RateLimits:
+    """A tenant's limits and what is left of them now; None where not configured."""
 
-    def __init__(self, reason: str, status: int, message: str, type: str, code: str,
-                 headers: dict[str, str]) -> None:
-        super().__init__(status, message, type, code, None, headers)
-        self.reason = reason
+    tokens_limit: int | None = None
+    tokens_remaining: int | None = None  # floored; negative levels (after an overrun) show as 0
+    tokens_reset_s: float | None = None  # until the token bucket is full again
+    requests_limit: int | None = None  # max_concurrent
+    requests_remaining: int | None = None  # concurrency slots free
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """Why a request was not admitted, and when trying again may help (None: it will not)."""
+
+    reason: Reason
+    kind: RefusalKind
+    message: str
+    retry_after_s: float | None
+    limits: RateLimits
+
+
+def whole_seconds(seconds: float) -> int:
+    """A wait as the whole seconds a client is told (Retry-After): rounded up, 1 s to 1 day."""
+    return max(1, math.ceil(min(seconds, 86400.0) - _EPS))
 
 
 @dataclass
@@ -94,21 +135,19 @@ class _TenantState:
     inflight: int = 0
 
 
-def _retry_after(seconds: float) -> str:
-    return str(max(1, math.ceil(min(seconds, 86400.0) - _EPS)))
-
-
 class AdmissionController:
     """Per-tenant token buckets and concurrency caps, plus global overload shedding."""
 
-    def __init__(self, tenants: list[TenantConfig], clock: Clock = time.monotonic) -> None:
+    def __init__(self, tenants: Iterable[TenantLimits], clock: Clock) -> None:
         self.clock = clock
         self.shed: Counter[tuple[str, str]] = Counter()  # (tenant, reason) -> refusals
         self._state: dict[str, _TenantState] = {}
+        self._serials = itertools.count(1)
+        self._open: set[int] = set()  # serials of tickets not yet settled
         for t in tenants:
             self._state_for(t)
 
-    def _state_for(self, tenant: TenantConfig) -> _TenantState:
+    def _state_for(self, tenant: TenantLimits) -> _TenantState:
         # Unknown tenants (e.g. open mode's implicit one) get state from their config lazily.
         st = self._state.get(tenant.name)
         if st is None:
@@ -119,83 +158,76 @@ class AdmissionController:
             st = self._state[tenant.name] = _TenantState(bucket, tenant.max_concurrent, requests)
         return st
 
-    def headers(self, tenant: TenantConfig) -> dict[str, str]:
-        """OpenAI-style x-ratelimit-* headers describing the tenant's current limits."""
+    def limits(self, tenant: TenantLimits) -> RateLimits:
+        """The tenant's current limits (what the x-ratelimit-* headers report)."""
         st = self._state_for(tenant)
-        h: dict[str, str] = {}
-        if st.bucket is not None:
-            h["x-ratelimit-limit-tokens"] = str(int(st.bucket.capacity))
-            h["x-ratelimit-remaining-tokens"] = str(max(0, math.floor(st.bucket.level)))
-            # rounded up: a client that waits this long finds the bucket full
-            reset = math.ceil(st.bucket.seconds_until_full() * 10 - _EPS) / 10
-            h["x-ratelimit-reset-tokens"] = f"{max(0.0, reset):.1f}s"
-        if st.max_concurrent is not None:
-            h["x-ratelimit-limit-requests"] = str(st.max_concurrent)
-            h["x-ratelimit-remaining-requests"] = str(max(0, st.max_concurrent - st.inflight))
-        return h
+        b, cap = st.bucket, st.max_concurrent
+        return RateLimits(
+            tokens_limit=int(b.capacity) if b is not None else None,
+            tokens_remaining=max(0, math.floor(b.level)) if b is not None else None,
+            tokens_reset_s=b.seconds_until_full() if b is not None else None,
+            requests_limit=cap,
+            requests_remaining=max(0, cap - st.inflight) if cap is not None else None)
 
-    def _refuse(self, tenant: TenantConfig, reason: str, status: int, code: str, message: str,
-                retry_after: float | None = None) -> AdmissionRefused:
-        headers = self.headers(tenant)
-        if retry_after is not None:
-            headers["Retry-After"] = _retry_after(retry_after)
-        type_ = "server_error" if status == 503 else "rate_limit_error"
+    def _refuse(self, tenant: TenantLimits, reason: Reason, kind: RefusalKind, message: str,
+                retry_after_s: float | None = None) -> Refusal:
         self.shed[(tenant.name, reason)] += 1
-        return AdmissionRefused(reason, status, message, type_, code, headers)
+        return Refusal(reason, kind, message, retry_after_s, self.limits(tenant))
 
-    def admit(self, tenant: TenantConfig, cost: int, *, queue_depth: int, max_queue: int,
-              est_wait_s: float, time_left_s: float) -> Ticket:
-        """Reserve `cost` tokens and a concurrency slot, or raise AdmissionRefused (429/503)."""
+    def admit(self, tenant: TenantLimits, cost: int, *, queue_depth: int, max_queue: int,
+              est_wait_s: float, time_left_s: float) -> Ticket | Refusal:
+        """Reserve `cost` tokens and a concurrency slot (a Ticket), or say why not (a Refusal).
+        The checks run from the one waiting cannot fix to the one it can, so Retry-After is honest."""
         st = self._state_for(tenant)
-        b = st.bucket
-        if b is not None and cost > b.capacity:  # waiting cannot help: no Retry-After
-            raise self._refuse(
-                tenant, "request_too_large", 429, "request_too_large",
+        b, r = st.bucket, st.requests
+        if b is not None and cost > b.capacity:  # waiting cannot help: no retry_after
+            return self._refuse(
+                tenant, "request_too_large", "tenant_limit",
                 f"Request too large for tenant {tenant.name!r}: it needs {cost} tokens (prompt plus "
                 f"max_tokens) but the limit is {int(b.capacity)} tokens per minute. "
                 f"Shorten the prompt or lower max_tokens.")
         if st.max_concurrent is not None and st.inflight >= st.max_concurrent:
-            raise self._refuse(
-                tenant, "concurrency", 429, "concurrency_limit_exceeded",
+            return self._refuse(
+                tenant, "concurrency", "tenant_limit",
                 f"Too many concurrent requests for tenant {tenant.name!r}: the limit is "
-                f"{st.max_concurrent} in flight. Retry when one finishes.", retry_after=1)
+                f"{st.max_concurrent} in flight. Retry when one finishes.", retry_after_s=1)
         if queue_depth >= max_queue:
-            raise self._refuse(
-                tenant, "queue_full", 503, "overloaded",
+            return self._refuse(
+                tenant, "queue_full", "overloaded",
                 f"The server is overloaded: {queue_depth} requests are queued (limit {max_queue}). "
-                f"Retry later.", retry_after=est_wait_s)
+                f"Retry later.", retry_after_s=est_wait_s)
         if est_wait_s > time_left_s:
-            raise self._refuse(
-                tenant, "deadline_unreachable", 503, "overloaded",
+            return self._refuse(
+                tenant, "deadline_unreachable", "overloaded",
                 f"The server is overloaded: the estimated wait of {est_wait_s:.1f}s exceeds the "
                 f"{max(0.0, time_left_s):.1f}s left before this request's deadline.",
-                retry_after=est_wait_s)
-        r = st.requests
+                retry_after_s=est_wait_s)
         if r is not None and (wait := r.seconds_until(1)) > 0:
-            raise self._refuse(
-                tenant, "requests_per_minute", 429, "rate_limit_exceeded",
+            return self._refuse(
+                tenant, "requests_per_minute", "tenant_limit",
                 f"Rate limit reached for tenant {tenant.name!r}: {int(r.capacity)} requests per minute; "
-                f"retry after {_retry_after(wait)}s.", retry_after=wait)
+                f"retry after {whole_seconds(wait)}s.", retry_after_s=wait)
+        if b is not None and (wait := b.seconds_until(cost)) > 0:
+            return self._refuse(
+                tenant, "tokens_per_minute", "tenant_limit",
+                f"Rate limit reached for tenant {tenant.name!r}: {int(b.capacity)} tokens per "
+                f"minute. This request needs {cost} tokens and {max(0, math.floor(b.level))} are "
+                f"available; retry after {whole_seconds(wait)}s.", retry_after_s=wait)
         if b is not None:
-            wait = b.seconds_until(cost)
-            if wait > 0:
-                ra = _retry_after(wait)
-                raise self._refuse(
-                    tenant, "tokens_per_minute", 429, "rate_limit_exceeded",
-                    f"Rate limit reached for tenant {tenant.name!r}: {int(b.capacity)} tokens per "
-                    f"minute. This request needs {cost} tokens and {max(0, math.floor(b.level))} are "
-                    f"available; retry after {ra}s.", retry_after=wait)
             b.try_take(cost)
         if r is not None:
             r.try_take(1)
         st.inflight += 1
-        return Ticket(tenant.name, cost)
+        ticket = Ticket(tenant.name, cost, next(self._serials))
+        self._open.add(ticket.serial)
+        return ticket
 
     def settle(self, ticket: Ticket, actual_tokens: int) -> None:
-        """Release the slot and reconcile the bucket by reserved - actual; idempotent."""
-        if ticket.settled:
+        """Release the slot and reconcile the bucket by reserved - actual. The caller settles
+        each ticket once; a second settle (or a ticket not from here) changes nothing."""
+        if ticket.serial not in self._open:
             return
-        ticket.settled = True
+        self._open.discard(ticket.serial)
         st = self._state.get(ticket.tenant)
         if st is None:
             return

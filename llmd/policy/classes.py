@@ -1,15 +1,32 @@
 """One model's waiting room: strict priority between classes (interactive before
 batch); inside a class, a fairness policy picks the tenant and the tenant's own
-queue (FIFO or earliest deadline) picks its request."""
+queue (FIFO or earliest deadline) picks its request.
+
+`PRIORITY_CLASSES` is the one table of priority classes: config validation, the
+service's checks, our queue's order and the engine priority all derive from it.
+"""
 
 from __future__ import annotations
 
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 from llmd.policy.fairness import FairnessPolicy
 from llmd.policy.queue import ORDERINGS, QueuedRequest, RequestQueue
 
-CLASSES = ("interactive", "batch")  # highest priority first
+
+@dataclass(frozen=True)
+class PriorityClass:
+    name: str
+    rank: int  # our queue's order: a lower rank is served first, strictly
+    engine_priority: int  # vLLM's priority: lower runs first when the engine itself must choose
+
+
+INTERACTIVE, BATCH = "interactive", "batch"  # the scheduler's seat and preemption rules name these two
+PRIORITY_CLASSES = (PriorityClass(INTERACTIVE, rank=0, engine_priority=0),
+                    PriorityClass(BATCH, rank=1, engine_priority=1))
+CLASSES = tuple(c.name for c in sorted(PRIORITY_CLASSES, key=lambda c: c.rank))  # highest priority first
+ENGINE_PRIORITY = {c.name: c.engine_priority for c in PRIORITY_CLASSES}
 
 
 class ClassQueue:

@@ -8,15 +8,17 @@ after `recover_s` without it, so one burst does not flip behaviour back and fort
 
 from __future__ import annotations
 
-import time
-from typing import Callable
+from collections.abc import Sequence
+
+from llmd.policy.signals import Clock
 
 STEPS = ("cap_max_tokens", "fallback", "batch")
 
 
 class Degrader:
-    def __init__(self, steps: list[str], sustain_s: float, recover_s: float,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    """The degradation level of one model, driven by its overload signal over (injected) time."""
+
+    def __init__(self, steps: Sequence[str], sustain_s: float, recover_s: float, clock: Clock) -> None:
         self.steps = list(steps)
         self.sustain_s, self.recover_s, self.clock = sustain_s, recover_s, clock
         self.level = 0

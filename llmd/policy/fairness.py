@@ -13,7 +13,7 @@ bounded.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Mapping
+from collections.abc import Mapping
 
 from llmd.policy.queue import QueuedRequest
 

@@ -8,24 +8,28 @@ import heapq
 import itertools
 from abc import ABC, abstractmethod
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Iterator
 
 _seq = itertools.count()
 
 
 @dataclass(eq=False)
 class QueuedRequest:
-    """What the policies need to know about a waiting request; nothing engine-specific."""
+    """What the policies know about one request, from its arrival to its end: what it asks
+    for, and where it stands (queued, running, asked to yield its seat). Nothing
+    engine-specific. It keeps its `seq` when a preempted request queues again."""
 
     request_id: str
     tenant: str
     klass: str
     input_tokens: int
     max_tokens: int
-    deadline: float  # monotonic seconds
-    arrival: float  # monotonic seconds
+    deadline: float  # seconds on the scheduler's clock
+    arrival: float  # seconds on the scheduler's clock
     seq: int = field(default_factory=lambda: next(_seq))
+    running: bool = False  # holds a seat: released to the engine and not yet finished
+    preempt_requested: bool = False  # chosen to yield its seat; cleared when it finishes
 
     @property
     def cost(self) -> int:

@@ -1,21 +1,42 @@
 """Saturation detection: does the engine have headroom for one more sequence?
 
 Kept apart from the scheduler (as in llm-d's flow control) so the signal can
-change without touching queueing. Headroom means: fewer sequences running than
-the seat limit, KV cache below its high-water mark, and the engine's own waiting
-queue empty, so that *our* queue, not the engine's FCFS, decides the order.
-With a target inter-token latency the seat limit adapts (AIMD): it shrinks
-multiplicatively when p95 ITL exceeds the aim and grows by one when the seats
-are full and latency has room.
+change without touching queueing: the scheduler sees only the `Saturation`
+protocol. Headroom means: fewer sequences running than the seat limit, KV cache
+below its high-water mark, and the engine's own waiting queue empty, so that
+*our* queue, not the engine's FCFS, decides the order. With a target
+inter-token latency the seat limit adapts (AIMD): it shrinks multiplicatively
+when p95 ITL exceeds the aim and grows by one when the seats are full and
+latency has room. The controller steps only in `update` (once per scheduler
+tick); reading the limit never changes it.
 """
 
 from __future__ import annotations
 
 import math
-import time
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Protocol
 
-from llmd.backends.base import EngineStats
+from llmd.policy.signals import Clock, EngineSignals
+
+
+class Saturation(Protocol):
+    """A saturation detector, as the scheduler uses one."""
+
+    max_seats: int  # the most sequences ever let in at once
+
+    def update(self, signals: EngineSignals, running: int) -> None:
+        """One control step with the current signals and sequences running; once per tick."""
+
+    @property
+    def seat_limit(self) -> int:
+        """Sequences allowed to run now; a pure read."""
+
+    def has_headroom(self, signals: EngineSignals, running: int) -> bool:
+        """May one more sequence start, with `running` already in the engine?"""
+
+    def blocked_on_capacity(self, signals: EngineSignals, running: int) -> bool:
+        """No headroom because seats or KV are full (not because the engine's own queue is)."""
 
 
 def p95(values: list[float]) -> float:
@@ -43,8 +64,7 @@ class ITLController:
 
     def __init__(self, target_ms: float, max_seats: int, min_seats: int = 1, window_s: float = 6.0,
                  interval_s: float = 0.5, decrease: float = 0.9, margin: float = 0.92, hold_s: float = 10.0,
-                 clock: Callable[[], float] = time.time,
-                 samples: Callable[[], Iterable[tuple[float, float]]] | None = None) -> None:
+                 *, clock: Clock, samples: Callable[[], Iterable[tuple[float, float]]] | None = None) -> None:
         self.samples = samples  # (wall time, gap) per token; default: the engine's own ITL
         self.target = target_ms / 1000.0 * margin
         self.max_seats = max_seats
@@ -62,18 +82,23 @@ class ITLController:
         self._floor, self._floor_until = 0.0, 0.0  # no cut below _floor until _floor_until
         self.last_p95: float | None = None
 
-    def update(self, stats: EngineStats, running: int | float) -> int:
+    @property
+    def seat_limit(self) -> int:
+        return int(self.limit)
+
+    def update(self, signals: EngineSignals, running: float) -> None:
+        """One AIMD step (at most every `interval_s`) on the samples of the last window."""
         now = self.clock()
         if self._cut and running <= self.limit:
             self._cut, self._settled_at = False, now
         if now < self._next:
-            return int(self.limit)
+            return
         self._next = now + self.interval_s
         since = now - self._settled_at
-        itl = list(self.samples()) if self.samples is not None else stats.itl
+        itl = list(self.samples()) if self.samples is not None else signals.itl
         full = [x for t, x in itl if t >= max(now - self.window_s, self._settled_at)]
         if len(full) < 8:
-            return int(self.limit)
+            return
         self.last_p95 = p95(full)
         # Only a binding limit is to blame: while sequences ramp up (running well below it)
         # the stalls are prefills, and a cut would only be undone.
@@ -87,9 +112,8 @@ class ITLController:
         else:
             self._before = None
             self._maybe_grow(now, running)
-        return int(self.limit)
 
-    def _maybe_grow(self, now: float, running: int | float) -> None:
+    def _maybe_grow(self, now: float, running: float) -> None:
         """One more seat, judged on a whole window at the current limit. A cut needs the same
         window unless the overshoot is large: on a half window a few prefills more or less
         decide, and those kept cutting a limit whose p95 over 20 s was 25% under the target
@@ -117,41 +141,54 @@ class ITLController:
 
 
 class SaturationDetector:
+    """Seats (fixed, or adapted by the ITL controller), KV high-water mark, engine queue."""
+
     def __init__(self, max_seats: int, kv_high: float = 0.95, target_itl_ms: float | None = None,
-                 itl_margin: float = 0.92, clock: Callable[[], float] = time.time,
+                 itl_margin: float = 0.92, *, clock: Clock,
                  itl_samples: Callable[[], Iterable[tuple[float, float]]] | None = None) -> None:
         self.max_seats = max_seats
         self.kv_high = kv_high
         self.itl = (ITLController(target_itl_ms, max_seats, margin=itl_margin, clock=clock, samples=itl_samples)
                     if target_itl_ms else None)
 
-    def seat_limit(self, stats: EngineStats, running: int) -> int:
-        return self.itl.update(stats, running) if self.itl else self.max_seats
+    def update(self, signals: EngineSignals, running: int) -> None:
+        if self.itl is not None:
+            self.itl.update(signals, running)
 
-    def has_headroom(self, stats: EngineStats, running: int) -> bool:
-        if running >= self.seat_limit(stats, running):
+    @property
+    def seat_limit(self) -> int:
+        return self.itl.seat_limit if self.itl is not None else self.max_seats
+
+    def has_headroom(self, signals: EngineSignals, running: int) -> bool:
+        if running >= self.seat_limit:
             return False
         if running == 0:
             return True  # an idle engine always takes one, whatever stale stats say
-        return stats.kv_usage < self.kv_high and stats.waiting == 0
+        return signals.kv_usage < self.kv_high and signals.waiting == 0
+
+    def blocked_on_capacity(self, signals: EngineSignals, running: int) -> bool:
+        # Preempting for a waiting request helps only then: the engine's own queue drains
+        # by itself within a step.
+        full = running >= self.seat_limit or signals.kv_usage >= self.kv_high
+        return full and not self.has_headroom(signals, running)
 
 
 class ThroughputEstimate:
     """Output tokens per second the engine delivers, for wait estimates (EWMA over busy time)."""
 
-    def __init__(self, prior_tps: float, alpha: float = 0.2, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, prior_tps: float, alpha: float = 0.2, *, clock: Clock) -> None:
         self.tps = prior_tps
         self.alpha = alpha
         self.clock = clock
         self._t = clock()
         self._tokens = 0
 
-    def observe(self, stats: EngineStats, busy: bool) -> None:
+    def observe(self, signals: EngineSignals, busy: bool) -> None:
         now = self.clock()
         dt = now - self._t
         if dt < 0.5:
             return
-        produced = stats.generated_tokens - self._tokens
-        self._t, self._tokens = now, stats.generated_tokens
+        produced = signals.generated_tokens - self._tokens
+        self._t, self._tokens = now, signals.generated_tokens
         if busy and produced > 0:
             self.tps = (1 - self.alpha) * self.tps + self.alpha * (produced / dt)

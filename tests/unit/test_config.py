@@ -63,6 +63,8 @@ def test_good_config_and_env_var(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
          "a classifier filter screens prompts only"),
         (GOOD + '[[filters]]\nname = "p"\ntype = "pii"\nkinds = ["ssn"]\n', "filters[0].kinds[0]"),
         (GOOD + '[[filters]]\nname = "x"\ntype = "no_such_pkg.mod:Filter"\n', "cannot load filter class"),
+        (GOOD + '[[tenants]]\nname = "t"\nclasses = ["urgent"]\n', "tenants[0].classes[0]"),
+        (GOOD + '[[tenants]]\nname = "t"\ndefault_class = "urgent"\n', "unknown priority class 'urgent'"),
     ],
 )
 def test_errors_name_file_and_key(tmp_path: Path, text: str, expected: str) -> None:

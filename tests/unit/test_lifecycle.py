@@ -66,7 +66,7 @@ def record(**kw: Any) -> RequestRecord:
 def admitted(life: RequestLife) -> Ticket:
     r = life.record
     r.model, r.version, r.prompt_tokens, r.max_tokens = "m", "v1", 10, 20
-    ticket = Ticket("t", 30)
+    ticket = Ticket("t", 30, 1)
     life.admit(ticket)
     return ticket
 
@@ -164,7 +164,7 @@ async def test_progress_reaches_the_ledger_at_most_once_a_second(parts) -> None:
 
 def test_classify_names_the_shed_and_filtered_outcomes() -> None:
     from llmd.filters import ContentFiltered, Match
-    from llmd.policy.admission import AdmissionRefused
+    from llmd.errors import AdmissionRefused
 
     refused = AdmissionRefused("queue_full", 503, "full", "server_error", "overloaded", {})
     assert classify(refused) == ("shed", 503, "overloaded")

@@ -14,13 +14,14 @@ from llmd.metrics import Metrics
 from llmd.policy.classes import ModelQueue
 from llmd.policy.fairness import FAIRNESS
 from llmd.policy.queue import QueuedRequest
-from llmd.policy.saturation import SaturationDetector
+from llmd.policy.saturation import SaturationDetector, ThroughputEstimate
+from llmd.policy.scheduler import SchedulerCore
+from llmd.scheduler import Scheduler
 
 
-def _runtime(stats: EngineStats, detector: SaturationDetector | None = None) -> SimpleNamespace:
+def _runtime(stats: EngineStats) -> SimpleNamespace:
     queue = ModelQueue(FAIRNESS["fcfs"], lambda t: "fifo")
-    sched = SimpleNamespace(running={1: object(), 2: object()}, dropped=3, preempted=4,
-                            detector=detector or SaturationDetector(8))
+    sched = SimpleNamespace(running={1: object(), 2: object()}, dropped=3, preempted=4, seat_limit=8)
     backend = SimpleNamespace(stats=stats, version="v7")
     return SimpleNamespace(queue=queue, scheduler=sched, backend=backend)
 
@@ -180,9 +181,15 @@ def test_live_gauges_read_at_scrape(svc: Served) -> None:
 
 
 def test_adaptive_seat_limit_is_read_not_stepped(svc: Served) -> None:
-    det = SaturationDetector(8, target_itl_ms=50.0)
+    def clock() -> float:
+        return 1000.0
+
+    det = SaturationDetector(8, target_itl_ms=50.0, clock=clock)
+    assert det.itl is not None
     det.itl.limit = 5.6
-    svc.models["m"].scheduler.detector = det
+    rt = svc.models["m"]
+    rt.scheduler = Scheduler(SchedulerCore(rt.queue, det, rt.backend.stats, ThroughputEstimate(100.0, clock=clock),
+                                           clock=clock))
     f = scrape(Metrics(svc))
     assert value(f, "llmd:scheduler_seat_limit", "llmd:scheduler_seat_limit", model="m") == 5
     assert det.itl._next == 0.0  # scraping did not run an AIMD step

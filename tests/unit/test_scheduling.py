@@ -210,49 +210,62 @@ async def test_batch_keeps_only_its_capped_seats_while_interactive_traffic_is_ab
     c = client(live, KEY_A)
     bulk = [asyncio.create_task(c.completions.create(model="fake", prompt="x", max_tokens=400,
                                                      extra_headers={"X-Priority-Class": "batch"})) for _ in range(8)]
-    assert await async_wait_until(lambda: sched.class_running.get("batch") == 8)
+    assert await async_wait_until(lambda: sched.core.class_running.get("batch") == 8)
     peak: list[int] = []
 
     async def watch() -> None:
         while True:
-            peak.append(sched.class_running.get("batch", 0))
+            peak.append(sched.core.class_running.get("batch", 0))
             await asyncio.sleep(0.005)
 
     chat = asyncio.create_task(c.completions.create(model="fake", prompt="x", max_tokens=60))
-    assert await async_wait_until(lambda: sched.class_running.get("interactive") == 1)
-    assert await async_wait_until(lambda: sched.class_running.get("batch") == 2)  # down to its cap at once
+    assert await async_wait_until(lambda: sched.core.class_running.get("interactive") == 1)
+    assert await async_wait_until(lambda: sched.core.class_running.get("batch") == 2)  # down to its cap at once
     w = asyncio.create_task(watch())
     r = await chat
     w.cancel()
     assert r.usage.completion_tokens == 60
     assert max(peak) <= 2 and sched.preempted == 6  # and it stayed there while the chat ran
     # Quiet again: the batch takes every seat back (its preempted sequences resume).
-    assert await async_wait_until(lambda: sched.class_running.get("batch") == 8, timeout=5)
+    assert await async_wait_until(lambda: sched.core.class_running.get("batch") == 8, timeout=5)
     done = await asyncio.gather(*bulk)
     assert all(d.usage.completion_tokens == 400 for d in done)
 
 
 async def test_a_sequence_preempted_before_it_reached_the_engine_is_requeued(make_server, records) -> None:
-    """The scheduler's abort can arrive before the engine has the request (vLLM tokenizes
-    first); it aborts nothing. The request must still yield its seat: it goes back to the
-    queue and resumes, instead of running to the end while counted as being preempted (which
-    blocked every further preemption, and a newcomer waited seconds)."""
-    live = await make_server(toml(max_running=2, step_ms=5))
-    sched, be = live.runtime("fake").scheduler, live.backend()
-    orig, hit = sched._dispatch, []
+    """A sequence can be preempted before the engine has it: the scheduler's abort then
+    aborts nothing (with vLLM it also races tokenization). The request must still yield its
+    seat: it goes back to the queue and resumes, instead of running to the end while counted
+    as being preempted (which blocked every further preemption, and a newcomer waited seconds).
 
-    def dispatch(t) -> None:  # what _preempt does, right after the dispatch, with an abort that misses
-        orig(t)
-        if not hit:
-            hit.append(t)
-            t.preempt_requested, t.abort = True, None
-            sched.preempted += 1
-
-    sched._dispatch = dispatch
-    r = await client(live, KEY_A).completions.create(model="fake", prompt="x", max_tokens=20)
+    Here the scheduler seats A's `x` and, in the same tick, preempts it for B: `x` was first
+    in line (FCFS) but A then holds both seats while B, below its fair share, waits."""
+    live = await make_server(toml(max_running=2, step_ms=5).replace(
+        "[models.scheduling]", '[models.scheduling]\nfairness = "fcfs"\nreserved_seats = 0'))
+    rt, be = live.runtime("fake"), live.backend()
+    a, b = client(live, KEY_A), client(live, KEY_B)
+    hog = asyncio.create_task(a.completions.create(model="fake", prompt="x", max_tokens=2000))
+    assert await async_wait_until(lambda: rt.scheduler.core.tenant_running.get("a") == 1)
+    short = asyncio.create_task(b.completions.create(model="fake", prompt="x", max_tokens=40))
+    assert await async_wait_until(lambda: rt.scheduler.core.tenant_running.get("b") == 1)
+    x = asyncio.create_task(a.completions.create(model="fake", prompt="x", max_tokens=20,
+                                                 extra_headers={"X-Request-ID": "x"}))
+    assert await async_wait_until(lambda: len(rt.queue) == 1)
+    z = asyncio.create_task(b.completions.create(model="fake", prompt="x", max_tokens=5,
+                                                 extra_headers={"X-Request-ID": "z"}))
+    assert await async_wait_until(lambda: len(rt.queue) == 2)
+    assert rt.scheduler.preempted == 0  # one seat each: nobody is below a fair share yet
+    await short  # its seat goes to x, which is then preempted for z at once
+    r = await x
     assert r.usage.completion_tokens == 20 and len(r.choices[0].text.split()) == 20
-    assert be.submitted == [be.submitted[0]] and be.submitted[0].endswith("-r1")  # only the resumed run
-    assert records[-1]["preemptions"] == 1 and not sched.running
+    assert (await z).usage.completion_tokens == 5
+    ours = [e for e, c in zip(be.submitted, client_ids(be.submitted, records)) if c == "x"]
+    assert len(ours) == 1 and ours[0].endswith("-r1")  # only the resumed run reached the engine
+    assert next(x for x in records if x["client_request_id"] == "x")["preemptions"] == 1
+    assert rt.scheduler.preempted == 1
+    hog.cancel()
+    await asyncio.gather(hog, return_exceptions=True)
+    assert await async_wait_until(lambda: not rt.scheduler.running)
 
 
 async def test_decisions_are_in_the_request_log(make_server, records) -> None:
@@ -281,7 +294,7 @@ async def test_newcomer_gets_a_seat_during_a_flood(make_server) -> None:
     # was preempted for B (B was below its fair share of seats) and is queued to resume.
     assert asyncio.get_running_loop().time() - t0 < 1.0
     assert rt.scheduler.preempted == 1
-    assert await async_wait_until(lambda: len(rt.scheduler.running) == 8 and rt.scheduler.tenant_running["a"] == 8)
+    assert await async_wait_until(lambda: len(rt.scheduler.running) == 8 and rt.scheduler.core.tenant_running["a"] == 8)
     for f in flood:
         f.cancel()
     await asyncio.gather(*flood, return_exceptions=True)
@@ -297,14 +310,14 @@ async def test_a_lowered_seat_limit_is_reached_by_preemption_and_a_newcomer_gets
     a = client(live, KEY_A)
     flood = [asyncio.create_task(a.completions.create(model="fake", prompt="x", max_tokens=2000)) for _ in range(20)]
     assert await async_wait_until(lambda: len(rt.scheduler.running) == 8 and len(rt.queue) == 12)
-    rt.scheduler.detector.max_seats = 4  # what a cut does to seat_limit
+    rt.scheduler.core.detector.max_seats = 4  # what a cut does to seat_limit
     t0 = asyncio.get_running_loop().time()
     r = await client(live, KEY_B).completions.create(model="fake", prompt="x", max_tokens=5)
     assert r.usage.completion_tokens == 5
     assert asyncio.get_running_loop().time() - t0 < 1.0
     assert rt.scheduler.preempted == 5
     # Back at the limit, all A's again once B is done; nothing ran above it after the cut.
-    assert await async_wait_until(lambda: rt.scheduler.tenant_running.get("a") == 4)
+    assert await async_wait_until(lambda: rt.scheduler.core.tenant_running.get("a") == 4)
     await asyncio.sleep(0.2)
     assert len(rt.scheduler.running) == 4 and rt.scheduler.preempted == 5
     for f in flood:
@@ -319,12 +332,12 @@ async def test_reserved_seats_go_to_tenants_below_their_share(make_server) -> No
     rt = live.runtime("fake")
     a, b = client(live, KEY_A), client(live, KEY_B)
     b_hog = asyncio.create_task(b.completions.create(model="fake", prompt="x", max_tokens=2000))
-    assert await async_wait_until(lambda: rt.scheduler.tenant_running.get("b") == 1)
+    assert await async_wait_until(lambda: rt.scheduler.core.tenant_running.get("b") == 1)
     flood = [asyncio.create_task(a.completions.create(model="fake", prompt="x", max_tokens=2000)) for _ in range(20)]
     # Two tenants active: A's share is 4 of 8; it takes the 5 general seats, not the 2 reserved ones.
-    assert await async_wait_until(lambda: rt.scheduler.tenant_running.get("a") == 5)
+    assert await async_wait_until(lambda: rt.scheduler.core.tenant_running.get("a") == 5)
     await asyncio.sleep(0.1)
-    assert rt.scheduler.tenant_running["a"] == 5 and len(rt.scheduler.running) == 6
+    assert rt.scheduler.core.tenant_running["a"] == 5 and len(rt.scheduler.running) == 6
     r = await b.completions.create(model="fake", prompt="x", max_tokens=5)  # B (1 of its 4) takes a reserved seat
     assert r.usage.completion_tokens == 5 and rt.scheduler.preempted == 0
     for f in [b_hog, *flood]:
