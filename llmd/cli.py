@@ -9,8 +9,8 @@ from pathlib import Path
 import click
 
 from llmd.batch.cli import batch
-from llmd.registry.cli import registry
 from llmd.config import ConfigError, load_config
+from llmd.registry.cli import registry
 from llmd.store import StoreError, WeightStore, describe
 
 
@@ -220,7 +220,8 @@ def usage(db_path: Path | None, tenant: str | None, since: str | None, until: st
               help="Database (default: $LLMD_HOME/llmd.db).")
 def compare(model: str, version_a: str, version_b: str, db_path: Path | None) -> None:
     """Two versions of MODEL side by side (ids or prefixes), from the request log and the ledger."""
-    from llmd.registry.compare import compare as run_compare, table
+    from llmd.registry.compare import compare as run_compare
+    from llmd.registry.compare import table
     from llmd.store import home
 
     try:

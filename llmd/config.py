@@ -43,7 +43,7 @@ class ServerConfig(_Strict):
     resume_grace_s: Annotated[float, Field(ge=0)] = 10.0
 
     @model_validator(mode="after")
-    def _deadlines(self) -> "ServerConfig":
+    def _deadlines(self) -> ServerConfig:
         if self.default_deadline_s > self.max_deadline_s:
             raise ValueError("default_deadline_s must not exceed max_deadline_s")
         return self
@@ -134,7 +134,7 @@ class DegradationConfig(_Strict):
     fallback_model: str | None = None
 
     @model_validator(mode="after")
-    def _check(self) -> "DegradationConfig":
+    def _check(self) -> DegradationConfig:
         if len(set(self.steps)) != len(self.steps):
             raise ValueError("a degradation step is listed twice")
         if "fallback" in self.steps and not self.fallback_model:
@@ -197,7 +197,7 @@ class FilterSpec(_Strict):
         return patterns
 
     @model_validator(mode="after")
-    def _check(self) -> "FilterSpec":
+    def _check(self) -> FilterSpec:
         if ":" in self.type:
             import importlib
             mod, _, cls = self.type.partition(":")
@@ -242,7 +242,7 @@ class ModelConfig(_Strict):
     degradation: DegradationConfig = Field(default_factory=DegradationConfig)
 
     @model_validator(mode="after")
-    def _check(self) -> "ModelConfig":
+    def _check(self) -> ModelConfig:
         if self.backend == "vllm" and not self.source:
             raise ValueError("a vllm model needs `source` (a model name in the weight store)")
         if self.default_max_tokens > self.max_output_tokens:
@@ -281,7 +281,7 @@ class TenantConfig(_Strict):
     batch_multiplier: Annotated[float, Field(ge=0)] | None = None
 
     @model_validator(mode="after")
-    def _check(self) -> "TenantConfig":
+    def _check(self) -> TenantConfig:
         if self.default_class not in self.classes:
             raise ValueError(f"default_class {self.default_class!r} is not among classes {self.classes}")
         return self
@@ -305,7 +305,7 @@ class Config(_Strict):
     path: Path | None = Field(default=None, exclude=True)
 
     @model_validator(mode="after")
-    def _unique_names(self) -> "Config":
+    def _unique_names(self) -> Config:
         seen: set[str] = set()
         for m in self.models:
             if m.name in seen:

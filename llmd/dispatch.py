@@ -12,8 +12,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections.abc import AsyncIterator
 from dataclasses import replace
-from typing import AsyncIterator
 
 from llmd.backends import BackendError, EngineDead, PromptError
 from llmd.backends.base import Delta, Prompt, Sampling
@@ -22,7 +22,6 @@ from llmd.filters import ContentFiltered
 from llmd.policy.classes import ENGINE_PRIORITY
 from llmd.runtime import Job
 from llmd.scheduler import Dropped
-
 
 
 def deadline(job: Job) -> asyncio.Timeout:

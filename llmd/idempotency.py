@@ -18,10 +18,10 @@ import contextlib
 import hashlib
 import json
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, AsyncIterator
+from typing import Any
 
 import aiosqlite
 import structlog
@@ -50,7 +50,7 @@ class Outcome:
         return json.dumps({"status": self.status, "headers": self.headers, "body": self.body, "events": self.events})
 
     @classmethod
-    def from_json(cls, text: str) -> "Outcome":
+    def from_json(cls, text: str) -> Outcome:
         d = json.loads(text)
         return cls(d["status"], d["headers"], d.get("body"), d.get("events"))
 

@@ -29,7 +29,8 @@ import struct
 import subprocess
 import sys
 import time
-from typing import Any, Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 REQUEST_COLS = ("request_id", "ts", "tenant", "model", "version", "status", "http_status", "error_code",
                 "finish_reason", "decision", "priority_class", "prompt_tokens", "cached_tokens",

@@ -352,12 +352,12 @@ def _day_start(s: str, end: bool = False) -> float:
     """'YYYY-MM-DD' (UTC) or an ISO datetime → epoch; a bare date as `end` means that whole day."""
     try:
         if len(s) == 10:
-            d = dt.datetime.combine(dt.date.fromisoformat(s), dt.time(), dt.timezone.utc)
+            d = dt.datetime.combine(dt.date.fromisoformat(s), dt.time(), dt.UTC)
             return (d + dt.timedelta(days=1 if end else 0)).timestamp()
         d = dt.datetime.fromisoformat(s)
     except ValueError:
         raise ValueError(f"invalid date {s!r}; expected YYYY-MM-DD") from None
-    return (d if d.tzinfo else d.replace(tzinfo=dt.timezone.utc)).timestamp()
+    return (d if d.tzinfo else d.replace(tzinfo=dt.UTC)).timestamp()
 
 
 def usage_report(path: Path, tenant: str | None, since: str | None, until: str | None,

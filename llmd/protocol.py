@@ -7,7 +7,6 @@ field: silently ignoring `n=3` or `tools` would hand a client a wrong answer.
 from __future__ import annotations
 
 import json
-
 import time
 from typing import Annotated, Any, Literal
 
@@ -129,7 +128,7 @@ class CompletionRequest(_Common):
             if len(p) != 1:
                 raise bad_request("only one prompt per request is supported; send several requests", "prompt")
             p = p[0]  # type: ignore[assignment]
-        if isinstance(p, list) and not p or p == "":
+        if (isinstance(p, list) and not p) or p == "":
             raise bad_request("prompt must not be empty", "prompt")
         return p  # type: ignore[return-value]
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Awaitable, Callable, Mapping
 from types import MappingProxyType
-from typing import Awaitable, Callable, Mapping
 
 from llmd.policy.queue import QueuedRequest
 from llmd.policy.scheduler import Decision, SchedulerCore

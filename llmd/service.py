@@ -16,7 +16,15 @@ from llmd.auth import Principal
 from llmd.backends import PromptError
 from llmd.backends.base import Sampling
 from llmd.config import ModelConfig, TenantConfig
-from llmd.errors import AdmissionRefused, APIError, bad_request, not_found, ratelimit_headers, refusal_error, unavailable
+from llmd.errors import (
+    AdmissionRefused,
+    APIError,
+    bad_request,
+    not_found,
+    ratelimit_headers,
+    refusal_error,
+    unavailable,
+)
 from llmd.filters import ContentFiltered, Filters, screen_prompt
 from llmd.lifecycle import RequestLife
 from llmd.limits import output_budget

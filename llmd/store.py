@@ -18,9 +18,9 @@ import tempfile
 import time
 import uuid
 import zipfile
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable
 
 MANIFEST = "llmd-manifest.json"
 WEIGHT_SUFFIX = ".safetensors"

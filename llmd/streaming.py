@@ -9,7 +9,8 @@ it, the stream ends with a terminal error payload and `[DONE]`.
 from __future__ import annotations
 
 import json
-from typing import Any, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
 
 from llmd import dispatch, protocol
 from llmd.errors import APIError

@@ -69,5 +69,5 @@ def stopwatch(coro: Any, acc: list[float]) -> Any:
         acc[0] += time.thread_time() - t
         try:
             value, exc = (yield out), None
-        except BaseException as e:  # noqa: BLE001  (handed to the coroutine, as a task would)
+        except BaseException as e:
             value, exc = None, e

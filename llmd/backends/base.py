@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 
 class BackendError(Exception):

@@ -16,8 +16,8 @@ import heapq
 import itertools
 import math
 import re
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import AsyncIterator
 
 from llmd.backends.base import (
     BackendError,
@@ -30,15 +30,10 @@ from llmd.backends.base import (
     StepRecord,
     now,
 )
-from llmd.config import FakeEngineConfig
 from llmd.backends.tokenizer import TiktokenTokenizer
+from llmd.config import FakeEngineConfig
 
-WORDS = (
-    "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november "
-    "oscar papa quebec romeo sierra tango uniform victor whiskey xray yankee zulu red orange "
-    "yellow green blue indigo violet black white grey silver gold copper iron tin lead zinc "
-    "river lake ocean sea hill mountain valley forest desert meadow cloud rain snow wind sun moon"
-).split()
+WORDS = ["alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel", "india", "juliet", "kilo", "lima", "mike", "november", "oscar", "papa", "quebec", "romeo", "sierra", "tango", "uniform", "victor", "whiskey", "xray", "yankee", "zulu", "red", "orange", "yellow", "green", "blue", "indigo", "violet", "black", "white", "grey", "silver", "gold", "copper", "iron", "tin", "lead", "zinc", "river", "lake", "ocean", "sea", "hill", "mountain", "valley", "forest", "desert", "meadow", "cloud", "rain", "snow", "wind", "sun", "moon"]
 WORD_ID_BASE = 1000  # synthetic token ids for the words: stable, so a resumed request can carry them
 EOS_MARKER = re.compile(r"\[\[eos:(\d+)\]\]")
 # `[[say:TEXT]]` in a prompt: the output is TEXT, 3 characters per token, then stop;

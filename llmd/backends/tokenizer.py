@@ -14,9 +14,10 @@ import re
 import threading
 import unicodedata
 import zlib
+from collections.abc import Callable, Sequence
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import jinja2
 import regex
@@ -128,14 +129,14 @@ class TiktokenTokenizer:
 
     # -- construction ------------------------------------------------------
     @classmethod
-    def simple(cls) -> "TiktokenTokenizer":
+    def simple(cls) -> TiktokenTokenizer:
         """A deterministic stand-in with a ChatML template; needs no model files."""
         codec = _SimpleCodec()
         tv = {"bos_token": "<|im_start|>", "eos_token": "<|im_end|>"}
         return cls("simple", codec.encode, codec.decode, _SIMPLE_TEMPLATE, codec.n_vocab, codec.specials, tv)
 
     @classmethod
-    def from_hf_dir(cls, path: Path) -> "TiktokenTokenizer":
+    def from_hf_dir(cls, path: Path) -> TiktokenTokenizer:
         """Load (cached per folder and tokenizer.json mtime) the tokenizer of a HF model folder."""
         path = Path(path).resolve()
         tj = path / "tokenizer.json"
@@ -152,7 +153,7 @@ class TiktokenTokenizer:
         return hit
 
     @classmethod
-    def _build(cls, path: Path) -> "TiktokenTokenizer":
+    def _build(cls, path: Path) -> TiktokenTokenizer:
         try:
             spec = json.loads((path / "tokenizer.json").read_text(encoding="utf-8"))
             cfg_file = path / "tokenizer_config.json"

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import os
+from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any, AsyncIterator
+from typing import Any
 
 from llmd.backends.base import (
     BackendError,
@@ -30,14 +31,14 @@ from llmd.config import EngineConfig
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-from vllm import SamplingParams  # noqa: E402
-from vllm.engine.arg_utils import AsyncEngineArgs  # noqa: E402
-from vllm.platforms import current_platform  # noqa: E402
-from vllm.renderers.params import ChatParams  # noqa: E402
-from vllm.sampling_params import RequestOutputKind  # noqa: E402
-from vllm.v1.engine.async_llm import AsyncLLM  # noqa: E402
-from vllm.v1.engine.exceptions import EngineDeadError  # noqa: E402
-from vllm.v1.metrics.loggers import StatLoggerBase  # noqa: E402
+from vllm import SamplingParams
+from vllm.engine.arg_utils import AsyncEngineArgs
+from vllm.platforms import current_platform
+from vllm.renderers.params import ChatParams
+from vllm.sampling_params import RequestOutputKind
+from vllm.v1.engine.async_llm import AsyncLLM
+from vllm.v1.engine.exceptions import EngineDeadError
+from vllm.v1.metrics.loggers import StatLoggerBase
 
 
 class _StepLogger(StatLoggerBase):

@@ -18,9 +18,10 @@ import json
 import os
 import time
 import uuid
+from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, AsyncIterator, Iterable
+from typing import Any
 
 import aiosqlite
 

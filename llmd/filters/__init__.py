@@ -16,5 +16,14 @@ class ContentFiltered(APIError):
         self.match = match
 
 
-__all__ = ["ContentFiltered", "FilterError", "Filters", "GUARD_PROMPT", "InputFilter", "Match", "OutputFilter",
-           "OutputWindow", "screen_prompt"]
+__all__ = [
+    "GUARD_PROMPT",
+    "ContentFiltered",
+    "FilterError",
+    "Filters",
+    "InputFilter",
+    "Match",
+    "OutputFilter",
+    "OutputWindow",
+    "screen_prompt",
+]

@@ -10,8 +10,8 @@ already released, enough for its longest match (and, for the loop detector, its 
 from __future__ import annotations
 
 import importlib
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 from llmd.config import Config, ConfigError, FilterSpec, ModelConfig, TenantConfig
 from llmd.filters.base import InputFilter, Match, OutputFilter
@@ -62,7 +62,7 @@ class Filters:
         names = [*model.filters.input, *(tenant.input_filters if tenant else [])]
         return [f for n in dict.fromkeys(names) if isinstance(f := self.by_name[n], InputFilter)]
 
-    def output_window(self, model: ModelConfig, tenant: TenantConfig | None) -> "OutputWindow | None":
+    def output_window(self, model: ModelConfig, tenant: TenantConfig | None) -> OutputWindow | None:
         names = [*model.filters.output, *(tenant.output_filters if tenant else [])]
         chain = [f for n in dict.fromkeys(names) if isinstance(f := self.by_name[n], OutputFilter)]
         return OutputWindow(chain, model.filters.holdback_tokens) if chain else None

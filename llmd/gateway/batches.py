@@ -5,8 +5,9 @@ exactly like one that does not exist."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from sanic import Request, Sanic
 from sanic.response import HTTPResponse, raw
@@ -20,6 +21,7 @@ from llmd.batch.store import Batch, BatchStore
 from llmd.config import BatchConfig
 from llmd.errors import APIError, bad_request, not_found
 from llmd.protocol import json_object
+
 
 def add_routes(app: Sanic, store: BatchStore, runner: BatchRunner, cfg: BatchConfig,
                principal: Callable[[Request], Principal]) -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 from sanic import Request, Sanic
@@ -113,7 +113,7 @@ def _time_arg(request: Request, name: str) -> float | None:
         dt = datetime.fromisoformat(raw)
     except ValueError:
         raise APIError(400, f"{name} must be a unix time or an ISO date, got {raw!r}", param=name) from None
-    return (dt if dt.tzinfo else dt.replace(tzinfo=timezone.utc)).timestamp()
+    return (dt if dt.tzinfo else dt.replace(tzinfo=UTC)).timestamp()
 
 
 def _int_arg(request: Request, name: str, default: int, lo: int, hi: int) -> int:

@@ -11,7 +11,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Awaitable, Callable
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 from sanic import Request, Sanic
 from sanic.response import HTTPResponse

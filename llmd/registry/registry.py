@@ -87,7 +87,7 @@ class Registry:
             try:
                 backend = await build_backend(cfg, self.weights)
                 await backend.start()
-            except Exception as e:  # noqa: BLE001 - surfaced, the others still serve
+            except Exception as e:
                 self.load_errors[name] = str(e)
                 log.error("model_load_failed", model=name, error=str(e))
                 continue
@@ -108,7 +108,7 @@ class Registry:
                 if version != primary and state in ("active", "standby"):
                     try:
                         await self._load(name, version, warm=False)
-                    except Exception as e:  # noqa: BLE001 - reported; the others still serve
+                    except Exception as e:
                         log.error("version_restore_failed", model=name, version=version, error=str(e))
                         await self.store.set_state(name, version, "unloaded")
             last = await self.store.splits(name, 1)

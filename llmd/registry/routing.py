@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import hashlib
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Mapping
 
 
 class RoutingError(Exception):
@@ -31,7 +31,7 @@ class Split:
     weights: tuple[tuple[str, float], ...]
 
     @classmethod
-    def of(cls, weights: Mapping[str, float]) -> "Split":
+    def of(cls, weights: Mapping[str, float]) -> Split:
         bad = {v: w for v, w in weights.items() if not isinstance(w, (int, float)) or w < 0}
         if bad:
             raise ValueError(f"split weights must be numbers >= 0, got {bad}")

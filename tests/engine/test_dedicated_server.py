@@ -3,19 +3,17 @@ engine death (SIGKILL vLLM's EngineCore mid-stream), in that order."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import httpx
+import openai
 import psutil
 import pytest
-
-import asyncio
-
-import openai
 
 from tests.conftest import ENGINE_TOML, EngineServer, start_server_process, stop_process, wait_until
 

@@ -5,8 +5,9 @@ filters work on the real engine's stream too. A server of its own (tenants pick 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import openai
 import pytest

@@ -63,7 +63,7 @@ def test_levels_rise_on_sustained_overload_and_fall_when_calm() -> None:
     clock = Clock()
     d = Degrader(["cap_max_tokens", "fallback", "batch"], sustain_s=10, recover_s=30, clock=clock)
     seen = []
-    for t in range(0, 60):
+    for t in range(60):
         clock.t = t
         seen.append(len(d.observe(True)))
     assert seen[9] == 0 and seen[10] == 1 and seen[20] == 2 and seen[30] == 3 and seen[-1] == 3

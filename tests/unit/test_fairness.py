@@ -90,7 +90,7 @@ def test_returning_tenant_is_lifted_and_banks_no_credit() -> None:
     vtc = VTCFairness({}, W_IN, W_OUT)
     cq = ClassQueue(vtc, lambda t: "fifo")
     # A alone for a long time.
-    arrivals = {s: [req("A", 10, 10)] for s in range(0, 300)}
+    arrivals = {s: [req("A", 10, 10)] for s in range(300)}
     # B shows up late with a big backlog.
     arrivals[300] = [req("B", 10, 10) for _ in range(100)]
     for s in range(301, 600):

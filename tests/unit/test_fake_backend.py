@@ -5,14 +5,14 @@ from __future__ import annotations
 import asyncio
 import math
 import statistics
-from typing import AsyncIterator
+from collections.abc import AsyncIterator
 
 import pytest
 
 from llmd.backends.base import Backend, BackendError, Delta, EngineDead, PromptError, Sampling, now
 from llmd.backends.fake import FakeBackend
-from llmd.config import FakeEngineConfig
 from llmd.backends.tokenizer import TiktokenTokenizer
+from llmd.config import FakeEngineConfig
 
 TOK = TiktokenTokenizer.simple()
 
@@ -253,7 +253,7 @@ async def test_kill_makes_engine_dead() -> None:
             try:
                 await collect(b, rid, f"prompt {rid}", max_tokens=1000)
                 results[rid] = None
-            except BaseException as e:  # noqa: BLE001 - recorded for the assertion
+            except BaseException as e:
                 results[rid] = e
 
         tasks = [asyncio.create_task(run(r)) for r in ("running", "waiting")]

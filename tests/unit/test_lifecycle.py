@@ -163,8 +163,8 @@ async def test_progress_reaches_the_ledger_at_most_once_a_second(parts) -> None:
 
 
 def test_classify_names_the_shed_and_filtered_outcomes() -> None:
-    from llmd.filters import ContentFiltered, Match
     from llmd.errors import AdmissionRefused
+    from llmd.filters import ContentFiltered, Match
 
     refused = AdmissionRefused("queue_full", 503, "full", "server_error", "overloaded", {})
     assert classify(refused) == ("shed", 503, "overloaded")

@@ -7,8 +7,9 @@ import datetime as dt
 import os
 import signal
 import sqlite3
+from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any, AsyncIterator
+from typing import Any
 
 import pytest
 from click.testing import CliRunner
@@ -19,7 +20,7 @@ from llmd.metering import MIGRATIONS, SCHEMA_VERSION, Ledger, Price, usage_repor
 from llmd.telemetry import RequestRecord
 
 PRICES = {"m1": Price(input_per_mtok=1.0, output_per_mtok=2.0), "m2": Price(0.5, 4.0)}
-DAY1 = dt.datetime(2026, 11, 28, 12, tzinfo=dt.timezone.utc).timestamp()
+DAY1 = dt.datetime(2026, 11, 28, 12, tzinfo=dt.UTC).timestamp()
 DAY2 = DAY1 + 86400
 
 

@@ -13,7 +13,6 @@ from typing import Any
 import httpx
 import openai
 import pytest
-
 from click.testing import CliRunner
 
 from llmd.auth import hash_key

@@ -9,8 +9,14 @@ import pytest
 
 from llmd.policy.classes import ModelQueue
 from llmd.policy.fairness import FAIRNESS
-from llmd.policy.preemption import (BatchForInteractive, BatchOverCap, FairShare, OverSeatLimit, PreemptionRule,
-                                    preemption_rules)
+from llmd.policy.preemption import (
+    BatchForInteractive,
+    BatchOverCap,
+    FairShare,
+    OverSeatLimit,
+    PreemptionRule,
+    preemption_rules,
+)
 from llmd.policy.queue import QueuedRequest
 from llmd.policy.saturation import SaturationDetector, ThroughputEstimate
 from llmd.policy.scheduler import Decision, SchedulerCore

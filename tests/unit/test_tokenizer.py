@@ -12,7 +12,6 @@ import pytest
 from llmd.backends.base import PromptError
 from llmd.backends.tokenizer import TiktokenTokenizer, TokenizerError
 
-
 TEXTS = [
     "Hello, world! How are you doing today?",
     "The quick brown fox jumps over the lazy dog. It's 3:45pm; we'll see.",
