@@ -209,7 +209,8 @@ def usage(db_path: Path | None, tenant: str | None, since: str | None, until: st
     widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(cols)]
     numeric = [c not in groups for c in cols]
     for row in [[c.upper() for c in cols], *cells]:
-        click.echo("  ".join(v.rjust(w) if n else v.ljust(w) for v, w, n in zip(row, widths, numeric)).rstrip())
+        padded = (v.rjust(w) if n else v.ljust(w) for v, w, n in zip(row, widths, numeric, strict=True))
+        click.echo("  ".join(padded).rstrip())
 
 
 @main.command()

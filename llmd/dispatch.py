@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import replace
 
 from llmd.backends import BackendError, EngineDead, PromptError
@@ -35,7 +35,7 @@ def deadline_error(job: Job) -> APIError:
         return deadline_exceeded("the request's deadline passed while it waited in the queue; it was not run")
     return deadline_exceeded()
 
-async def run(job: Job) -> AsyncIterator[Delta]:
+async def run(job: Job) -> AsyncGenerator[Delta, None]:
     """Deltas from the engine. Run it inside `deadline(job)`; raises APIError on failure."""
     rec, rt, flow = job.record, job.runtime, job.flow
     backend, sched = rt.backend, rt.scheduler
@@ -92,7 +92,7 @@ async def run(job: Job) -> AsyncIterator[Delta]:
         prompt = Prompt(token_ids=ids, engine_input={"prompt_token_ids": ids})
         sampling = _replace_max_tokens(sampling, job.sampling.max_tokens - rec.output_tokens)
 
-async def screened(job: Job) -> AsyncIterator[Delta]:
+async def screened(job: Job) -> AsyncGenerator[Delta, None]:
     """`run`'s deltas after the output filters: text is released only once every filter
     has seen it (held back by at most holdback_tokens), redacted where a filter says so;
     a blocking match raises ContentFiltered and aborts the engine request."""
@@ -132,7 +132,7 @@ def _account(job: Job, delta: Delta) -> None:
         rec.finish_reason = delta.finish_reason
 
 
-async def _nothing() -> AsyncIterator[Delta]:
+async def _nothing() -> AsyncGenerator[Delta, None]:
     return
     yield  # an async generator that yields nothing
 

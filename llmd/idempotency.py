@@ -136,7 +136,8 @@ class IdempotencyStore:
         self._db = await aiosqlite.connect(self.path)
         await self._db.execute("PRAGMA journal_mode=WAL")
         await self._db.execute(
-            "CREATE TABLE IF NOT EXISTS idempotency (tenant TEXT NOT NULL, key TEXT NOT NULL, request_hash TEXT NOT NULL,"
+            "CREATE TABLE IF NOT EXISTS idempotency (tenant TEXT NOT NULL, key TEXT NOT NULL,"
+            " request_hash TEXT NOT NULL,"
             " outcome TEXT NOT NULL, created_at REAL NOT NULL, PRIMARY KEY (tenant, key))")
         await self._db.execute("DELETE FROM idempotency WHERE created_at < ?", (time.time() - self.ttl_s,))
         await self._db.commit()
@@ -158,7 +159,8 @@ class IdempotencyStore:
     async def save(self, key: tuple[str, str], req_hash: str, outcome: Outcome) -> None:
         assert self._db is not None
         await self._db.execute(
-            "INSERT OR REPLACE INTO idempotency (tenant, key, request_hash, outcome, created_at) VALUES (?, ?, ?, ?, ?)",
+            "INSERT OR REPLACE INTO idempotency (tenant, key, request_hash, outcome, created_at)"
+            " VALUES (?, ?, ?, ?, ?)",
             (key[0], key[1], req_hash, outcome.to_json(), time.time()))
         await self._db.commit()
 

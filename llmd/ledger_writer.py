@@ -20,6 +20,7 @@ subprocess streams cost the event loop about 1% more throughput in the same benc
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import fcntl
 import json
 import os
@@ -120,7 +121,7 @@ def apply(db: sqlite3.Connection, runs: Runs, sleep: Callable[[float], None] = t
     return log
 
 
-def _ops(runs: Runs) -> Iterable[tuple[str, list[Any]]]:
+def _ops(runs: Runs) -> Iterable[tuple[str, Sequence[Any]]]:
     return ((kind, params) for kind, rows in runs for params in rows)
 
 
@@ -140,10 +141,8 @@ class WriterProcess:
                                      stdout=subprocess.PIPE)
         assert self.proc.stdin is not None and self.proc.stdout is not None
         self._in, self._out = self.proc.stdin.fileno(), self.proc.stdout.fileno()
-        try:  # a whole batch fits in the pipe, so the (blocking) write never waits on the child
+        with contextlib.suppress(OSError):  # a whole batch fits in the pipe: the blocking write never waits
             fcntl.fcntl(self._in, getattr(fcntl, "F_SETPIPE_SZ", 1031), 1 << 20)
-        except OSError:
-            pass
         os.set_blocking(self._out, False)
         self._buf = b""
         self._loop: asyncio.AbstractEventLoop | None = None  # where the reader is registered
@@ -171,14 +170,13 @@ class WriterProcess:
         return json.loads(await fut)
 
     def _readable(self) -> None:
+        err: OSError | None = None
         try:
             chunk = os.read(self._out, 1 << 16)
         except BlockingIOError:
             return
         except OSError as e:
             chunk, err = b"", e
-        else:
-            err = None
         fut = self._fut
         if not chunk:  # EOF: the writer is gone; stop watching a pipe that stays readable
             self._stop_reading()

@@ -17,7 +17,8 @@ def deadline_seconds(srv: ServerConfig, header: str | None) -> float:
     except ValueError:
         value = math.nan
     if not math.isfinite(value) or value <= 0:
-        raise bad_request(f"X-Request-Timeout must be a positive number of seconds, got {header!r}", "X-Request-Timeout")
+        raise bad_request(f"X-Request-Timeout must be a positive number of seconds, got {header!r}",
+                          "X-Request-Timeout")
     return min(value, srv.max_deadline_s)
 
 
@@ -33,12 +34,14 @@ def output_budget(cfg: ModelConfig, prompt_tokens: int, requested: int | None, p
         return max(1, min(cfg.default_max_tokens, room))
     clamp = cfg.output_tokens_policy == "clamp"
     if requested > cfg.max_output_tokens and not clamp:
-        raise bad_request(f"max_tokens is {requested}, above this model's limit of {cfg.max_output_tokens} output tokens.",
+        raise bad_request(f"max_tokens is {requested}, above this model's limit of {cfg.max_output_tokens} "
+                          "output tokens.",
                           "max_tokens", "max_tokens_exceeded")
     wanted = min(requested, cfg.max_output_tokens)
     if wanted > room and not clamp:
         raise bad_request(
-            f"This model's maximum context length is {ctx} tokens. However, you requested {prompt_tokens + wanted} tokens "
+            f"This model's maximum context length is {ctx} tokens. However, you requested "
+            f"{prompt_tokens + wanted} tokens "
             f"({prompt_tokens} in the prompt, {wanted} for the completion). Please reduce the prompt or max_tokens.",
             "max_tokens", "context_length_exceeded")
     return max(1, min(wanted, room))

@@ -143,7 +143,8 @@ class Ledger:
     @staticmethod
     async def _migrate(db: aiosqlite.Connection) -> None:
         async with db.execute("PRAGMA user_version") as cur:
-            have = (await cur.fetchone())[0]
+            row = await cur.fetchone()
+            have = row[0] if row is not None else 0
         if have > SCHEMA_VERSION:
             raise RuntimeError(f"usage DB schema v{have} is newer than this llmd (v{SCHEMA_VERSION})")
         for v in range(have + 1, SCHEMA_VERSION + 1):
@@ -203,7 +204,7 @@ class Ledger:
         elif self._put("progress", params := [output_tokens, cached_tokens, request_id]):
             self._progress[request_id] = params
 
-    def close(self, request_id: str, *, status: str, tenant: str | None, key_id: str | None, model: str,
+    def close(self, request_id: str, *, status: str, tenant: str | None, key_id: str | None, model: str | None,
               version: str | None, prompt_tokens: int, cached_tokens: int, output_tokens: int,
               t_arrival: float, t_first_token: float | None, t_end: float, idempotency_key: str | None = None,
               priority_class: str | None = None, cost_multiplier: float = 1.0) -> None:

@@ -34,7 +34,7 @@ ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0
                2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
                    120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
-QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1) + LATENCY_BUCKETS  # most waits are sub-0.3 s
+QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, *LATENCY_BUCKETS)  # most waits are sub-0.3 s
 
 MT = ("model", "tenant")
 
@@ -122,7 +122,7 @@ class _Live:
                 f["info"].add_metric([name, version], 1)
         les = [floatToGoString(b) for b in ITL_BUCKETS] + ["+Inf"]
         for key, counts in self.m._itl_counts.items():
-            f["itl"].add_metric(list(key), list(zip(les, accumulate(counts))), self.m._itl_sum[key])
+            f["itl"].add_metric(list(key), list(zip(les, accumulate(counts), strict=True)), self.m._itl_sum[key])
         for key, cost in self.m._cost.items():
             tokens = self.m._cost_tokens[key]
             if tokens:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -127,7 +127,7 @@ class CompletionRequest(_Common):
         if isinstance(p, list) and p and not isinstance(p[0], int):
             if len(p) != 1:
                 raise bad_request("only one prompt per request is supported; send several requests", "prompt")
-            p = p[0]  # type: ignore[assignment]
+            p = p[0]
         if (isinstance(p, list) and not p) or p == "":
             raise bad_request("prompt must not be empty", "prompt")
         return p  # type: ignore[return-value]
@@ -145,7 +145,10 @@ def _param(loc: tuple[Any, ...]) -> str:
     return out
 
 
-def parse(cls: type[_Common], raw: bytes) -> _Common:
+Parsed = TypeVar("Parsed", bound="_Common")
+
+
+def parse(cls: type[Parsed], raw: bytes) -> Parsed:
     """Validate a JSON body; every failure becomes a 400 that names the offending field."""
     if not raw.strip():
         raise bad_request("the request body is empty; send a JSON object")
@@ -155,7 +158,8 @@ def parse(cls: type[_Common], raw: bytes) -> _Common:
         errs = e.errors()
         first = errs[0]
         if first["type"] in ("json_invalid", "json_type", "model_type"):
-            raise bad_request("We could not parse the JSON body of your request: expected a JSON object", code="invalid_json") from None
+            raise bad_request("We could not parse the JSON body of your request: expected a JSON object",
+                              code="invalid_json") from None
         param = _param(first["loc"])
         if first["type"] == "missing":
             raise bad_request(f"Missing required parameter: '{param}'", param, "missing_required_parameter") from None
@@ -164,7 +168,8 @@ def parse(cls: type[_Common], raw: bytes) -> _Common:
         raise bad_request(f"Invalid value for '{param}': {first['msg']}", param, "invalid_value") from None
     for name, allowed in _NEUTRAL.items():
         if name in cls.model_fields and getattr(req, name) not in allowed:
-            raise bad_request(f"'{name}' is not supported by this server (got {getattr(req, name)!r})", name, "unsupported_parameter")
+            raise bad_request(f"'{name}' is not supported by this server (got {getattr(req, name)!r})", name,
+                              "unsupported_parameter")
     if req.stream_options is not None and not req.stream:
         raise bad_request("The 'stream_options' parameter is only allowed when 'stream' is enabled.", "stream_options")
     return req
@@ -177,7 +182,8 @@ def json_object(raw: bytes | None) -> dict[str, Any]:
     except (json.JSONDecodeError, UnicodeDecodeError):
         body = None
     if not isinstance(body, dict):
-        raise bad_request("We could not parse the JSON body of your request: expected a JSON object", code="invalid_json")
+        raise bad_request("We could not parse the JSON body of your request: expected a JSON object",
+                          code="invalid_json")
     return body
 
 
@@ -205,14 +211,16 @@ def usage_chunk(rid: str, model: str, created: int, obj: str, u: dict[str, Any])
     return {"id": rid, "object": obj, "created": created, "model": model, "choices": [], "usage": u}
 
 
-def chat_response(rid: str, model: str, created: int, text: str, finish: str | None, u: dict[str, Any]) -> dict[str, Any]:
+def chat_response(rid: str, model: str, created: int, text: str, finish: str | None,
+                  u: dict[str, Any]) -> dict[str, Any]:
     return {"id": rid, "object": "chat.completion", "created": created, "model": model,
             "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
                          "logprobs": None, "finish_reason": finish}],
             "usage": u}
 
 
-def completion_response(rid: str, model: str, created: int, text: str, finish: str | None, u: dict[str, Any]) -> dict[str, Any]:
+def completion_response(rid: str, model: str, created: int, text: str, finish: str | None,
+                        u: dict[str, Any]) -> dict[str, Any]:
     return {"id": rid, "object": "text_completion", "created": created, "model": model,
             "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}],
             "usage": u}

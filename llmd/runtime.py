@@ -77,8 +77,9 @@ def build_runtime(cfg: ModelConfig, backend: Backend, tenants: list[TenantConfig
     detector = SaturationDetector(seats, sc.kv_high, sc.target_itl_ms, sc.target_itl_margin,
                                   clock=time.time, itl_samples=lambda: gaps)
     batch_seats = sc.batch_seats_with_interactive
-    core = SchedulerCore(queue, detector, backend.stats, ThroughputEstimate(sc.prior_tokens_per_s, clock=time.monotonic),
-                         clock=time.monotonic, rules=preemption_rules(sc.preempt_batch, sc.preempt_for_fairness),
+    throughput = ThroughputEstimate(sc.prior_tokens_per_s, clock=time.monotonic)
+    core = SchedulerCore(queue, detector, backend.stats, throughput, clock=time.monotonic,
+                         rules=preemption_rules(sc.preempt_batch, sc.preempt_for_fairness),
                          reserved_seats=sc.reserved_seats,
                          batch_seats_with_interactive=batch_seats if batch_seats is not None else max(1, seats // 4),
                          interactive_quiet_s=sc.interactive_quiet_s)

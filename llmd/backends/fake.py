@@ -16,7 +16,7 @@ import heapq
 import itertools
 import math
 import re
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 
 from llmd.backends.base import (
@@ -33,7 +33,12 @@ from llmd.backends.base import (
 from llmd.backends.tokenizer import TiktokenTokenizer
 from llmd.config import FakeEngineConfig
 
-WORDS = ["alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel", "india", "juliet", "kilo", "lima", "mike", "november", "oscar", "papa", "quebec", "romeo", "sierra", "tango", "uniform", "victor", "whiskey", "xray", "yankee", "zulu", "red", "orange", "yellow", "green", "blue", "indigo", "violet", "black", "white", "grey", "silver", "gold", "copper", "iron", "tin", "lead", "zinc", "river", "lake", "ocean", "sea", "hill", "mountain", "valley", "forest", "desert", "meadow", "cloud", "rain", "snow", "wind", "sun", "moon"]
+WORDS = (  # noqa: SIM905 - the word list reads better as prose
+    "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november "
+    "oscar papa quebec romeo sierra tango uniform victor whiskey xray yankee zulu red orange "
+    "yellow green blue indigo violet black white grey silver gold copper iron tin lead zinc "
+    "river lake ocean sea hill mountain valley forest desert meadow cloud rain snow wind sun moon"
+).split()
 WORD_ID_BASE = 1000  # synthetic token ids for the words: stable, so a resumed request can carry them
 EOS_MARKER = re.compile(r"\[\[eos:(\d+)\]\]")
 # `[[say:TEXT]]` in a prompt: the output is TEXT, 3 characters per token, then stop;
@@ -78,7 +83,8 @@ class _Req:
 class FakeBackend:
     """Test double for `Backend`: deterministic text, realistic scheduling; `kill()` simulates a crash."""
 
-    def __init__(self, model_name: str, version: str, max_model_len: int, cfg: FakeEngineConfig, tokenizer: TiktokenTokenizer) -> None:
+    def __init__(self, model_name: str, version: str, max_model_len: int, cfg: FakeEngineConfig,
+                 tokenizer: TiktokenTokenizer) -> None:
         self.model_name = model_name
         self.version = version
         self.max_model_len = max_model_len
@@ -154,7 +160,8 @@ class FakeBackend:
         return Prompt(token_ids=list(prompt), engine_input=list(prompt))
 
     # -- requests ---------------------------------------------------------------
-    def generate(self, request_id: str, prompt: Prompt, sampling: Sampling, priority: int = 0) -> AsyncIterator[Delta]:
+    def generate(self, request_id: str, prompt: Prompt, sampling: Sampling,
+                 priority: int = 0) -> AsyncGenerator[Delta, None]:
         """Stream deltas; the request is queued when iteration starts and dropped when the stream closes."""
         self._check_alive()
         if prompt.num_tokens == 0:
@@ -185,7 +192,7 @@ class FakeBackend:
             self._drop(req)
             req.queue.put_nowait(Delta(text="", num_tokens=0, finish_reason="abort"))
 
-    async def _stream(self, req: _Req) -> AsyncIterator[Delta]:
+    async def _stream(self, req: _Req) -> AsyncGenerator[Delta, None]:
         self._check_alive()
         if req.request_id in self._live:
             raise BackendError(f"request id {req.request_id!r} is already running")
@@ -303,7 +310,7 @@ class FakeBackend:
         req.queue.put_nowait(delta)
 
     def _fail_all(self, err: BaseException) -> None:
-        reqs = [r for r in self._running] + [w[2] for w in self._waiting]
+        reqs = list(self._running) + [w[2] for w in self._waiting]
         self._running, self._waiting = [], []
         for r in reqs:
             r.done = True

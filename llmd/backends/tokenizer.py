@@ -17,7 +17,7 @@ import zlib
 from collections.abc import Callable, Sequence
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import jinja2
 import regex
@@ -50,7 +50,7 @@ def _bytes_to_unicode() -> dict[int, str]:
             bs.append(b)
             cs.append(256 + n)
             n += 1
-    return {b: chr(c) for b, c in zip(bs, cs)}
+    return {b: chr(c) for b, c in zip(bs, cs, strict=True)}
 
 
 _BYTE_DECODER = {c: b for b, c in _bytes_to_unicode().items()}
@@ -69,7 +69,8 @@ def _jinja_env() -> ImmutableSandboxedEnvironment:
     def raise_exception(message: str) -> None:
         raise jinja2.TemplateError(message)
 
-    def tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None, sort_keys: bool = False) -> str:
+    def tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
+               sort_keys: bool = False) -> str:
         return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
@@ -83,7 +84,7 @@ class _SimpleCodec:
     """Word/punctuation pieces, one token each, id = crc32 mod 50000; for tests without model files."""
 
     n_vocab = 50000
-    specials = {"<|endoftext|>": 0, "<|im_start|>": 1, "<|im_end|>": 2}
+    specials: ClassVar[dict[str, int]] = {"<|endoftext|>": 0, "<|im_start|>": 1, "<|im_end|>": 2}
 
     def __init__(self) -> None:
         alts = "|".join(re.escape(s) for s in self.specials)
@@ -242,7 +243,8 @@ def _pre_tokenizer_pattern(pre: dict[str, Any] | None, where: str) -> str:
 def _hf_encoding(spec: dict[str, Any], where: str) -> tuple[tiktoken.Encoding, frozenset[int], bool]:
     """A tiktoken Encoding equivalent to a HF byte-level BPE; also the ids of filler bytes, and whether to NFC."""
     model = spec.get("model") or {}
-    if model.get("type") != "BPE" or model.get("byte_fallback") or model.get("continuing_subword_prefix") or model.get("end_of_word_suffix"):
+    if (model.get("type") != "BPE" or model.get("byte_fallback") or model.get("continuing_subword_prefix")
+            or model.get("end_of_word_suffix")):
         raise TokenizerError(f"{where}: not a byte-level BPE tokenizer (model {model.get('type')!r})")
     norm = spec.get("normalizer")
     if norm is not None and norm.get("type") != "NFC":

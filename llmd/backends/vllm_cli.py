@@ -24,7 +24,7 @@ def _version(name: str) -> str:
 
 
 def main() -> None:
-    md.version = _version
+    md.version = _version  # type: ignore[assignment]  # the same lookup, answered for the CPU wheel
     from vllm.entrypoints.cli.main import main as vllm_main
 
     vllm_main()

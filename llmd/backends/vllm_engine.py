@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +47,8 @@ class _StepLogger(StatLoggerBase):
     def __init__(self, stats: EngineStats) -> None:
         self._stats = stats
 
-    def record(self, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None, engine_idx: int = 0) -> None:
+    def record(self, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None,
+               engine_idx: int = 0) -> None:
         if scheduler_stats is None:
             return
         gen = iteration_stats.num_generation_tokens if iteration_stats is not None else 0
@@ -80,20 +81,20 @@ class VllmBackend:
 
     # -- lifecycle -------------------------------------------------------
     def _engine_args(self) -> AsyncEngineArgs:
-        kwargs: dict[str, Any] = dict(
-            model=str(self.model_path),
-            served_model_name=self.model_name,
-            max_model_len=self.cfg.max_model_len,
-            max_num_seqs=self.cfg.max_num_seqs,
-            max_num_batched_tokens=self.cfg.max_num_batched_tokens,
-            enable_prefix_caching=self.cfg.enable_prefix_caching,
-            enforce_eager=self.cfg.enforce_eager,
-            dtype=self.cfg.dtype,
-            scheduling_policy="priority",
-            disable_log_stats=False,
+        kwargs: dict[str, Any] = {
+            "model": str(self.model_path),
+            "served_model_name": self.model_name,
+            "max_model_len": self.cfg.max_model_len,
+            "max_num_seqs": self.cfg.max_num_seqs,
+            "max_num_batched_tokens": self.cfg.max_num_batched_tokens,
+            "enable_prefix_caching": self.cfg.enable_prefix_caching,
+            "enforce_eager": self.cfg.enforce_eager,
+            "dtype": self.cfg.dtype,
+            "scheduling_policy": "priority",
+            "disable_log_stats": False,
             # Standby versions sleep (weights offloaded, KV freed) where the platform can.
-            enable_sleep_mode=current_platform.is_sleep_mode_available(),
-        )
+            "enable_sleep_mode": current_platform.is_sleep_mode_available(),
+        }
         kwargs.update(self.cfg.extra)
         return AsyncEngineArgs(**kwargs)
 
@@ -166,7 +167,8 @@ class VllmBackend:
         return Prompt(token_ids=ids, engine_input={"prompt_token_ids": ids})
 
     # -- generation ------------------------------------------------------
-    async def generate(self, request_id: str, prompt: Prompt, sampling: Sampling, priority: int = 0) -> AsyncIterator[Delta]:
+    async def generate(self, request_id: str, prompt: Prompt, sampling: Sampling,
+                       priority: int = 0) -> AsyncGenerator[Delta, None]:
         engine = self._engine
         if engine is None:
             raise BackendError(f"model {self.model_name} is not loaded")

@@ -103,15 +103,17 @@ class BatchRunner:
         items, errors, model = await asyncio.to_thread(
             parse_file, data, b.endpoint, self.cfg.max_requests, self.cfg.max_line_bytes)
         who = principal_for(self.config, b.tenant, b.key_id)
-        name = parse_model(model)[0] if model is not None else None
-        if not errors and name is not None and (self.config.model(name) is None or who is None or who.tenant is None
-                                                or not who.tenant.may_use(name)):
+        if not errors and model is not None and not self._may_use(who, parse_model(model)[0]):
             errors = [_model_error(items[0].line, model)]
         if errors:
             await self._fail(b, [e.as_dict() for e in errors])
             return
         await self.store.add_items(b.id, items, model)
         log.info("batch_started", batch_id=b.id, tenant=b.tenant, model=model, items=len(items))
+
+    def _may_use(self, who: Principal | None, model: str) -> bool:
+        return (self.config.model(model) is not None and who is not None and who.tenant is not None
+                and who.tenant.may_use(model))
 
     async def _fail(self, b: Batch, errors: list[dict[str, Any]]) -> None:
         body = {"object": "list", "data": errors[:MAX_ERRORS]}
@@ -129,7 +131,11 @@ class BatchRunner:
                     break
                 t = asyncio.get_running_loop().create_task(self._item(b, item, cancel))
                 running.add(t)
-                t.add_done_callback(lambda t: (running.discard(t), slots.release()))
+
+                def done(t: asyncio.Task[None]) -> None:
+                    running.discard(t)
+                    slots.release()
+                t.add_done_callback(done)
             while running and not cancel.is_set():
                 await asyncio.wait([*running, cancelled], return_when=asyncio.FIRST_COMPLETED)
         finally:

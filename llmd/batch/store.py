@@ -129,14 +129,14 @@ class BatchStore(SqliteStore):
                          newest_first: bool = True) -> list[dict[str, Any]]:
         sql, args = "SELECT * FROM files WHERE tenant = ? AND deleted = 0", [tenant]
         if purpose:
-            sql, args = sql + " AND purpose = ?", args + [purpose]
+            sql, args = sql + " AND purpose = ?", [*args, purpose]
         order = "DESC" if newest_first else "ASC"
         if after:
             cmp = "<" if newest_first else ">"
             sql += f" AND (created_at, id) {cmp} (SELECT created_at, id FROM files WHERE id = ?)"
             args.append(after)
         sql += f" ORDER BY created_at {order}, id {order} LIMIT ?"
-        async with self.db.execute(sql, args + [limit]) as cur:
+        async with self.db.execute(sql, [*args, limit]) as cur:
             return [dict(r) for r in await cur.fetchall()]
 
     async def delete_file(self, tenant: str, file_id: str) -> bool:
@@ -163,7 +163,7 @@ class BatchStore(SqliteStore):
     async def get_batch(self, batch_id: str, tenant: str | None = None) -> Batch | None:
         sql, args = "SELECT * FROM batches WHERE id = ?", [batch_id]
         if tenant is not None:
-            sql, args = sql + " AND tenant = ?", args + [tenant]
+            sql, args = sql + " AND tenant = ?", [*args, tenant]
         async with self.db.execute(sql, args) as cur:
             row = await cur.fetchone()
         return _batch(row) if row else None
@@ -173,7 +173,7 @@ class BatchStore(SqliteStore):
         if after:
             sql += " AND (created_at, id) < (SELECT created_at, id FROM batches WHERE id = ?)"
             args.append(after)
-        async with self.db.execute(sql + " ORDER BY created_at DESC, id DESC LIMIT ?", args + [limit]) as cur:
+        async with self.db.execute(sql + " ORDER BY created_at DESC, id DESC LIMIT ?", [*args, limit]) as cur:
             return [_batch(r) for r in await cur.fetchall()]
 
     async def unfinished(self) -> list[Batch]:

@@ -28,7 +28,7 @@ def build(spec: FilterSpec, ask: Ask) -> InputFilter | OutputFilter:
         f = getattr(importlib.import_module(mod), cls)(name=spec.name, **spec.options)
         if not isinstance(f, (InputFilter, OutputFilter)):
             raise TypeError(f"filter {spec.name!r}: {spec.type} has neither check_prompt nor scan")
-        return f  # type: ignore[no-any-return]
+        return f
     if spec.type == "blocklist":
         return Blocklist(spec.name, spec.words, spec.patterns, spec.action)
     if spec.type == "pii":
@@ -50,6 +50,7 @@ class Filters:
 
     def __init__(self, config: Config, ask: Ask) -> None:
         self.by_name = {s.name: build(s, ask) for s in config.filters}
+        uses: list[tuple[str, type[InputFilter] | type[OutputFilter], str]]
         uses = [(n, InputFilter, "prompts") for m in config.models for n in m.filters.input]
         uses += [(n, OutputFilter, "output") for m in config.models for n in m.filters.output]
         uses += [(n, InputFilter, "prompts") for t in config.tenants for n in t.input_filters]

@@ -29,7 +29,7 @@ class Guard:
         gen = backend.generate(rid, prompt, Sampling(max_tokens=3, temperature=0.0), ENGINE_PRIORITY[INTERACTIVE])
         finished = False
         try:
-            async with contextlib.aclosing(gen):  # type: ignore[type-var]
+            async with contextlib.aclosing(gen):
                 async for d in gen:
                     parts.append(d.text)
                     finished = d.finish_reason is not None

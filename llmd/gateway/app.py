@@ -7,26 +7,28 @@ parses and frames; the node's collaborators (llmd/node.py) do the rest.
 from __future__ import annotations
 
 import asyncio
+import math
 import re
 import uuid
 
 from sanic import Request, Sanic
-from sanic.response import HTTPResponse
+from sanic.response import BaseHTTPResponse
 
 from llmd.auth import Authenticator, Principal, require_admin
 from llmd.gateway import batches, generate, node_routes, registry
 from llmd.gateway.errors import OpenAIErrorHandler
+from llmd.gateway.types import App
 from llmd.node import Node
 
 _CLIENT_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 
 
-def create_app(node: Node, name: str = "llmd", load_models: bool = True) -> Sanic:
+def create_app(node: Node, name: str = "llmd", load_models: bool = True) -> App:
     config = node.config
     app = Sanic(name, error_handler=OpenAIErrorHandler())
     srv = config.server
     app.config.REQUEST_MAX_SIZE = srv.max_body_bytes
-    app.config.RESPONSE_TIMEOUT = srv.max_deadline_s + 60
+    app.config.RESPONSE_TIMEOUT = math.ceil(srv.max_deadline_s) + 60
     app.config.REQUEST_TIMEOUT = 60
     app.config.NOISY_EXCEPTIONS = False
     app.ctx.node = node
@@ -50,7 +52,7 @@ def create_app(node: Node, name: str = "llmd", load_models: bool = True) -> Sani
     return app
 
 
-def _track_ids(app: Sanic) -> None:
+def _track_ids(app: App) -> None:
     @app.on_request
     async def _assign_id(request: Request) -> None:
         # Our id is always unique (the ledger's key); a client's own id is echoed and logged.
@@ -59,24 +61,25 @@ def _track_ids(app: Sanic) -> None:
         request.ctx.client_request_id = given if given and _CLIENT_ID.match(given) else None
         request.ctx.response_id = request.ctx.client_request_id or request.ctx.request_id
 
-    @app.on_response
-    async def _echo_id(request: Request, response: HTTPResponse) -> None:
+    async def _echo_id(request: Request, response: BaseHTTPResponse) -> None:
         rid = getattr(request.ctx, "response_id", None)
         if rid and "X-Request-ID" not in response.headers:
             response.headers["X-Request-ID"] = rid
 
+    app.register_middleware(_echo_id, "response")
 
-def _run_node(app: Sanic, node: Node, load_models: bool) -> None:
+
+def _run_node(app: App, node: Node, load_models: bool) -> None:
     @app.before_server_start
-    async def _open(app: Sanic) -> None:
+    async def _open(app: App) -> None:
         await node.open()
 
     if load_models:
         # Load in the background so /health answers (and /ready says 503) while engines start.
         @app.after_server_start
-        async def _load(app: Sanic) -> None:
+        async def _load(app: App) -> None:
             app.ctx.loader = asyncio.get_running_loop().create_task(node.load())
 
     @app.before_server_stop
-    async def _close(app: Sanic) -> None:
+    async def _close(app: App) -> None:
         await node.close()

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from sanic import Request, Sanic
+from sanic import Request
 from sanic.response import HTTPResponse, raw
 from sanic.response import json as json_response
 
@@ -20,10 +20,11 @@ from llmd.batch.runner import BatchRunner
 from llmd.batch.store import Batch, BatchStore
 from llmd.config import BatchConfig
 from llmd.errors import APIError, bad_request, not_found
+from llmd.gateway.types import App
 from llmd.protocol import json_object
 
 
-def add_routes(app: Sanic, store: BatchStore, runner: BatchRunner, cfg: BatchConfig,
+def add_routes(app: App, store: BatchStore, runner: BatchRunner, cfg: BatchConfig,
                principal: Callable[[Request], Principal]) -> None:
     scope = _Scope(store, runner, cfg, principal)
     _file_routes(app, scope)
@@ -59,15 +60,17 @@ class _Scope:
         return b
 
 
-def _file_routes(app: Sanic, sc: _Scope) -> None:
+def _file_routes(app: App, sc: _Scope) -> None:
     @app.post("/v1/files", stream=True)
     async def upload(request: Request) -> HTTPResponse:
         tenant = sc.tenant_of(request)
         # A streamed route has no size limit of its own: set this one's before reading.
+        assert request.stream is not None  # a stream=True route
         request.stream.request_max_size = sc.cfg.max_file_bytes + 64 * 1024  # + the multipart framing
-        await request.receive_body()
+        await request.receive_body()  # type: ignore[no-untyped-call]  # sanic leaves it unannotated
         if not (request.content_type or "").startswith("multipart/form-data"):
             raise bad_request("upload the file as multipart/form-data with fields 'file' and 'purpose'")
+        assert request.form is not None and request.files is not None  # parsed from multipart
         purpose = request.form.get("purpose")
         if purpose != "batch":
             raise bad_request(f"purpose must be 'batch' (got {purpose!r})", "purpose", "invalid_value")
@@ -114,7 +117,7 @@ def _file_routes(app: Sanic, sc: _Scope) -> None:
         return json_response({"id": file_id, "object": "file", "deleted": True})
 
 
-def _batch_routes(app: Sanic, sc: _Scope) -> None:
+def _batch_routes(app: App, sc: _Scope) -> None:
     @app.post("/v1/batches")
     async def create_batch(request: Request) -> HTTPResponse:
         who = sc.principal(request)

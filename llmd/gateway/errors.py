@@ -29,7 +29,8 @@ class OpenAIErrorHandler(ErrorHandler):
         if isinstance(exception, APIError):
             return error_response(exception, rid)
         if isinstance(exception, asyncio.CancelledError):  # the client left; nobody reads this
-            return error_response(APIError(499, "client closed the request", "server_error", "client_disconnected"), rid)
+            gone = APIError(499, "client closed the request", "server_error", "client_disconnected")
+            return error_response(gone, rid)
         if isinstance(exception, SanicException):
             status = exception.status_code
             etype = "invalid_request_error" if status < 500 else "server_error"

@@ -14,14 +14,15 @@ import contextlib
 import json
 from collections.abc import Callable
 
-from sanic import Request, Sanic
-from sanic.response import HTTPResponse, ResponseStream
+from sanic import Request
+from sanic.response import HTTPResponse
 from sanic.response import json as json_response
 
 from llmd import protocol, streaming
 from llmd.auth import Principal
 from llmd.batch import objects as batch_objects
 from llmd.errors import AdmissionRefused, APIError
+from llmd.gateway.types import App
 from llmd.idempotency import LiveRun, request_hash
 from llmd.lifecycle import RequestLife
 from llmd.limits import deadline_seconds
@@ -38,13 +39,14 @@ BATCH_OK_HEADER = "x-llmd-batch-ok"  # "1": when degraded to the batch tier, tak
 Request_ = ChatRequest | CompletionRequest
 
 
-def add_routes(app: Sanic, node: Node, principal: Callable[[Request], Principal]) -> None:
+def add_routes(app: App, node: Node, principal: Callable[[Request], Principal]) -> None:
     async def generate(request: Request, cls: type[Request_]) -> HTTPResponse | None:
         try:
             return await _generate(request, node, principal, cls)
         except AdmissionRefused as e:
             # Degraded to the batch tier, and this client said it takes a batch instead of a 503.
-            if e.reason != "overloaded_use_batch" or request.headers.get(BATCH_OK_HEADER, "").lower() not in ("1", "true"):
+            takes_batch = request.headers.get(BATCH_OK_HEADER, "").lower() in ("1", "true")
+            if e.reason != "overloaded_use_batch" or not takes_batch:
                 raise
             b = await batch_objects.submit_one(node.batches, node.batch_runner, principal(request), request.path,
                                                json.loads(request.body), request.ctx.request_id)
@@ -96,7 +98,7 @@ def _frame(i: int | None, payload: str) -> str:
 
 async def _stream_inline(request: Request, job: Job, req: Request_) -> None:
     """A stream whose reader is its only owner: a disconnect cancels it (and aborts the engine request)."""
-    response: ResponseStream | None = None
+    response: HTTPResponse | None = None
 
     async def emit(payload: str) -> None:
         nonlocal response
@@ -108,7 +110,7 @@ async def _stream_inline(request: Request, job: Job, req: Request_) -> None:
     await streaming.pump(job, req, emit)
     if response is not None:
         with contextlib.suppress(Exception):
-            await response.eof()
+            await response.eof()  # type: ignore[no-untyped-call]  # sanic leaves it unannotated
 
 
 async def _open_run(request: Request, node: Node, life: RequestLife, who: Principal, req: Request_, key: str,
@@ -147,9 +149,9 @@ async def _read_run(request: Request, node: Node, run: LiveRun, last_id: int) ->
             return json_response(out.body, status=out.status, headers=out.headers | own_id)
         await run.wait_start()
         if not run.started:  # failed before its first payload: a plain HTTP error
-            out = run.outcome
-            assert out is not None
-            return json_response(out.body, status=out.status, headers=out.headers | own_id)
+            failed = run.outcome
+            assert failed is not None
+            return json_response(failed.body, status=failed.status, headers=failed.headers | own_id)
         response = await request.respond(content_type="text/event-stream",
                                          headers=run.headers | own_id | {"Cache-Control": "no-cache"})
         async for i, payload in run.follow(last_id + 1):

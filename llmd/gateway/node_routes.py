@@ -6,19 +6,20 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
-from sanic import Request, Sanic
+from sanic import Request
 from sanic.response import HTTPResponse
 from sanic.response import json as json_response
 
 from llmd.auth import Principal
 from llmd.errors import APIError, not_found
+from llmd.gateway.types import App
 from llmd.node import Node
 from llmd.registry.registry import Registry
 
 USAGE_GROUPS = {"tenant", "model", "day", "status", "version"}
 
 
-def add_routes(app: Sanic, node: Node, principal: Callable[[Request], Principal],
+def add_routes(app: App, node: Node, principal: Callable[[Request], Principal],
                admin: Callable[[Request], None]) -> None:
     registry = node.registry
 

@@ -14,18 +14,19 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from sanic import Request, Sanic
+from sanic import Request
 from sanic.response import HTTPResponse
 from sanic.response import json as json_response
 
 from llmd.errors import APIError, bad_request
+from llmd.gateway.types import App
 from llmd.protocol import json_object
 from llmd.registry.registry import Registry, RegistryError
 
 DEFAULT_DRAIN_S = 30.0
 
 
-def add_routes(app: Sanic, registry: Registry, admin: Callable[[Request], None]) -> None:
+def add_routes(app: App, registry: Registry, admin: Callable[[Request], None]) -> None:
     async def guarded(request: Request, call: Callable[[], Awaitable[dict[str, Any]]]) -> HTTPResponse:
         admin(request)
         try:

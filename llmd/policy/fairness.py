@@ -31,10 +31,10 @@ class FairnessPolicy(ABC):
     def pick(self, heads: Mapping[str, QueuedRequest]) -> str:
         """The tenant to serve next, given each backlogged tenant's head request."""
 
-    def on_dispatch(self, req: QueuedRequest) -> None:
+    def on_dispatch(self, req: QueuedRequest) -> None:  # noqa: B027 - an optional hook, no-op by default
         """A request left the queue for the engine."""
 
-    def on_output(self, tenant: str, tokens: int) -> None:
+    def on_output(self, tenant: str, tokens: int) -> None:  # noqa: B027 - an optional hook, no-op by default
         """`tokens` more output tokens were produced for `tenant`."""
 
     def snapshot(self) -> dict[str, float]:
@@ -78,7 +78,8 @@ class VTCFairness(FairnessPolicy):
         return min(heads, key=lambda t: (self.counters.get(t, 0.0), heads[t].seq))
 
     def on_dispatch(self, req: QueuedRequest) -> None:
-        self.counters[req.tenant] = self.counters.get(req.tenant, 0.0) + req.input_tokens * self.w_in / self._weight(req.tenant)
+        charge = req.input_tokens * self.w_in / self._weight(req.tenant)
+        self.counters[req.tenant] = self.counters.get(req.tenant, 0.0) + charge
 
     def on_output(self, tenant: str, tokens: int) -> None:
         self.counters[tenant] = self.counters.get(tenant, 0.0) + tokens * self.w_out / self._weight(tenant)

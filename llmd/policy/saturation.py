@@ -52,8 +52,9 @@ class ITLController:
     It steers on the gaps between a request's tokens as they reach the gateway (the service
     feeds them in): what clients see, a preempted request's wait included. vLLM's own ITL
     samples ran 10% under the clients' p95 in bench/fairness.py (c) and let the limit grow
-    past the target. Clients add their read loop, so the controller aims at `margin` x target. A cut scales with the overshoot (never
-    below half), so a limit far too high converges in a few windows, not dozens. A cut
+    past the target. Clients add their read loop, so the controller aims at `margin` x target.
+    A cut scales with the overshoot (never below half), so a limit far too high converges in
+    a few windows, not dozens. A cut
     is judged only on latency measured after the previous cut took effect: running must
     have come down to the limit and a full window (6 s; half of one when p95 is over 1.25x
     the aim) must have passed, or one noisy window (a burst of prefills, say) would drive

@@ -77,7 +77,7 @@ def table(stats: list[dict[str, Any]]) -> str:
     head = ["", *(s["version"][:12] for s in stats)]
     cells = [head] + [[label, *(_fmt(fmt, s[key]) for s in stats)] for label, key, fmt in ROWS]
     widths = [max(len(row[i]) for row in cells) for i in range(len(head))]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in cells)
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in cells)
 
 
 def _fmt(fmt: str, value: Any) -> str:

@@ -151,7 +151,8 @@ class Registry:
                 await self.runtimes[name][v].backend.wake_up()
                 self.asleep[name].discard(v)
         for v in self.runtimes[name]:
-            want = "active" if weights.get(v, 0) > 0 else ("standby" if states.get(v) in ("active", None) else states[v])
+            idle = "standby" if states.get(v) in ("active", None) else states[v]
+            want = "active" if weights.get(v, 0) > 0 else idle
             if states.get(v) != want:
                 states[v] = want
                 await self.store.set_state(name, v, want)
@@ -245,7 +246,7 @@ class Registry:
             self._publish()
         rt = self.runtimes[name][vid]
         end = time.monotonic() + timeout_s
-        while rt.in_flight and time.monotonic() < end:
+        while rt.in_flight and time.monotonic() < end:  # noqa: ASYNC110 - no event fires when a version empties
             await asyncio.sleep(0.05)
         left = rt.in_flight
         if not left and vid not in self.asleep.get(name, set()) and await rt.backend.sleep():
@@ -274,7 +275,7 @@ class Registry:
     def describe(self, name: str) -> dict[str, Any]:
         rts = self._model(name)
         weights = self._weights.get(name, {})
-        return {"model": name, "split": {v: w for v, w in weights.items()},
+        return {"model": name, "split": dict(weights.items()),
                 "versions": [{"version": v, "state": self.states[name].get(v), "weight": weights.get(v, 0.0),
                               "asleep": v in self.asleep.get(name, set()),
                               "configured": v == self.configured.get(name), "in_flight": rt.in_flight,

@@ -1,0 +1,34 @@
+"""Service configuration: one TOML file, validated in full at start-up.
+
+Every mistake is reported with the file and the dotted key it concerns, so an operator
+never has to guess which line of a long config is wrong. `parts.py` holds the sections,
+`root.py` the whole file and its loading.
+"""
+
+from llmd.config.parts import (
+    DEFAULT_CONFIG_ENV,
+    KEY_HASH,
+    PII_KINDS,
+    AuthConfig,
+    BatchConfig,
+    ConfigError,
+    DegradationConfig,
+    EngineConfig,
+    FakeEngineConfig,
+    FilteringConfig,
+    FilterSpec,
+    ModelConfig,
+    PIIKind,
+    PricingConfig,
+    PriorityClass,
+    SchedulingConfig,
+    ServerConfig,
+    TenantConfig,
+)
+from llmd.config.root import Config, load_config
+
+__all__ = [
+    "DEFAULT_CONFIG_ENV", "KEY_HASH", "PII_KINDS", "AuthConfig", "BatchConfig", "Config", "ConfigError",
+    "DegradationConfig", "EngineConfig", "FakeEngineConfig", "FilterSpec", "FilteringConfig", "ModelConfig",
+    "PIIKind", "PricingConfig", "PriorityClass", "SchedulingConfig", "ServerConfig", "TenantConfig", "load_config",
+]
