@@ -93,7 +93,8 @@ async def submit_batch(client: httpx.AsyncClient, srv: Srv, a: argparse.Namespac
     return b["id"]
 
 
-async def with_batch(client: httpx.AsyncClient, srv: Srv, sampler: AdminSampler, a: argparse.Namespace) -> dict[str, Any]:
+async def with_batch(client: httpx.AsyncClient, srv: Srv, sampler: AdminSampler,
+                     a: argparse.Namespace) -> dict[str, Any]:
     """Steps 3-5: the batch alone, the chats beside it, then the batch alone again; then cancelled."""
     batch_id = await submit_batch(client, srv, a)
     await asyncio.sleep(a.ramp_s)
@@ -142,7 +143,8 @@ async def run(bench: Bench) -> dict[str, Any]:
 
 def report_lines(r: dict[str, Any], a: argparse.Namespace, seconds: float, version: str) -> list[str]:
     s, u = r["solo"], r["under"]
-    verdicts = [(f"chat TTFT p95 with the batch {u['p95']:.3f}s <= 1.2 x solo {s['p95']:.3f}s", u["p95"] <= 1.2 * s["p95"]),
+    verdicts = [(f"chat TTFT p95 with the batch {u['p95']:.3f}s <= 1.2 x solo {s['p95']:.3f}s",
+                 u["p95"] <= 1.2 * s["p95"]),
                 (f"batch throughput alone {r['after_tps']:.1f} tok/s >= 0.9 x engine reference {r['ref_tps']:.1f}",
                  r["after_tps"] >= 0.9 * r["ref_tps"])]
     rows = [

@@ -86,7 +86,8 @@ async def run(bench: Bench) -> dict[str, PartResult]:
 def write_docs(args: argparse.Namespace, results: dict[str, PartResult], elapsed: float) -> None:
     """Replace the subsections of the parts that ran in the Fairness section."""
     intro = [("How well llmd keeps tenants apart on one engine; produced by `bench/fairness.py`. Settings for every "
-             f"server: model `{args.name}`, dtype float32, eager, max_model_len 2048, max_num_seqs {args.max_num_seqs}, "
+             f"server: model `{args.name}`, dtype float32, eager, max_model_len 2048, "
+             f"max_num_seqs {args.max_num_seqs}, "
              f"max_num_batched_tokens {args.max_num_batched_tokens}, prefix caching on, {args.kv_gib} GiB KV cache; "
              "2-core CPU box, client in the same machine. Each subsection names the run that produced it.")]
     cmd = report.command()
@@ -117,8 +118,8 @@ def main() -> int:
         print(f"\n### {r.title}\n")
         print("\n".join(r.lines))
     ok = all(v for r in results.values() for _, v in r.verdicts)
-    print(f"\nrun time {elapsed / 60:.1f} min ({', '.join(f'part {k} {r.seconds / 60:.1f}' for k, r in results.items())}), "
-          f"{bench.n_servers} server starts")
+    part_times = ", ".join(f"part {k} {r.seconds / 60:.1f}" for k, r in results.items())
+    print(f"\nrun time {elapsed / 60:.1f} min ({part_times}), {bench.n_servers} server starts")
     if args.quick or args.no_docs:
         print("docs not written (--quick or --no-docs)")
     else:

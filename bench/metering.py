@@ -252,7 +252,8 @@ def _serve_lines(so: dict[str, Any], ok: bool) -> list[str]:
     cost = 1 - so["pooled"]
     head = ["round", "with ledger req/s", "without req/s", "ratio", "serving loop busy, with / without",
             "serving-process CPU µs/req, with / without"]
-    rows = [[i + 1, f"{w:.1f}", f"{wo:.1f}", f"{w / wo:.3f}", f"{bw:.2f} / {bwo:.2f}", f"{cw * 1e6:.0f} / {cwo * 1e6:.0f}"]
+    rows = [[i + 1, f"{w:.1f}", f"{wo:.1f}", f"{w / wo:.3f}", f"{bw:.2f} / {bwo:.2f}",
+             f"{cw * 1e6:.0f} / {cwo * 1e6:.0f}"]
             for i, (w, wo, bw, bwo, cw, cwo) in enumerate(zip(so["with"], so["without"], so["busy_with"],
                                                               so["busy_without"], so["cpu_with"], so["cpu_without"],
                                                               strict=True))]

@@ -131,7 +131,8 @@ async def _drive(bench: Bench, srv: Srv, scheds: dict[str, list[float]]) -> tupl
         sampler.start()
         t0 = time.monotonic() + 0.2
         senders = [asyncio.create_task(open_loop(client, srv, t, sched, t0, "/v1/completions", _bodies(a, t),
-                                                 srv.headers(t), None, results[t], tasks)) for t, sched in scheds.items()]
+                                                 srv.headers(t), None, results[t], tasks))
+                   for t, sched in scheds.items()]
         await asyncio.sleep(t0 + a.share_duration_s - time.monotonic())
         t_end = time.monotonic()
         await cancel_all(senders)
@@ -160,8 +161,9 @@ async def share_run(bench: Bench, srv: Srv, label: str, sched_a: list[float], sc
            "sent": {t: len(v) for t, v in results.items()}, "statuses": {t: statuses(v) for t, v in results.items()},
            "seats": seat_summary(sampler.samples), "duration": D, "preempted": preempted(sampler.samples),
            "fairness_counters": sampler.samples[-1]["fairness"] if sampler.samples else None}
-    print(f"    {label}: max |S_A-S_B| {row['max_diff']:.0f}, final {row['final_diff']:.0f}, preempted {row['preempted']}, "
-          f"{row['tps']:.0f} tok/s (A {row['tps_a']:.0f}, B {row['tps_b']:.0f}); A: {row['statuses']['a']}; "
+    print(f"    {label}: max |S_A-S_B| {row['max_diff']:.0f}, final {row['final_diff']:.0f}, "
+          f"preempted {row['preempted']}, {row['tps']:.0f} tok/s (A {row['tps_a']:.0f}, B {row['tps_b']:.0f}); "
+          f"A: {row['statuses']['a']}; "
           f"B: {row['statuses']['b']}", flush=True)
     return row
 

@@ -77,8 +77,9 @@ async def itl_run(bench: Bench, srv: Srv, label: str, warmup_s: float) -> dict[s
            "tok_per_chunk": stats.mean(ratios),
            "seats": seat_summary(sampler.between(t0, t1)), "statuses": statuses(w.results),
            "seat_trace": seat_trace(sampler.samples, t0), "preempted": preempted(sampler.between(t0, t1))}
-    print(f"    {label}: ITL p50 {row['p50']:.0f} ms p95 {row['p95']:.0f} ms (engine step p95 {row['step_p95']:.0f} ms); "
-          f"{row['tps']:.0f} tok/s; seats {row['seats']}; preempted {row['preempted']}", flush=True)
+    print(f"    {label}: ITL p50 {row['p50']:.0f} ms p95 {row['p95']:.0f} ms "
+          f"(engine step p95 {row['step_p95']:.0f} ms); {row['tps']:.0f} tok/s; seats {row['seats']}; "
+          f"preempted {row['preempted']}", flush=True)
     return row
 
 
@@ -112,7 +113,8 @@ def _lines(a: argparse.Namespace, rows: list[dict[str, Any]], best: dict[str, An
         "which must first shrink its seats while the initial streams run out). 'engine step p95' is the p95 "
         "interval between engine steps and 'engine tok/s' the tokens the engine generated in the window, both from "
         "/admin/engines?since= (for reference; 'out tok/s' is counted by the client). Target = "
-        + (f"{target:g} ms (given)" if a.itl_target_ms else f"{a.itl_target_factor:g} x unconstrained p95 = {target:g} ms")
+        + (f"{target:g} ms (given)" if a.itl_target_ms
+           else f"{a.itl_target_factor:g} x unconstrained p95 = {target:g} ms")
         + f". Sweep of static max_running (no target) over {a.sweep}, largest first"
         + ("" if a.full_sweep else ", stopping at the first value whose p95 meets the target (throughput and ITL "
            "both grow with max_running, so that one is the best hand-tuned setting)") + ".",

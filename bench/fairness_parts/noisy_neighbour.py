@@ -96,13 +96,11 @@ def _verdicts(rows: dict[str, dict[str, Any]]) -> list[tuple[str, bool]]:
     for key in FLOODED:
         if (r := rows.get(key)) is None:
             continue
-        for q in ("p50", "p95"):
-            out.append((f"{r['config']}: B TTFT {q} {r[q]:.3f}s within +1 s of solo {solo[q]:.3f}s",
-                        r[q] <= solo[q] + 1.0))
+        out.extend((f"{r['config']}: B TTFT {q} {r[q]:.3f}s within +1 s of solo {solo[q]:.3f}s",
+                    r[q] <= solo[q] + 1.0) for q in ("p50", "p95"))
         if key == "itl":
-            for q in ("p50", "p95"):
-                out.append((f"{r['config']}: B TTFT {q} {r[q]:.3f}s within 2x of solo {solo[q]:.3f}s",
-                            r[q] <= 2 * solo[q]))
+            out.extend((f"{r['config']}: B TTFT {q} {r[q]:.3f}s within 2x of solo {solo[q]:.3f}s",
+                        r[q] <= 2 * solo[q]) for q in ("p50", "p95"))
     return out
 
 
@@ -129,7 +127,8 @@ def _lines(a: argparse.Namespace, rows: dict[str, dict[str, Any]], target: float
     ]
     for key, r in rows.items():
         if key in FLOODED:
-            lines += [f"seat_limit/running and queue depth, {r['config']} (t from B's first chat): {r['seat_trace']}", ""]
+            lines += [f"seat_limit/running and queue depth, {r['config']} (t from B's first chat): {r['seat_trace']}",
+                      ""]
     return lines + report.verdict_lines(verdicts)
 
 

@@ -19,7 +19,7 @@ import sys
 import time
 import urllib.request
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -177,14 +177,10 @@ def stop(proc: subprocess.Popen[bytes], grace: float = 30.0) -> None:
     group and wait until the group is gone, so the next server never overlaps this one."""
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
-        try:
+        with suppress(subprocess.TimeoutExpired):
             proc.wait(grace)
-        except subprocess.TimeoutExpired:
-            pass
-    try:  # its own session: the group id is its PID; sweep engine children left behind
+    with suppress(ProcessLookupError):  # its own session: the group id is its PID; sweep engine children left behind
         os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
     proc.wait()
     for _ in range(100):
         try:

@@ -167,7 +167,7 @@ def test_settle_is_idempotent() -> None:
 
 
 def test_request_too_large() -> None:
-    ac, t, clock = setup(tokens_per_minute=600)
+    ac, t, _ = setup(tokens_per_minute=600)
     e = refused(ac, t, 601)
     assert (e.status, e.code) == (429, "request_too_large")
     assert e.reason == "request_too_large"
@@ -252,7 +252,7 @@ def test_unconfigured_tenant_gets_state_lazily() -> None:
 
 def test_requests_per_minute_bucket() -> None:
     ac, t, clock = setup(requests_per_minute=2)
-    kw: dict[str, Any] = dict(queue_depth=0, max_queue=10, est_wait_s=0.0, time_left_s=60.0)
+    kw: dict[str, Any] = {"queue_depth": 0, "max_queue": 10, "est_wait_s": 0.0, "time_left_s": 60.0}
     ac.settle(admitted(ac, t, 10, **kw), 10)
     ac.settle(admitted(ac, t, 10, **kw), 10)
     e = refused(ac, t, 10, **kw)

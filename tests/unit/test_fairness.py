@@ -65,7 +65,8 @@ def max_gap(trace: list[dict[str, float]], start: int = 20) -> float:
 def test_vtc_gap_stays_bounded_while_fcfs_grows() -> None:
     seats = 4
     # Both stay backlogged; B offers twice A's demand (20 × 40 vs 1 × 400 per 10 steps).
-    vtc = simulate(ClassQueue(VTCFairness({}, W_IN, W_OUT), lambda t: "fifo"), backlogged_pair(1, 20, 3000), 3000, seats)
+    vtc = simulate(ClassQueue(VTCFairness({}, W_IN, W_OUT), lambda t: "fifo"), backlogged_pair(1, 20, 3000), 3000,
+                   seats)
     fcfs = simulate(ClassQueue(FCFSFairness(), lambda t: "fifo"), backlogged_pair(1, 20, 3000), 3000, seats)
     # The paper's bound: 2 × seats × the largest single request's service (input × w_in + output × w_out).
     bound = 2 * seats * (200 * W_IN + 100 * W_OUT)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import math
 import statistics
 from collections.abc import AsyncIterator
@@ -30,11 +31,10 @@ async def be() -> AsyncIterator[FakeBackend]:
     await b.stop()
 
 
-async def collect(b: FakeBackend, rid: str, text: str, max_tokens: int = 8, stop: tuple[str, ...] = (), priority: int = 0) -> list[Delta]:
-    out = []
-    async for d in b.generate(rid, b.render_completion(text), Sampling(max_tokens=max_tokens, stop=stop), priority):
-        out.append(d)
-    return out
+async def collect(b: FakeBackend, rid: str, text: str, max_tokens: int = 8, stop: tuple[str, ...] = (),
+                  priority: int = 0) -> list[Delta]:
+    sampling = Sampling(max_tokens=max_tokens, stop=stop)
+    return [d async for d in b.generate(rid, b.render_completion(text), sampling, priority)]
 
 
 def joined(ds: list[Delta]) -> str:
@@ -184,7 +184,7 @@ async def test_step_time_grows_with_batch() -> None:
             await asyncio.gather(*(collect(b, f"{n}-{i}", f"p{i}", max_tokens=12) for i in range(n)))
             hist = [r for r in b.stats.history if r.running == n]
             assert len(hist) >= 10
-            return statistics.mean(y.t - x.t for x, y in zip(hist, hist[1:]))
+            return statistics.mean(y.t - x.t for x, y in itertools.pairwise(hist))
 
         one, eight = await interval(1), await interval(8)
         assert eight > 2 * one  # 25 ms vs 4 ms per step nominally; a generous bound

@@ -81,7 +81,8 @@ def test_window_catches_a_match_split_across_chunks() -> None:
 
 def test_window_redacts_email_and_card_split_across_chunks() -> None:
     w = OutputWindow([PII("pii")], holdback_tokens=8)
-    pieces = ["Write to ", "jo", "hn.do", "e@exa", "mple.", "com or pay ", "with 4111 ", "1111 ", "1111 ", "1111", " ok"]
+    pieces = ["Write to ", "jo", "hn.do", "e@exa", "mple.", "com or pay ",
+              "with 4111 ", "1111 ", "1111 ", "1111", " ok"]
     sent, hit = stream(w, pieces)
     assert hit is None
     assert sent == "Write to [REDACTED:email] or pay with [REDACTED:card] ok"

@@ -5,7 +5,8 @@ is metered as `filtered` with the tokens produced and the rule named, never the 
 from __future__ import annotations
 
 import json
-from typing import Any
+from collections.abc import AsyncIterable
+from typing import Any, TypeVar
 
 import httpx
 import openai
@@ -14,6 +15,8 @@ import pytest
 from llmd.auth import hash_key
 from llmd.filters import Match
 from tests.conftest import LiveServer, async_wait_until
+
+T = TypeVar("T")
 
 KEY, KEY_STRICT = "sk-llmd-filter-a", "sk-llmd-filter-strict"
 TOML = f"""
@@ -91,7 +94,8 @@ async def test_blocked_prompt_never_reaches_the_engine(make_server, records, pro
     assert e.value.status_code == 400 and e.value.code == "content_filter"
     assert live.backend().submitted == []
     rec = records[-1]
-    assert rec["status"] == "filtered" and rec["filter"] == "words/word:0" and rec["decision"] == "filtered:words/word:0"
+    assert rec["status"] == "filtered" and rec["filter"] == "words/word:0"
+    assert rec["decision"] == "filtered:words/word:0"
     assert "forbidden" not in json.dumps(rec).lower()
     (row,) = await usage_rows(live)
     assert row["status"] == "filtered" and row["output_tokens"] == 0
@@ -134,13 +138,13 @@ async def test_stream_stopped_mid_flight_by_a_split_match(make_server, records) 
     live = await make_server(TOML)
     script = "Here is a long harmless opening sentence, and then the forbid|den phrase appears."
     body = {"model": "fake", "prompt": f"[[say:{script}]]", "max_tokens": 200, "stream": True}
-    events: list[dict] = []
-    async with httpx.AsyncClient(base_url=live.base, timeout=30) as h:
-        async with h.stream("POST", "/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}) as r:
-            assert r.status_code == 200
-            async for line in r.aiter_lines():
-                if line.startswith("data: ") and line != "data: [DONE]":
-                    events.append(json.loads(line[6:]))
+    async with (
+        httpx.AsyncClient(base_url=live.base, timeout=30) as h,
+        h.stream("POST", "/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}) as r,
+    ):
+        assert r.status_code == 200
+        events: list[dict] = [json.loads(line[6:]) async for line in r.aiter_lines()
+                              if line.startswith("data: ") and line != "data: [DONE]"]
     text = "".join(e["choices"][0]["text"] for e in events if e.get("choices"))
     assert text.startswith("Here is a long harmless") and "forbidden" not in text  # tokens went out first
     assert events[-2]["choices"][0]["finish_reason"] == "content_filter"
@@ -155,14 +159,19 @@ async def test_stream_stopped_mid_flight_by_a_split_match(make_server, records) 
     assert row["output_tokens"] == rec["output_tokens"]
 
 
+async def drain(stream: AsyncIterable[T], into: list[T]) -> None:
+    """Read a stream to its end into `into`, keeping what arrived if it ends with an exception."""
+    async for item in stream:
+        into.append(item)  # noqa: PERF401 -- one by one, so what arrived before the error is kept
+
+
 async def test_degenerate_loop_is_stopped(make_server, records) -> None:
     live = await make_server(TOML)
     stream = await client(live).chat.completions.create(
         model="fake", messages=[{"role": "user", "content": "[[repeat:la ]]"}], max_tokens=1000, stream=True)
-    chunks = []
+    chunks: list[Any] = []
     with pytest.raises(openai.APIError) as e:  # the SDK raises the terminal error event
-        async for c in stream:
-            chunks.append(c)
+        await drain(stream, chunks)
     assert e.value.body["code"] == "content_filter"
     finals = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
     assert finals == ["content_filter"]

@@ -109,7 +109,8 @@ async def test_malformed_requests(make_server) -> None:
         assert r.status_code == 405 and "error" in r.json()
         r = await h.post("/v1/completions", json={"model": "fake", "prompt": ["a", "b"]})
         assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
-        r = await h.post("/v1/completions", json={"model": "fake", "prompt": "a"}, headers={"X-Request-Timeout": "soon"})
+        r = await h.post("/v1/completions", json={"model": "fake", "prompt": "a"},
+                         headers={"X-Request-Timeout": "soon"})
         assert r.status_code == 400 and "X-Request-Timeout" in r.json()["error"]["message"]
         assert r.headers["x-request-id"].startswith("req-")
 
@@ -126,8 +127,9 @@ async def test_output_token_limits_reject_and_clamp(make_server) -> None:
 
 
 async def test_context_window_is_checked_before_the_engine(make_server) -> None:
-    toml = fake_toml().replace("max_model_len = 4096", "max_model_len = 64").replace(
-        "max_output_tokens = 4096", "max_output_tokens = 60").replace("default_max_tokens = 16", "default_max_tokens = 8")
+    toml = (fake_toml().replace("max_model_len = 4096", "max_model_len = 64")
+            .replace("max_output_tokens = 4096", "max_output_tokens = 60")
+            .replace("default_max_tokens = 16", "default_max_tokens = 8"))
     live = await make_server(toml)
     c = sdk(live)
     with pytest.raises(openai.BadRequestError) as e:
@@ -154,18 +156,21 @@ async def test_deadline_passed_while_waiting_never_reaches_engine(make_server, r
     assert "not run" in r.json()["error"]["message"]
     late = next(r for r in records if r["client_request_id"] == "late-one")
     assert late["decision"] == "dropped:deadline" and late["status"] == "deadline"
-    assert len(live.backend().submitted) == 1 and not any(s.startswith(late["request_id"]) for s in live.backend().submitted)
+    submitted = live.backend().submitted
+    assert len(submitted) == 1 and not any(s.startswith(late["request_id"]) for s in submitted)
     assert len(live.runtime("fake").queue) == 0
     hog.cancel()
 
 
 async def test_deadline_mid_stream_sends_terminal_error_event(make_server) -> None:
     live = await make_server(fake_toml(step_ms=10))
-    async with httpx.AsyncClient(base_url=live.base, timeout=10) as h:
-        async with h.stream("POST", "/completions", json={"model": "fake", "prompt": "x", "max_tokens": 1000, "stream": True},
-                            headers={"X-Request-Timeout": "0.5"}) as r:
-            assert r.status_code == 200
-            events = [line[6:] async for line in r.aiter_lines() if line.startswith("data: ")]
+    body = {"model": "fake", "prompt": "x", "max_tokens": 1000, "stream": True}
+    async with (
+        httpx.AsyncClient(base_url=live.base, timeout=10) as h,
+        h.stream("POST", "/completions", json=body, headers={"X-Request-Timeout": "0.5"}) as r,
+    ):
+        assert r.status_code == 200
+        events = [line[6:] async for line in r.aiter_lines() if line.startswith("data: ")]
     assert events[-1] == "[DONE]"
     err = json.loads(events[-2])["error"]
     assert err["code"] == "deadline_exceeded"
@@ -185,13 +190,16 @@ async def test_deadline_non_streaming_504(make_server) -> None:
 async def test_client_disconnect_aborts_engine_request(make_server) -> None:
     live = await make_server(fake_toml(step_ms=10))
     be = live.backend()
-    async with httpx.AsyncClient(base_url=live.base, timeout=10) as h:
-        async with h.stream("POST", "/completions", json={"model": "fake", "prompt": "x", "max_tokens": 1000, "stream": True}) as r:
-            n = 0
-            async for line in r.aiter_lines():
-                n += line.startswith("data: ")
-                if n == 5:
-                    break
+    body = {"model": "fake", "prompt": "x", "max_tokens": 1000, "stream": True}
+    async with (
+        httpx.AsyncClient(base_url=live.base, timeout=10) as h,
+        h.stream("POST", "/completions", json=body) as r,
+    ):
+        n = 0
+        async for line in r.aiter_lines():
+            n += line.startswith("data: ")
+            if n == 5:
+                break
     assert await async_wait_until(lambda: len(be.aborted) == 1, 5)
     t_abort = time.time()
     await asyncio.sleep(0.2)
@@ -202,14 +210,17 @@ async def test_client_disconnect_aborts_engine_request(make_server) -> None:
 async def test_engine_death_mid_stream_and_after(make_server) -> None:
     live = await make_server(fake_toml(step_ms=10))
     be = live.backend()
-    async with httpx.AsyncClient(base_url=live.base, timeout=10) as h:
-        async with h.stream("POST", "/completions", json={"model": "fake", "prompt": "x", "max_tokens": 1000, "stream": True}) as r:
-            events = []
-            async for line in r.aiter_lines():
-                if line.startswith("data: "):
-                    events.append(line[6:])
-                    if len(events) == 3:
-                        be.kill()
+    body = {"model": "fake", "prompt": "x", "max_tokens": 1000, "stream": True}
+    async with (
+        httpx.AsyncClient(base_url=live.base, timeout=10) as h,
+        h.stream("POST", "/completions", json=body) as r,
+    ):
+        events = []
+        async for line in r.aiter_lines():
+            if line.startswith("data: "):
+                events.append(line[6:])
+                if len(events) == 3:
+                    be.kill()
     assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["code"] == "engine_dead"
     async with httpx.AsyncClient(base_url=live.url) as h:
         r = await h.post("/v1/completions", json={"model": "fake", "prompt": "x"})

@@ -154,7 +154,8 @@ async def test_abandoned_run_is_cancelled_after_the_grace_and_the_key_freed(make
 async def test_refused_request_does_not_burn_the_key(make_server) -> None:
     live = await make_server(toml(tpm=600))
     async with httpx.AsyncClient(base_url=live.base, timeout=30) as h:
-        r = await h.post("/completions", json={"model": "fake", "prompt": "x", "max_tokens": 1000}, headers=headers("q"))
+        r = await h.post("/completions", json={"model": "fake", "prompt": "x", "max_tokens": 1000},
+                         headers=headers("q"))
         assert r.status_code == 429
         # Nothing ran under "q", so nothing is kept: the same key works for the corrected request.
         r = await h.post("/completions", json={"model": "fake", "prompt": "x", "max_tokens": 5}, headers=headers("q"))

@@ -86,7 +86,7 @@ async def test_a_request_that_runs_to_its_end_is_settled_logged_and_metered_once
     assert ledger.kinds() == ["open", "close", "record"] and len(settler.settled) == 1
 
 
-@pytest.mark.parametrize("exc, status, http, code", [
+@pytest.mark.parametrize(("exc", "status", "http", "code"), [
     (deadline_exceeded(), "deadline", 504, "deadline_exceeded"),
     (asyncio.CancelledError(), "cancelled", 499, "client_disconnected"),
     (APIError(400, "bad", param="x"), "rejected", 400, None),
@@ -94,10 +94,11 @@ async def test_a_request_that_runs_to_its_end_is_settled_logged_and_metered_once
 ])
 async def test_an_exception_that_escapes_is_the_outcome(parts, exc, status, http, code) -> None:
     lc, ledger, settler, observed = parts
-    with pytest.raises(type(exc)):
+    with pytest.raises(type(exc)) as e:  # noqa: PT012 -- the exception escaping this context is under test
         async with lc.request(record()) as life:
             admitted(life)
             raise exc
+    assert e.value is exc  # the body's own exception escaped, not one raised on the way
     assert (life.record.status, life.record.http_status, life.record.error_code) == (status, http, code)
     assert ledger.kinds().count("close") == 1 and len(settler.settled) == 1 and len(observed) == 1
     assert ledger.calls[1][2]["status"] == ("error" if status == "rejected" else status)
@@ -105,7 +106,7 @@ async def test_an_exception_that_escapes_is_the_outcome(parts, exc, status, http
 
 async def test_the_first_outcome_recorded_wins(parts) -> None:
     lc, ledger, _, _ = parts
-    with pytest.raises(asyncio.CancelledError):
+    with pytest.raises(asyncio.CancelledError):  # noqa: PT012 -- the exception escaping this context is under test
         async with lc.request(record()) as life:
             admitted(life)
             life.fail(deadline_exceeded())  # a stream's terminal error event went out
@@ -134,7 +135,7 @@ async def test_an_unauthenticated_request_is_logged_but_not_billed(parts) -> Non
 
 async def test_a_handed_off_life_is_ended_by_its_new_owner_only(parts) -> None:
     lc, ledger, settler, observed = parts
-    with pytest.raises(asyncio.CancelledError):
+    with pytest.raises(asyncio.CancelledError):  # noqa: PT012 -- the exception escaping this context is under test
         async with lc.request(record()) as life:
             owned = life.hand_off()
             raise asyncio.CancelledError()  # the first reader left; the run goes on

@@ -89,7 +89,7 @@ async def test_first_close_wins(ledger: Ledger) -> None:
 
 async def test_status_validation(ledger: Ledger) -> None:
     for bad in ("open", "rejected", ""):
-        with pytest.raises(ValueError):
+        with pytest.raises(ValueError, match="invalid usage status"):
             _close(ledger, "r1", status=bad)
     for good in sorted(metering.STATUSES):
         _close(ledger, f"r-{good}", status=good)
@@ -363,7 +363,7 @@ async def test_usage_grouping(ledger: Ledger) -> None:
     day2 = await ledger.usage(since=DAY2 - 3600, until=DAY2 + 3600, group_by=["tenant"])
     assert [(r["tenant"], r["requests"]) for r in day2] == [("t1", 1), ("t2", 1)]
     assert (await ledger.usage(group_by=[]))[0]["requests"] == 4
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="cannot group by"):
         await ledger.usage(group_by=["colour"])
     newest = await ledger.rows(tenant="t1", limit=2)
     assert [r["request_id"] for r in newest] == ["c", "b"]

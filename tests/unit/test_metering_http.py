@@ -59,15 +59,17 @@ async def test_every_outcome_leaves_exactly_one_row(make_server) -> None:
     be = live.backend()
     async with httpx.AsyncClient(base_url=live.base, timeout=30) as h:
         ok = await h.post("/completions", json={"model": "fake", "prompt": "x", "max_tokens": 7}, headers=auth(KEY_A))
-        bad = await h.post("/completions", json={"model": "fake", "prompt": "x", "max_tokens": "7"}, headers=auth(KEY_A))
-        big = await h.post("/completions", json={"model": "fake", "prompt": "x", "max_tokens": 2001}, headers=auth(KEY_B))
+        bad = await h.post("/completions", json={"model": "fake", "prompt": "x", "max_tokens": "7"},
+                           headers=auth(KEY_A))
+        big = await h.post("/completions", json={"model": "fake", "prompt": "x", "max_tokens": 2001},
+                           headers=auth(KEY_B))
         shed = await h.post("/completions", json={"model": "fake", "prompt": "x" * 10, "max_tokens": 1999},
                             headers=auth(KEY_A) | {"X-Request-Timeout": "30"})
         late = await h.post("/completions", json={"model": "fake", "prompt": "x", "max_tokens": 1000},
                             headers=auth(KEY_B) | {"X-Request-Timeout": "0.3"})
         # A cancelled stream: metered with the tokens it actually produced.
-        async with h.stream("POST", "/completions", json={"model": "fake", "prompt": "x", "max_tokens": 1000, "stream": True},
-                            headers=auth(KEY_B)) as r:
+        async with h.stream("POST", "/completions", headers=auth(KEY_B),
+                            json={"model": "fake", "prompt": "x", "max_tokens": 1000, "stream": True}) as r:
             n = 0
             async for line in r.aiter_lines():
                 n += line.startswith("data: ")
@@ -75,8 +77,8 @@ async def test_every_outcome_leaves_exactly_one_row(make_server) -> None:
                     break
         assert await async_wait_until(lambda: len(be.aborted) == 2)
         # An engine failure mid-stream.
-        async with h.stream("POST", "/completions", json={"model": "fake", "prompt": "y", "max_tokens": 1000, "stream": True},
-                            headers=auth(KEY_B)) as r:
+        async with h.stream("POST", "/completions", headers=auth(KEY_B),
+                            json={"model": "fake", "prompt": "y", "max_tokens": 1000, "stream": True}) as r:
             n = 0
             async for line in r.aiter_lines():
                 n += line.startswith("data: ")
@@ -101,8 +103,10 @@ async def test_metrics_parse_and_agree_with_the_ledger(make_server) -> None:
     live = await make_server(TOML)
     async with httpx.AsyncClient(base_url=live.base, timeout=30) as h:
         for i in range(5):
-            await h.post("/completions", json={"model": "fake", "prompt": "x", "max_tokens": 3 + i}, headers=auth(KEY_A))
-        await h.post("/completions", json={"model": "fake", "prompt": "x", "max_tokens": 9, "stream": True}, headers=auth(KEY_B))
+            await h.post("/completions", json={"model": "fake", "prompt": "x", "max_tokens": 3 + i},
+                         headers=auth(KEY_A))
+        await h.post("/completions", json={"model": "fake", "prompt": "x", "max_tokens": 9, "stream": True},
+                     headers=auth(KEY_B))
         await h.post("/completions", json={"model": "nope", "prompt": "x"}, headers=auth(KEY_B))
         text = (await h.get(live.url + "/metrics")).text
     fams = {f.name: f for f in text_string_to_metric_families(text)}
@@ -111,7 +115,8 @@ async def test_metrics_parse_and_agree_with_the_ledger(make_server) -> None:
         if s.name.endswith("_total"):
             req[(s.labels["tenant"], s.labels["status"])] += s.value
     led = Counter((r["tenant"], r["status"]) for r in await rows(live))
-    assert {k: v for k, v in req.items() if v} == {(t, "rejected" if s == "error" else s): n for (t, s), n in led.items()}
+    assert {k: v for k, v in req.items() if v} == {(t, "rejected" if s == "error" else s): n
+                                                   for (t, s), n in led.items()}
     gen = sum(s.value for s in fams["llmd:generation_tokens"].samples if s.name.endswith("_total"))
     assert gen == sum(r["output_tokens"] for r in await rows(live)) == sum(3 + i for i in range(5)) + 9
     ttft = [s for s in fams["llmd:time_to_first_token_seconds"].samples if s.name.endswith("_count")]
@@ -158,7 +163,8 @@ def test_sigkill_mid_stream_leaves_an_interrupted_row(tmp_path: Path) -> None:
     srv = start_server_process(CRASH_TOML, tmp_path, ready_timeout=60)
     try:
         for i in range(3):
-            r = httpx.post(srv.base + "/completions", json={"model": "fake", "prompt": "x", "max_tokens": 2 + i}, timeout=30)
+            r = httpx.post(srv.base + "/completions", json={"model": "fake", "prompt": "x", "max_tokens": 2 + i},
+                           timeout=30)
             assert r.status_code == 200
         seen = 0
         with httpx.stream("POST", srv.base + "/completions", timeout=30,

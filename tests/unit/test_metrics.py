@@ -51,10 +51,12 @@ def svc() -> Served:
 
 
 def rec(**kw: Any) -> dict[str, Any]:
-    base = dict(request_id="r", endpoint="chat", model="m", version="v7", tenant="a", status="ok",
-                decision="admitted", prompt_tokens=10, cached_prompt_tokens=4, output_tokens=5,
-                queue_time_s=0.02, ttft_s=0.1, total_time_s=0.5, itl_mean_s=0.01, itl_p95_s=0.02,
-                itl_samples=[0.01, 0.01, 0.02, 0.005], prefill_s=0.08, replica=0)
+    base: dict[str, Any] = {
+        "request_id": "r", "endpoint": "chat", "model": "m", "version": "v7", "tenant": "a", "status": "ok",
+        "decision": "admitted", "prompt_tokens": 10, "cached_prompt_tokens": 4, "output_tokens": 5,
+        "queue_time_s": 0.02, "ttft_s": 0.1, "total_time_s": 0.5, "itl_mean_s": 0.01, "itl_p95_s": 0.02,
+        "itl_samples": [0.01, 0.01, 0.02, 0.005], "prefill_s": 0.08, "replica": 0,
+    }
     base.update(kw)
     return base
 

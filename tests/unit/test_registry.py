@@ -73,7 +73,8 @@ def client(live: LiveServer) -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(base_url=live.base, api_key=KEY, max_retries=0, timeout=30)
 
 
-async def ask(c: openai.AsyncOpenAI, conversation: str | None, model: str = "m", max_tokens: int = 2) -> tuple[str, Any]:
+async def ask(c: openai.AsyncOpenAI, conversation: str | None, model: str = "m",
+              max_tokens: int = 2) -> tuple[str, Any]:
     headers = {"X-Conversation-Id": conversation} if conversation else {}
     raw = await c.chat.completions.with_raw_response.create(
         model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=max_tokens, extra_headers=headers)
@@ -94,7 +95,7 @@ def test_split_routing_is_stable_and_proportional() -> None:
     with pytest.raises(Exception, match="more than one"):
         view.route("m", pin="ab")
     assert parse_model("m@abc") == ("m", "abc") and parse_model("m") == ("m", None)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="at least one version with a weight above 0"):
         Split.of({"v1": 0})
 
 
@@ -114,7 +115,7 @@ async def test_ninety_ten_split_over_a_thousand_requests(make_server, tmp_path: 
     for start in range(0, 1000, 50):
         batch = [f"conv-{i % 400}" for i in range(start, start + 50)]  # 400 conversations, 2-3 turns each
         outs = await asyncio.gather(*(ask(c, conv) for conv in batch))
-        results += [(conv, ver, resp) for conv, (ver, resp) in zip(batch, outs)]
+        results += [(conv, ver, resp) for conv, (ver, resp) in zip(batch, outs, strict=True)]
     share = sum(ver == v2 for _, ver, _ in results) / len(results)
     assert abs(share - 0.10) <= 0.03, share
     by_conv: dict[str, set[str]] = {}
@@ -232,7 +233,8 @@ async def test_standby_sleeps_where_the_engine_can_and_wakes_on_promotion(make_s
     c = client(live)
     async with admin(live) as h:
         r = await h.post("/admin/models/m/versions", json={"version": v2})
-        assert r.status_code == 200 and {v["version"]: v["asleep"] for v in r.json()["versions"]} == {v1: False, v2: True}
+        assert r.status_code == 200
+        assert {v["version"]: v["asleep"] for v in r.json()["versions"]} == {v1: False, v2: True}
         eng2 = live.node.registry.runtimes["m"][v2].backend
         assert eng2.sleeping
         with pytest.raises(openai.NotFoundError):

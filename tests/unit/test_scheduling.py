@@ -145,7 +145,8 @@ async def test_overload_503_when_queue_full(make_server) -> None:
     assert await async_wait_until(lambda: len(live.runtime("fake").queue) == 1)
     with pytest.raises(openai.InternalServerError) as e:
         await c.completions.create(model="fake", prompt="x", max_tokens=5)
-    assert e.value.status_code == 503 and e.value.code == "overloaded" and int(e.value.response.headers["retry-after"]) >= 1
+    assert e.value.status_code == 503 and e.value.code == "overloaded"
+    assert int(e.value.response.headers["retry-after"]) >= 1
     hog.cancel()
     assert (await waiting).usage.completion_tokens == 5
 
@@ -171,16 +172,15 @@ async def test_interactive_goes_before_batch(make_server, records) -> None:
     live = await make_server(toml(max_running=1, step_ms=5))
     be = live.backend()
     c = client(live, KEY_A)
-    hog = asyncio.create_task(c.completions.create(model="fake", prompt="x", max_tokens=30, extra_headers={"X-Request-ID": "hog"}))
+    hog = asyncio.create_task(c.completions.create(model="fake", prompt="x", max_tokens=30,
+                                                   extra_headers={"X-Request-ID": "hog"}))
     assert await async_wait_until(lambda: len(be.submitted) == 1)
-    order = []
-    for i in range(3):
-        order.append(asyncio.create_task(c.completions.create(
-            model="fake", prompt="x", max_tokens=3, extra_headers={"X-Priority-Class": "batch", "X-Request-ID": f"batch{i}"})))
+    order = [asyncio.create_task(c.completions.create(
+        model="fake", prompt="x", max_tokens=3,
+        extra_headers={"X-Priority-Class": "batch", "X-Request-ID": f"batch{i}"})) for i in range(3)]
     await async_wait_until(lambda: live.runtime("fake").queue.depth("batch") == 3)
-    for i in range(2):
-        order.append(asyncio.create_task(c.completions.create(
-            model="fake", prompt="x", max_tokens=3, extra_headers={"X-Request-ID": f"inter{i}"})))
+    order += [asyncio.create_task(c.completions.create(
+        model="fake", prompt="x", max_tokens=3, extra_headers={"X-Request-ID": f"inter{i}"})) for i in range(2)]
     await asyncio.gather(hog, *order)
     names = client_ids(be.submitted, records)
     assert names[1:3] == ["inter0", "inter1"] and names[3:] == ["batch0", "batch1", "batch2"]
@@ -259,7 +259,7 @@ async def test_a_sequence_preempted_before_it_reached_the_engine_is_requeued(mak
     r = await x
     assert r.usage.completion_tokens == 20 and len(r.choices[0].text.split()) == 20
     assert (await z).usage.completion_tokens == 5
-    ours = [e for e, c in zip(be.submitted, client_ids(be.submitted, records)) if c == "x"]
+    ours = [e for e, c in zip(be.submitted, client_ids(be.submitted, records), strict=True) if c == "x"]
     assert len(ours) == 1 and ours[0].endswith("-r1")  # only the resumed run reached the engine
     assert next(x for x in records if x["client_request_id"] == "x")["preemptions"] == 1
     assert rt.scheduler.preempted == 1
@@ -346,15 +346,18 @@ async def test_reserved_seats_go_to_tenants_below_their_share(make_server) -> No
 
 
 async def test_vtc_serves_a_light_tenant_ahead_of_a_heavy_backlog(make_server, records) -> None:
-    live = await make_server(toml(max_running=1, step_ms=2).replace("[models.scheduling]", "[models.scheduling]\nreserved_seats = 0"))
+    live = await make_server(toml(max_running=1, step_ms=2).replace("[models.scheduling]",
+                                                                    "[models.scheduling]\nreserved_seats = 0"))
     be = live.backend()
     a, b = client(live, KEY_A), client(live, KEY_B)
     hog = asyncio.create_task(a.completions.create(model="fake", prompt="x", max_tokens=50))
     assert await async_wait_until(lambda: len(be.submitted) == 1)
-    heavy = [asyncio.create_task(a.completions.create(model="fake", prompt="x", max_tokens=50, extra_headers={"X-Request-ID": f"a{i}"}))
+    heavy = [asyncio.create_task(a.completions.create(model="fake", prompt="x", max_tokens=50,
+                                                      extra_headers={"X-Request-ID": f"a{i}"}))
              for i in range(5)]
     assert await async_wait_until(lambda: len(live.runtime("fake").queue) == 5)
-    light = asyncio.create_task(b.completions.create(model="fake", prompt="x", max_tokens=5, extra_headers={"X-Request-ID": "b0"}))
+    light = asyncio.create_task(b.completions.create(model="fake", prompt="x", max_tokens=5,
+                                                     extra_headers={"X-Request-ID": "b0"}))
     await asyncio.gather(hog, light, *heavy)
     order = client_ids(be.submitted, records)
     assert order.index("b0") == 1  # B's counter is lifted to A's, not above it: B goes next

@@ -65,7 +65,7 @@ def test_import_rejects_non_models(tmp_path: Path) -> None:
     store = WeightStore(tmp_path / "home")
     empty = tmp_path / "empty"
     empty.mkdir()
-    with pytest.raises(StoreError, match="config.json"):
+    with pytest.raises(StoreError, match=r"no config\.json"):
         store.import_path(empty)
     (empty / "config.json").write_text("{}")
     with pytest.raises(StoreError, match="safetensors"):
