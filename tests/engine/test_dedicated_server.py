@@ -38,8 +38,8 @@ def _engine_core(pid: int) -> psutil.Process:
 def test_preempted_batch_resumes_with_the_same_text(doomed_server: EngineServer) -> None:
     """Greedy decoding resumed from prompt + tokens so far must continue exactly where it stopped."""
     c = openai.AsyncOpenAI(base_url=doomed_server.base, api_key="unused", max_retries=0, timeout=120)
-    body = dict(model="smollm2", prompt="The history of the Roman Empire", max_tokens=120, temperature=0,
-                extra_body={"ignore_eos": True})
+    body = {"model": "smollm2", "prompt": "The history of the Roman Empire", "max_tokens": 120, "temperature": 0,
+            "extra_body": {"ignore_eos": True}}
 
     async def scenario() -> tuple[str, str, openai.types.Completion]:
         alone = await c.completions.create(**body, extra_headers={"X-Priority-Class": "batch"})

@@ -76,11 +76,7 @@ def guard_server(smollm2_path: Path, tmp_path_factory: pytest.TempPathFactory) -
 
 
 def records(srv: EngineServer) -> list[dict[str, Any]]:
-    out = []
-    for line in srv.log_lines():
-        if line.startswith("{") and '"event": "request"' in line:
-            out.append(json.loads(line))
-    return out
+    return [json.loads(line) for line in srv.log_lines() if line.startswith("{") and '"event": "request"' in line]
 
 
 def ask(srv: EngineServer, tenant: str, content: str = "What is the capital of France?", **kw: Any) -> Any:

@@ -33,7 +33,8 @@ async def test_two_versions_answer_concurrently(two_versions: tuple[Path, str, s
                 assert resp.status_code == 200, resp.text
                 body = resp.json()
                 assert body["model"] == f"smollm2@{version[:12]}"
-                return resp.headers["x-llmd-model-version"], body["choices"][0]["message"]["content"], t0, time.monotonic()
+                text = body["choices"][0]["message"]["content"]
+                return resp.headers["x-llmd-model-version"], text, t0, time.monotonic()
 
             out = await asyncio.gather(*(ask(v) for v in (v_bf16, v_f32, v_bf16, v_f32)))
             assert [o[0] for o in out] == [v_bf16, v_f32, v_bf16, v_f32]
