@@ -155,8 +155,7 @@ class Service:
         record.decision = "admitted"
         record.replica = f"{self.node}/{rt.cfg.name}@{backend.version[:12]}"
         life.admit(ticket)
-        flow = QueuedRequest(record.request_id, tenant.name, klass, prompt.num_tokens, max_tokens, deadline,
-                             record.t_arrival)
+        flow = QueuedRequest(record.request_id, tenant.name, klass, prompt.num_tokens, max_tokens, deadline)
         headers = {VERSION_HEADER: backend.version} | ratelimit_headers(self.admission.limits(tenant))
         if record.degraded:
             headers[DEGRADED_HEADER] = record.degraded

@@ -5,7 +5,6 @@ exactly like one that does not exist."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -13,19 +12,18 @@ from sanic import Request
 from sanic.response import HTTPResponse, raw
 from sanic.response import json as json_response
 
-from llmd.auth import Principal
 from llmd.batch.lines import ENDPOINTS
 from llmd.batch.objects import batch_object
 from llmd.batch.runner import BatchRunner
 from llmd.batch.store import Batch, BatchStore
 from llmd.config import BatchConfig
 from llmd.errors import APIError, bad_request, not_found
-from llmd.gateway.types import App
+from llmd.gateway.types import App, Authenticate
 from llmd.protocol import json_object
 
 
 def add_routes(app: App, store: BatchStore, runner: BatchRunner, cfg: BatchConfig,
-               principal: Callable[[Request], Principal]) -> None:
+               principal: Authenticate) -> None:
     scope = _Scope(store, runner, cfg, principal)
     _file_routes(app, scope)
     _batch_routes(app, scope)
@@ -38,7 +36,7 @@ class _Scope:
     store: BatchStore
     runner: BatchRunner
     cfg: BatchConfig
-    principal: Callable[[Request], Principal]
+    principal: Authenticate
 
     def tenant_of(self, request: Request) -> str:
         who = self.principal(request)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import Callable
 
 from sanic import Request
 from sanic.response import HTTPResponse
@@ -22,7 +21,7 @@ from llmd import protocol, streaming
 from llmd.auth import Principal
 from llmd.batch import objects as batch_objects
 from llmd.errors import AdmissionRefused, APIError
-from llmd.gateway.types import App
+from llmd.gateway.types import App, Authenticate
 from llmd.idempotency import LiveRun, request_hash
 from llmd.lifecycle import RequestLife
 from llmd.limits import deadline_seconds
@@ -39,7 +38,7 @@ BATCH_OK_HEADER = "x-llmd-batch-ok"  # "1": when degraded to the batch tier, tak
 Request_ = ChatRequest | CompletionRequest
 
 
-def add_routes(app: App, node: Node, principal: Callable[[Request], Principal]) -> None:
+def add_routes(app: App, node: Node, principal: Authenticate) -> None:
     async def generate(request: Request, cls: type[Request_]) -> HTTPResponse | None:
         try:
             return await _generate(request, node, principal, cls)
@@ -62,7 +61,7 @@ def add_routes(app: App, node: Node, principal: Callable[[Request], Principal]) 
         return await generate(request, CompletionRequest)
 
 
-async def _generate(request: Request, node: Node, principal: Callable[[Request], Principal],
+async def _generate(request: Request, node: Node, principal: Authenticate,
                     cls: type[Request_]) -> HTTPResponse | None:
     rec = RequestRecord(request_id=request.ctx.request_id, endpoint=request.path,
                         client_request_id=request.ctx.client_request_id)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
@@ -12,15 +11,15 @@ from sanic.response import json as json_response
 
 from llmd.auth import Principal
 from llmd.errors import APIError, not_found
-from llmd.gateway.types import App
+from llmd.gateway.types import App, Authenticate, RequireAdmin
 from llmd.node import Node
 from llmd.registry.registry import Registry
 
 USAGE_GROUPS = {"tenant", "model", "day", "status", "version"}
 
 
-def add_routes(app: App, node: Node, principal: Callable[[Request], Principal],
-               admin: Callable[[Request], None]) -> None:
+def add_routes(app: App, node: Node, principal: Authenticate,
+               admin: RequireAdmin) -> None:
     registry = node.registry
 
     @app.get("/health")

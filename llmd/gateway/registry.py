@@ -19,14 +19,14 @@ from sanic.response import HTTPResponse
 from sanic.response import json as json_response
 
 from llmd.errors import APIError, bad_request
-from llmd.gateway.types import App
+from llmd.gateway.types import App, RequireAdmin
 from llmd.protocol import json_object
 from llmd.registry.registry import Registry, RegistryError
 
 DEFAULT_DRAIN_S = 30.0
 
 
-def add_routes(app: App, registry: Registry, admin: Callable[[Request], None]) -> None:
+def add_routes(app: App, registry: Registry, admin: RequireAdmin) -> None:
     async def guarded(request: Request, call: Callable[[], Awaitable[dict[str, Any]]]) -> HTTPResponse:
         admin(request)
         try:

@@ -12,8 +12,6 @@ from collections.abc import Sequence
 
 from llmd.policy.signals import Clock
 
-STEPS = ("cap_max_tokens", "fallback", "batch")
-
 
 class Degrader:
     """The degradation level of one model, driven by its overload signal over (injected) time."""

@@ -26,7 +26,6 @@ class QueuedRequest:
     input_tokens: int
     max_tokens: int
     deadline: float  # seconds on the scheduler's clock
-    arrival: float  # seconds on the scheduler's clock
     seq: int = field(default_factory=lambda: next(_seq))
     running: bool = False  # holds a seat: released to the engine and not yet finished
     preempt_requested: bool = False  # chosen to yield its seat; cleared when it finishes
@@ -62,9 +61,6 @@ class FCFSQueue(RequestQueue):
 
     def push(self, req: QueuedRequest) -> None:
         self._q.append(req)
-
-    def push_front(self, req: QueuedRequest) -> None:
-        self._q.appendleft(req)
 
     def peek(self) -> QueuedRequest:
         return self._q[0]

@@ -25,7 +25,7 @@ class Running:
 
 
 def req(tenant: str, inp: int, out: int, deadline: float = 1e9) -> QueuedRequest:
-    return QueuedRequest(f"{tenant}", tenant, "interactive", inp, out, deadline, 0.0)
+    return QueuedRequest(f"{tenant}", tenant, "interactive", inp, out, deadline)
 
 
 def simulate(cq: ClassQueue, arrivals: dict[int, list[QueuedRequest]], steps: int, seats: int,

@@ -150,7 +150,7 @@ def test_live_gauges_read_at_scrape(svc: Served) -> None:
     m = Metrics(svc)
     rt = svc.models["m"]
     for i, klass in enumerate(("interactive", "batch", "batch")):
-        rt.queue.push(QueuedRequest(f"q{i}", "a", klass, 10, 10, 1e9, 0.0))
+        rt.queue.push(QueuedRequest(f"q{i}", "a", klass, 10, 10, 1e9))
     f = scrape(m)
     assert value(f, "llmd:queue_depth", "llmd:queue_depth", model="m", **{"class": "interactive"}) == 1
     assert value(f, "llmd:queue_depth", "llmd:queue_depth", model="m", **{"class": "batch"}) == 2

@@ -51,7 +51,7 @@ def make(seats: int = 4, *, reserved: int = 0, batch_cap: int | None = None, qui
 
 
 def req(tenant: str = "a", klass: str = "interactive", deadline: float = 1e9, max_tokens: int = 100) -> QueuedRequest:
-    return QueuedRequest(f"{tenant}-{klass}", tenant, klass, 10, max_tokens, deadline, 0.0)
+    return QueuedRequest(f"{tenant}-{klass}", tenant, klass, 10, max_tokens, deadline)
 
 
 def submit(core: SchedulerCore, *reqs: QueuedRequest) -> Decision:
