@@ -22,7 +22,7 @@ from llmd.auth import Principal
 from llmd.batch import objects as batch_objects
 from llmd.errors import AdmissionRefused, APIError
 from llmd.gateway.types import App, Authenticate
-from llmd.idempotency import LiveRun, request_hash
+from llmd.idempotency import Admit, LiveRun, request_hash
 from llmd.lifecycle import RequestLife
 from llmd.limits import deadline_seconds
 from llmd.node import Node
@@ -75,7 +75,8 @@ async def _generate(request: Request, node: Node, principal: Authenticate,
         key = request.headers.get("idempotency-key")
         if key is not None:
             last_id = _last_event_id(request)
-            run = await _open_run(request, node, life, who, req, key, deadline_s)
+            admit = _admission(node, req, who, deadline_s, klass, conversation)
+            run = await _open_run(request, node, life, who, req, key, admit)
             return await _read_run(request, node, run, last_id)
         job = await node.service.admit(life, req, who, deadline_s, klass, conversation)
         if not req.stream:
@@ -112,19 +113,22 @@ async def _stream_inline(request: Request, job: Job, req: Request_) -> None:
             await response.eof()  # type: ignore[no-untyped-call]  # sanic leaves it unannotated
 
 
+def _admission(node: Node, req: Request_, who: Principal, deadline_s: float, klass: str | None,
+               conversation: str | None) -> Admit:
+    """Admits this request under whichever life runs it (an idempotent run's own task)."""
+    async def admit(owned: RequestLife) -> Job:
+        return await node.service.admit(owned, req, who, deadline_s, klass, conversation)
+    return admit
+
+
 async def _open_run(request: Request, node: Node, life: RequestLife, who: Principal, req: Request_, key: str,
-                    deadline_s: float) -> LiveRun:
+                    admit: Admit) -> LiveRun:
     """Run, attach to, or replay the one generation behind (tenant, key)."""
     if who.tenant is None:
         raise APIError(400, "Idempotency-Key needs a tenant's key", param="Idempotency-Key")
     if not 1 <= len(key) <= 255:
         raise APIError(400, "Idempotency-Key must be 1 to 255 characters", param="Idempotency-Key")
-    klass, conversation = request.headers.get(CLASS_HEADER), request.headers.get(CONVERSATION_HEADER)
     life.record.idempotency_key = key
-
-    async def admit(owned: RequestLife) -> Job:
-        return await node.service.admit(owned, req, who, deadline_s, klass, conversation)
-
     h = request_hash(request.path, json.loads(request.body))
     return await node.runs.open(life, (who.tenant.name, key), h, req, admit)
 
