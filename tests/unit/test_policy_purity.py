@@ -8,13 +8,15 @@ from pathlib import Path
 
 import pytest
 
+from tests.unit.test_structure import parse_source
+
 POLICY = Path(__file__).resolve().parents[2] / "llmd" / "policy"
 FORBIDDEN = {"time", "asyncio", "sanic", "vllm"}
 
 
 def imported_modules(path: Path) -> list[str]:
     out: list[str] = []
-    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+    for node in ast.walk(parse_source(path)):
         if isinstance(node, ast.Import):
             out += [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom):
