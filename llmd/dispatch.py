@@ -16,11 +16,11 @@ from collections.abc import AsyncGenerator
 from dataclasses import replace
 
 from llmd.backends import BackendError, EngineDead, PromptError
-from llmd.backends.base import Delta, Prompt, Sampling
+from llmd.backends.base import Delta, Prompt
 from llmd.errors import APIError, bad_request, deadline_exceeded, engine_failed, unavailable
 from llmd.filters import ContentFiltered
 from llmd.policy.classes import ENGINE_PRIORITY
-from llmd.runtime import Job
+from llmd.runtime import Choice, Job
 from llmd.scheduler import Dropped
 
 
@@ -35,12 +35,12 @@ def deadline_error(job: Job) -> APIError:
         return deadline_exceeded("the request's deadline passed while it waited in the queue; it was not run")
     return deadline_exceeded()
 
-async def run(job: Job) -> AsyncGenerator[Delta, None]:
-    """Deltas from the engine. Run it inside `deadline(job)`; raises APIError on failure."""
-    rec, rt, flow = job.record, job.runtime, job.flow
+async def run(job: Job, choice: Choice) -> AsyncGenerator[Delta, None]:
+    """One choice's deltas from the engine. Run it inside `deadline(job)`; raises APIError on failure."""
+    rec, rt, flow = job.record, job.runtime, choice.flow
     backend, sched = rt.backend, rt.scheduler
-    prompt, sampling, attempt = job.prompt, job.sampling, 0
-    current = [job.engine_id]
+    prompt, sampling, attempt = choice.prompt, choice.sampling, 0
+    current = [choice.engine_id]
     produced: list[int] = []
     while True:
         try:
@@ -61,10 +61,10 @@ async def run(job: Job) -> AsyncGenerator[Delta, None]:
                     if delta.finish_reason == "abort" and flow.preempt_requested:
                         preempted = True
                         break
-                    _account(job, delta)
+                    _account(job, choice, delta)
                     produced.extend(delta.token_ids)
                     yield delta
-                    if flow.preempt_requested and not job.finished:
+                    if flow.preempt_requested and not choice.finished:
                         # The abort may have reached the engine before this request did
                         # (then it aborted nothing): abort it from here, once it runs.
                         preempted = True
@@ -77,27 +77,29 @@ async def run(job: Job) -> AsyncGenerator[Delta, None]:
         except BackendError as e:
             raise engine_failed(str(e)) from None
         finally:
-            if not job.finished and not preempted:
+            if not choice.finished and not preempted:
                 # Disconnect, deadline or error: make sure the engine stops computing it now.
                 with contextlib.suppress(Exception):
                     await backend.abort(current[0])
-            sched.finished(flow, rec.output_tokens)
+            sched.finished(flow, len(produced))
         if not preempted:
             return
         # Preempted for interactive traffic: queue again and resume from what was produced.
         rec.preemptions += 1
         attempt += 1
-        current[0] = f"{job.engine_id}-r{attempt}"
-        ids = job.prompt.token_ids + produced
+        current[0] = f"{choice.engine_id}-r{attempt}"
+        ids = choice.prompt.token_ids + produced
         prompt = Prompt(token_ids=ids, engine_input={"prompt_token_ids": ids})
-        sampling = _replace_max_tokens(sampling, job.sampling.max_tokens - rec.output_tokens)
+        sampling = replace(sampling, max_tokens=max(1, choice.sampling.max_tokens - len(produced)),
+                           prompt_logprobs=None)  # the echo's logprobs went out with the first attempt
 
-async def screened(job: Job) -> AsyncGenerator[Delta, None]:
+
+async def screened(job: Job, choice: Choice) -> AsyncGenerator[Delta, None]:
     """`run`'s deltas after the output filters: text is released only once every filter
-    has seen it (held back by at most holdback_tokens), redacted where a filter says so;
-    a blocking match raises ContentFiltered and aborts the engine request."""
-    window = job.window
-    async with contextlib.aclosing(run(job)) as deltas:
+    has seen it, redacted where a filter says so; a blocking match raises ContentFiltered
+    (the request's outcome is then `filtered`) and aborts the engine request."""
+    window = choice.window
+    async with contextlib.aclosing(run(job, choice)) as deltas:
         if window is None:
             async for d in deltas:
                 yield d
@@ -112,30 +114,30 @@ async def screened(job: Job) -> AsyncGenerator[Delta, None]:
                 stop = ContentFiltered(hit, "The output was stopped by a content filter.", status=200)
                 job.life.fail(stop)
                 raise stop
-            if text or d.finish_reason is not None:
+            if text or d.finish_reason is not None or d.logprobs or d.prompt_logprobs:
                 yield replace(d, text=text)
 
-def _account(job: Job, delta: Delta) -> None:
-    rec = job.record
+
+def _account(job: Job, choice: Choice, delta: Delta) -> None:
+    """The one place a delta's tokens are counted: the record (all choices' total), the
+    choice's gaps for ITL, the scheduler's fairness charge, the ledger's progress."""
+    rec, n = job.record, delta.num_tokens
     now = time.monotonic()
-    prev = rec.t_last_token
-    rec.on_tokens(delta.num_tokens, now)
-    if prev is not None and delta.num_tokens and job.runtime.cfg.scheduling.target_itl_ms:
-        job.runtime.gaps.extend([(time.time(), (now - prev) / delta.num_tokens)] * delta.num_tokens)
-    rec.output_tokens += delta.num_tokens
+    prev = choice.t_last_token
+    rec.on_tokens(n, now, prev)
+    if n:
+        choice.t_last_token = now
+        if prev is not None and job.runtime.cfg.scheduling.target_itl_ms:
+            job.runtime.gaps.extend([(time.time(), (now - prev) / n)] * n)
+        job.runtime.scheduler.on_output(choice.flow, n)
+    rec.output_tokens += n
     rec.cached_prompt_tokens = max(rec.cached_prompt_tokens, delta.cached_prompt_tokens)
     job.life.progress(now)
-    if delta.num_tokens:
-        job.runtime.scheduler.on_output(job.flow, delta.num_tokens)
     if delta.finish_reason is not None:
-        job.finished = True
+        choice.finished = True
         rec.finish_reason = delta.finish_reason
 
 
 async def _nothing() -> AsyncGenerator[Delta, None]:
     return
     yield  # an async generator that yields nothing
-
-
-def _replace_max_tokens(s: Sampling, n: int) -> Sampling:
-    return replace(s, max_tokens=max(1, n))

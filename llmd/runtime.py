@@ -25,6 +25,7 @@ from llmd.policy.saturation import SaturationDetector, ThroughputEstimate
 from llmd.policy.scheduler import SchedulerCore
 from llmd.scheduler import Scheduler
 from llmd.telemetry import RequestRecord
+from llmd.tools import ToolMode
 
 
 class ModelRuntime:
@@ -89,19 +90,32 @@ def build_runtime(cfg: ModelConfig, backend: Backend, tenants: list[TenantConfig
 
 
 @dataclass(eq=False)
+class Choice:
+    """One sequence a request asked for: choice `index`, of one of its prompts. Each is its own
+    engine request and takes its own seat, so n choices are n sequences to the scheduler."""
+
+    index: int
+    prompt: Prompt
+    sampling: Sampling
+    flow: QueuedRequest  # the choice as the scheduler sees it: queued, seated, asked to yield
+    engine_id: str
+    window: OutputWindow | None = None  # the output filters, when the model or tenant has any
+    echo: str = ""  # a completion's echo: the prompt's text, before the output
+    finished: bool = False  # the engine said it finished (no abort needed)
+    t_last_token: float | None = None  # for its inter-token gaps
+
+
+@dataclass(eq=False)
 class Job:
     """A request that passed every cheap check and now waits for, or uses, the engine."""
 
     life: RequestLife
     runtime: ModelRuntime
-    prompt: Prompt
-    sampling: Sampling
+    choices: list[Choice]
     deadline: float  # time.monotonic() by which it must finish
-    flow: QueuedRequest  # the request as the scheduler sees it: queued, seated, asked to yield
-    engine_id: str
     headers: dict[str, str] = field(default_factory=dict)  # the version, x-ratelimit-*, X-LLMD-Degraded
-    window: OutputWindow | None = None  # the output filters, when the model or tenant has any
-    finished: bool = False  # the engine said it finished (no abort needed)
+    tools: ToolMode | None = None  # the output is read as tool calls
+    echo_logprobs: bool = False  # a completion's echo with logprobs: the prompt's come first
 
     @property
     def record(self) -> RequestRecord:

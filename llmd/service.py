@@ -12,9 +12,10 @@ import contextlib
 import time
 import uuid
 
+from llmd import generation
 from llmd.auth import Principal
 from llmd.backends import PromptError
-from llmd.backends.base import Sampling
+from llmd.backends.base import Prompt, Sampling
 from llmd.config import ModelConfig, TenantConfig
 from llmd.errors import (
     AdmissionRefused,
@@ -35,8 +36,9 @@ from llmd.policy.queue import QueuedRequest
 from llmd.protocol import ChatRequest, CompletionRequest
 from llmd.registry.registry import Registry
 from llmd.registry.routing import RoutingError, parse_model
-from llmd.runtime import Job, ModelRuntime
+from llmd.runtime import Choice, Job, ModelRuntime
 from llmd.telemetry import RequestRecord
+from llmd.tools import plan as plan_tools
 
 DEGRADED_HEADER = "X-LLMD-Degraded"
 VERSION_HEADER = "X-LLMD-Model-Version"
@@ -91,12 +93,7 @@ class Service:
         chain = self.filters.input_chain(rt.cfg, tenant)
         if not chain:
             return
-        if isinstance(req, ChatRequest):
-            text = "\n".join(m["content"] for m in req.chat_messages())
-        elif isinstance(p := req.single_prompt(), str):
-            text = p
-        else:
-            raise bad_request("this model screens prompts: send the prompt as text, not token ids", "prompt")
+        text = generation.screened_text(req, rt.backend)
         t0 = time.monotonic()
         hit, notes = await screen_prompt(chain, text)
         record.screened, record.screen_s = ",".join(notes), round(time.monotonic() - t0, 6)
@@ -124,43 +121,53 @@ class Service:
         cap: int | None = None
         if klass == INTERACTIVE and rt.cfg.name in self.degraders:
             rt, cap = self._degrade(rt, tenant, record, conversation or req.user)
-        backend, sched = rt.backend, rt.scheduler
+        backend = rt.backend
         record.model, record.version, record.deadline_s = rt.cfg.name, backend.version, deadline_s
+        tools, structured, tool_defs = plan_tools(req, rt.cfg.tool_parser) if isinstance(req, ChatRequest) else (
+            None, None, None)
+        prompts = generation.prompts(req, backend, tool_defs)
+        record.prompt_tokens = sum(p.num_tokens for p, _ in prompts)
+        longest = max(p.num_tokens for p, _ in prompts)
         param = "messages" if isinstance(req, ChatRequest) else "prompt"
-        try:
-            if isinstance(req, ChatRequest):
-                prompt = backend.render_chat(req.chat_messages())
-            else:
-                prompt = backend.render_completion(req.single_prompt())
-        except PromptError as e:
-            raise bad_request(str(e), param) from None
-        record.prompt_tokens = prompt.num_tokens
-        max_tokens = output_budget(rt.cfg, prompt.num_tokens, req.requested_max_tokens(), param)
+        max_tokens = output_budget(rt.cfg, longest, req.requested_max_tokens(), param)
         max_tokens = min(max_tokens, cap) if cap else max_tokens
         record.max_tokens = max_tokens
-        sampling = Sampling(
-            max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, stop=req.stop_list(),
-            seed=req.seed, presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
-            repetition_penalty=req.repetition_penalty, top_k=req.top_k, ignore_eos=req.ignore_eos,
-        )
+        sampling = generation.sampling(req, max_tokens, structured or generation.response_format(req))
+        try:
+            backend.check(sampling)
+        except PromptError as e:
+            raise bad_request(str(e), _sampling_param(req), "invalid_request") from None
         deadline = record.t_arrival + deadline_s
+        life.admit(self._admit(record, rt, tenant, klass, record.prompt_tokens + len(prompts) * req.n * max_tokens,
+                               deadline))
+        choices = [self._choice(record, i * req.n + j, prompt, generation.for_choice(sampling, j), tenant, klass,
+                                deadline, rt, echo) for i, (prompt, echo) in enumerate(prompts) for j in range(req.n)]
+        headers = {VERSION_HEADER: backend.version} | ratelimit_headers(self.admission.limits(tenant))
+        if record.degraded:
+            headers[DEGRADED_HEADER] = record.degraded
+        echo_logprobs = sampling.prompt_logprobs is not None
+        return Job(life, rt, choices, deadline, headers, tools, echo_logprobs)
+
+    def _admit(self, record: RequestRecord, rt: ModelRuntime, tenant: TenantConfig, klass: str, cost: int,
+               deadline: float) -> admission.Ticket:
         sc = rt.cfg.scheduling
         ticket = self.admission.admit(
-            tenant, prompt.num_tokens + max_tokens, queue_depth=len(rt.queue), max_queue=sc.max_queue,
-            est_wait_s=sched.estimate_wait(tenant.name, klass, sc.fairness == "vtc"),
+            tenant, cost, queue_depth=len(rt.queue), max_queue=sc.max_queue,
+            est_wait_s=rt.scheduler.estimate_wait(tenant.name, klass, sc.fairness == "vtc"),
             time_left_s=deadline - time.monotonic())
         if isinstance(ticket, admission.Refusal):
             record.decision = f"shed:{ticket.reason}"
             raise refusal_error(ticket)
         record.decision = "admitted"
-        record.replica = f"{self.node}/{rt.cfg.name}@{backend.version[:12]}"
-        life.admit(ticket)
-        flow = QueuedRequest(record.request_id, tenant.name, klass, prompt.num_tokens, max_tokens, deadline)
-        headers = {VERSION_HEADER: backend.version} | ratelimit_headers(self.admission.limits(tenant))
-        if record.degraded:
-            headers[DEGRADED_HEADER] = record.degraded
-        return Job(life, rt, prompt, sampling, deadline, flow, f"{record.request_id}-{uuid.uuid4().hex[:8]}",
-                   headers, window=self.filters.output_window(rt.cfg, tenant))
+        record.replica = f"{self.node}/{rt.cfg.name}@{rt.version[:12]}"
+        return ticket
+
+    def _choice(self, record: RequestRecord, index: int, prompt: Prompt, sampling: Sampling, tenant: TenantConfig,
+                klass: str, deadline: float, rt: ModelRuntime, echo: str) -> Choice:
+        flow = QueuedRequest(record.request_id, tenant.name, klass, prompt.num_tokens, sampling.max_tokens, deadline,
+                             preemptible=sampling.structured is None)
+        return Choice(index, prompt, sampling, flow, f"{record.request_id}-{index}-{uuid.uuid4().hex[:8]}",
+                      self.filters.output_window(rt.cfg, tenant), echo)
 
     def _overloaded(self, rt: ModelRuntime) -> bool:
         return rt.scheduler.estimate_wait("", INTERACTIVE, False) > rt.cfg.degradation.overload_wait_s
@@ -189,3 +196,13 @@ class Service:
             done.append(f"max_tokens={cap}")
         record.degraded = ", ".join(done) or None
         return rt, cap
+
+
+def _sampling_param(req: ChatRequest | CompletionRequest) -> str | None:
+    """The field a sampling refusal most likely concerns."""
+    if isinstance(req, ChatRequest) and req.tools:
+        return "tools"
+    if req.response_format is not None:
+        return "response_format"
+    return "logit_bias" if req.logit_bias else None
+

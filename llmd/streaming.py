@@ -1,94 +1,170 @@
 """Turning a running job into OpenAI response bodies and SSE payloads (no HTTP here).
 
-`pump` drives one generation and hands each SSE payload to `emit`; the deadline
-covers `emit` too, so a slow reader cannot outlive the request. A failure before
-the first payload is raised (the caller answers with a plain HTTP error); after
-it, the stream ends with a terminal error payload and `[DONE]`.
+A job has one or more choices (n per prompt), each its own engine request. `complete`
+runs them all and builds the body; `pump` hands each SSE payload to `emit`, choices
+interleaved as their tokens come. The deadline covers `emit` too, so a slow reader
+cannot outlive the request. A failure before the first payload is raised (the caller
+answers with a plain HTTP error); after it, the stream ends with a terminal error
+payload and `[DONE]`. A choice a filter stopped says so (finish_reason content_filter),
+and the stream then ends with the filter's terminal error event.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
-from llmd import dispatch, protocol
+from llmd import dispatch
 from llmd.errors import APIError
 from llmd.filters import ContentFiltered
-from llmd.protocol import ChatRequest, CompletionRequest
-from llmd.runtime import Job
+from llmd.outputs import ChoiceOutput
+from llmd.protocol import ChatRequest, CompletionRequest, responses
+from llmd.runtime import Choice, Job
 
 DONE = "[DONE]"
+Payload = dict[str, Any] | str  # a chunk, or DONE
+Emit = Callable[[str], Awaitable[None]]
 
 
 def dumps(obj: Any) -> str:
     return json.dumps(obj, separators=(",", ":"), ensure_ascii=False)
 
 
-def _ids(job: Job, req: ChatRequest | CompletionRequest) -> tuple[str, bool]:
-    is_chat = isinstance(req, ChatRequest)
-    return ("chatcmpl-" if is_chat else "cmpl-") + job.record.request_id, is_chat
+class _Shape:
+    """The ids, object names and usage every payload of one response shares."""
+
+    def __init__(self, job: Job, req: ChatRequest | CompletionRequest) -> None:
+        self.job, self.chat = job, isinstance(req, ChatRequest)
+        self.rid = ("chatcmpl-" if self.chat else "cmpl-") + job.record.request_id
+        self.model, self.created = job.runtime.served_name, responses.created_now()
+        self.continuous = req.continuous_usage
+
+    def usage(self) -> dict[str, Any]:
+        r = self.job.record
+        return responses.usage(r.prompt_tokens, r.output_tokens, r.cached_prompt_tokens)
+
+    def chunk(self, choices: list[dict[str, Any]], with_usage: bool = False) -> dict[str, Any]:
+        obj = "chat.completion.chunk" if self.chat else "text_completion"
+        return responses.chunk(self.rid, obj, self.model, self.created, choices,
+                               self.usage() if with_usage or self.continuous else None)
 
 
 async def complete(job: Job, req: ChatRequest | CompletionRequest) -> dict[str, Any]:
     """The non-streaming response body; raises APIError (deadline, engine failure)."""
-    parts: list[str] = []
-    finish: str | None = None
+    shape = _Shape(job, req)
+    outs = [ChoiceOutput(job, c, shape.chat) for c in job.choices]
+
+    async def one(out: ChoiceOutput) -> None:
+        try:
+            async for d in dispatch.screened(job, out.choice):
+                out.take(d)
+        except ContentFiltered:
+            out.finish = "content_filter"  # the text that passed every filter, as OpenAI does
+
     try:
         async with dispatch.deadline(job):
-            async for d in dispatch.screened(job):
-                parts.append(d.text)
-                finish = d.finish_reason or finish
+            await _all(one(o) for o in outs)
     except TimeoutError:
         raise dispatch.deadline_error(job) from None
+    obj = "chat.completion" if shape.chat else "text_completion"
+    return responses.body(shape.rid, obj, shape.model, shape.created, [o.body_choice() for o in outs],
+                          shape.usage())
+
+
+async def _all(runs: Any) -> None:
+    """Run every choice; the first failure cancels the others (their engine requests abort)."""
+    tasks = [asyncio.ensure_future(r) for r in runs]
+    if len(tasks) == 1:
+        await tasks[0]
+        return
+    try:
+        await asyncio.gather(*tasks)
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _choice_chunks(job: Job, shape: _Shape, choice: Choice) -> AsyncIterator[dict[str, Any]]:
+    """One choice's chunks; a filter stop is its last one (finish_reason content_filter)."""
+    out = ChoiceOutput(job, choice, shape.chat)
+    try:
+        async for d in dispatch.screened(job, choice):
+            entries = out.take(d)
+            piece = out.chunk_choice(d, entries)
+            if piece is not None:
+                yield shape.chunk([piece])
     except ContentFiltered:
-        finish = "content_filter"  # the text that passed every filter, as OpenAI does
-    rec = job.record
-    cid, is_chat = _ids(job, req)
-    u = protocol.usage(rec.prompt_tokens, rec.output_tokens, rec.cached_prompt_tokens)
-    build = protocol.chat_response if is_chat else protocol.completion_response
-    return build(cid, job.runtime.served_name, protocol.created_now(), "".join(parts), finish, u)
+        last = (responses.chat_delta(choice.index, {} if out.parts else {"role": "assistant", "content": ""},
+                                     "content_filter") if shape.chat
+                else responses.text_choice(choice.index, "", "content_filter"))
+        yield shape.chunk([last])
+        raise
 
 
-async def _payloads(job: Job, req: ChatRequest | CompletionRequest) -> AsyncIterator[str]:
-    rec, model = job.record, job.runtime.served_name
-    cid, is_chat = _ids(job, req)
-    created = protocol.created_now()
-    first = True
+async def _chunks(job: Job, shape: _Shape) -> AsyncIterator[dict[str, Any]]:
+    """Every choice's chunks, interleaved as they come (one choice: straight through)."""
+    if len(job.choices) == 1:
+        async for c in _choice_chunks(job, shape, job.choices[0]):
+            yield c
+        return
+    queue: asyncio.Queue[tuple[int, dict[str, Any] | BaseException | None]] = asyncio.Queue()
+
+    async def feed(choice: Choice) -> None:
+        try:
+            async for c in _choice_chunks(job, shape, choice):
+                queue.put_nowait((choice.index, c))
+            queue.put_nowait((choice.index, None))
+        except BaseException as e:  # handed to the consumer, which decides
+            queue.put_nowait((choice.index, e))
+
+    tasks = [asyncio.ensure_future(feed(c)) for c in job.choices]
     stopped: ContentFiltered | None = None
     try:
-        async for d in dispatch.screened(job):
-            if not d.text and d.finish_reason is None:
-                continue
-            if is_chat:
-                delta: dict[str, Any] = {"role": "assistant", "content": d.text} if first else {"content": d.text}
-                first = False
-                yield dumps(protocol.chat_chunk(cid, model, created, delta, d.finish_reason))
-            else:
-                yield dumps(protocol.completion_chunk(cid, model, created, d.text, d.finish_reason))
-    except ContentFiltered as e:  # the last chunk says why, then a terminal error event
-        stopped = e
-        if is_chat:
-            delta = {"role": "assistant", "content": ""} if first else {}
-            yield dumps(protocol.chat_chunk(cid, model, created, delta, "content_filter"))
-        else:
-            yield dumps(protocol.completion_chunk(cid, model, created, "", "content_filter"))
-    if req.include_usage:
-        u = protocol.usage(rec.prompt_tokens, rec.output_tokens, rec.cached_prompt_tokens)
-        obj = "chat.completion.chunk" if is_chat else "text_completion"
-        yield dumps(protocol.usage_chunk(cid, model, created, obj, u))
+        for _ in job.choices:
+            while True:
+                _, item = await queue.get()
+                if item is None:
+                    break
+                if isinstance(item, ContentFiltered):
+                    stopped = stopped or item
+                    break
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
     if stopped is not None:
-        yield dumps(stopped.body())
+        raise stopped
+
+
+async def _payloads(job: Job, req: ChatRequest | CompletionRequest) -> AsyncIterator[Payload]:
+    shape = _Shape(job, req)
+    stopped: ContentFiltered | None = None
+    try:
+        async for c in _chunks(job, shape):
+            yield c
+    except ContentFiltered as e:  # its choice's last chunk said why; a terminal error event follows
+        stopped = e
+    if req.include_usage and not shape.continuous:
+        yield shape.chunk([], with_usage=True)
+    if stopped is not None:
+        yield stopped.body()
     yield DONE
 
 
-async def pump(job: Job, req: ChatRequest | CompletionRequest, emit: Callable[[str], Awaitable[None]]) -> None:
+async def pump(job: Job, req: ChatRequest | CompletionRequest, emit: Emit) -> None:
     started = False
     try:
         async with dispatch.deadline(job):
             async for payload in _payloads(job, req):
                 started = True
-                await emit(payload)
+                await emit(payload if isinstance(payload, str) else dumps(payload))
         return
     except TimeoutError:
         err: APIError = dispatch.deadline_error(job)
@@ -99,5 +175,6 @@ async def pump(job: Job, req: ChatRequest | CompletionRequest, emit: Callable[[s
     # Tokens were already delivered: end the stream with a terminal error event.
     job.life.fail(err)
     job.record.finish_reason = job.record.finish_reason or "error"
-    await emit(dumps(err.body()))
+    with contextlib.suppress(Exception):
+        await emit(dumps(err.body()))
     await emit(DONE)

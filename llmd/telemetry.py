@@ -74,16 +74,15 @@ class RequestRecord:
     t_last_token: float | None = None
     itl: list[float] = field(default_factory=list)  # seconds per token after the first
 
-    def on_tokens(self, n: int, now: float) -> None:
-        """Account `n` new tokens arriving together at `now` (engines merge deltas under load)."""
+    def on_tokens(self, n: int, now: float, prev: float | None) -> None:
+        """`n` tokens of one choice arriving together at `now` (engines merge deltas under load);
+        `prev`: when that choice's previous tokens came (None: these are its first)."""
         if not n:
             return
         if self.t_first_token is None:
             self.t_first_token = now
-            n -= 1
-        elif self.t_last_token is not None and n:
-            gap = (now - self.t_last_token) / n
-            self.itl.extend([gap] * n)
+        if prev is not None:
+            self.itl.extend([(now - prev) / n] * n)
         self.t_last_token = now
 
     def finish(self) -> None:

@@ -39,6 +39,16 @@ class Prompt:
 
 
 @dataclass(frozen=True)
+class Structured:
+    """A constraint the engine enforces on the output (vLLM's structured outputs): one of
+    a JSON schema, any JSON object, or one of a few fixed strings."""
+
+    json_schema: dict[str, Any] | None = None
+    json_object: bool = False
+    choice: tuple[str, ...] | None = None
+
+
+@dataclass(frozen=True)
 class Sampling:
     max_tokens: int
     temperature: float | None = None
@@ -49,7 +59,25 @@ class Sampling:
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
     top_k: int | None = None
+    min_p: float | None = None
+    min_tokens: int = 0
     ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    logprobs: int | None = None  # alternatives per output token (0: the sampled token's own only)
+    prompt_logprobs: int | None = None  # the same per prompt token (a completion's echo)
+    logit_bias: dict[int, float] | None = None
+    structured: Structured | None = None
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One token as the engine scored it, with the best alternatives at that position."""
+
+    token: str  # its text
+    token_id: int
+    logprob: float | None  # None: nothing scored it (a prompt's first token)
+    top: tuple[tuple[str, float], ...] = ()  # (text, logprob), best first
 
 
 @dataclass(frozen=True)
@@ -61,6 +89,8 @@ class Delta:
     finish_reason: str | None = None  # "stop" | "length" | "abort" once finished
     cached_prompt_tokens: int = 0
     token_ids: tuple[int, ...] = ()  # lets a preempted request resume as prompt + output so far
+    logprobs: tuple[TokenLogprob, ...] = ()  # one per token, when asked for
+    prompt_logprobs: tuple[TokenLogprob, ...] | None = None  # on the first delta, when asked for
 
 
 @dataclass(frozen=True)
@@ -137,9 +167,20 @@ class Backend(Protocol):
     @property
     def healthy(self) -> bool: ...
 
-    def render_chat(self, messages: list[dict[str, str]]) -> Prompt: ...
+    def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> Prompt:
+        """The chat template applied (with `tools` where the template takes them), tokenized."""
+        ...
 
     def render_completion(self, prompt: str | list[int]) -> Prompt: ...
+
+    def decode(self, token_ids: list[int]) -> str:
+        """Token ids as text (screening a prompt sent as token ids)."""
+        ...
+
+    def check(self, sampling: Sampling) -> None:
+        """Raise PromptError for what the engine would refuse (a schema it cannot compile, a
+        logit_bias outside the vocabulary), so it is a 400 before admission, not after a wait."""
+        ...
 
     def generate(self, request_id: str, prompt: Prompt, sampling: Sampling,
                  priority: int = 0) -> AsyncGenerator[Delta, None]: ...

@@ -18,6 +18,7 @@ import math
 import re
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
+from typing import Any
 
 from llmd.backends.base import (
     BackendError,
@@ -28,8 +29,10 @@ from llmd.backends.base import (
     PromptError,
     Sampling,
     StepRecord,
+    TokenLogprob,
     now,
 )
+from llmd.backends.fake_outputs import entry, instance, prompt_entries
 from llmd.backends.tokenizer import TiktokenTokenizer
 from llmd.config import FakeEngineConfig
 
@@ -64,6 +67,7 @@ class _Req:
     emitted: int = 0  # chars of `text` already sent
     done: bool = False
     script: tuple[str, str] | None = None  # ("say" | "repeat", text) from SAY_MARKER
+    prompt_sent: bool = False  # its prompt logprobs went out with the first delta
 
     def word_index(self) -> int:
         return (self.seed + self.generated * (1 + 2 * (self.seed % 7))) % len(WORDS)
@@ -138,14 +142,27 @@ class FakeBackend:
         return self._started and self._dead is None and self._task is not None and not self._task.done()
 
     # -- prompts --------------------------------------------------------------
-    def render_chat(self, messages: list[dict[str, str]]) -> Prompt:
+    def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> Prompt:
         if not messages:
             raise PromptError("messages must not be empty")
         for m in messages:
             if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
                 raise PromptError("each message needs a string role and content")
         text = self.tokenizer.render_chat(messages)
+        if tools:  # the double's template knows no tools: say them, so the prompt (and its count) grows
+            text += "".join(f"\n[tool {t['function']['name']}]" for t in tools)
         return Prompt(token_ids=self.tokenizer.encode(text), engine_input=text)
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids)
+
+    def check(self, sampling: Sampling) -> None:
+        n = self.tokenizer.n_vocab
+        if sampling.logit_bias and any(not 0 <= t < n for t in sampling.logit_bias):
+            raise PromptError(f"logit_bias has token ids outside the vocabulary (0..{n - 1})")
+        schema = sampling.structured.json_schema if sampling.structured else None
+        if schema is not None and not isinstance(schema.get("type", "object"), (str, list)):
+            raise PromptError("Grammar error: invalid JSON schema")
 
     def render_completion(self, prompt: str | list[int]) -> Prompt:
         if isinstance(prompt, str):
@@ -182,7 +199,7 @@ class FakeBackend:
             eos_after=int(m.group(1)) if m and not sampling.ignore_eos else None,
             seed=int.from_bytes(hashlib.blake2b(repr(prompt.token_ids).encode(), digest_size=8).digest(), "big"),
             prefill_left=math.ceil(prompt.num_tokens / self.cfg.prefill_tokens_per_step),
-            script=(say.group(1), say.group(2).replace("|", "")) if say else None,
+            script=_script(say, sampling),
         )
         return self._stream(req)
 
@@ -212,7 +229,8 @@ class FakeBackend:
                         item = nxt
                         break
                     item = Delta(item.text + nxt.text, item.num_tokens + nxt.num_tokens, nxt.finish_reason,
-                                 token_ids=item.token_ids + nxt.token_ids)
+                                 token_ids=item.token_ids + nxt.token_ids, logprobs=item.logprobs + nxt.logprobs,
+                                 prompt_logprobs=item.prompt_logprobs)
                 if isinstance(item, BaseException):
                     raise item
                 yield item
@@ -280,11 +298,12 @@ class FakeBackend:
         finish: str | None = None
         tokens = 1
         ids: tuple[int, ...] = ()
+        piece = ""
         if (req.eos_after is not None and req.generated >= req.eos_after) or req.script_done():
             finish, tokens = "stop", 0  # `[[eos:0]]`: ends at once with nothing generated
         else:
-            ids = (WORD_ID_BASE + req.word_index(),)
-            req.text += req.word()
+            ids, piece = (WORD_ID_BASE + req.word_index(),), req.word()
+            req.text += piece
             req.generated += 1
         stops = req.sampling.stop
         hit = min((i for s in stops if s and (i := req.text.find(s)) >= 0), default=-1)
@@ -302,12 +321,27 @@ class FakeBackend:
                     if req.text.endswith(s[:k]):
                         safe = min(safe, len(req.text) - k)
                         break
-        delta = Delta(text=req.text[req.emitted : safe], num_tokens=tokens, finish_reason=finish, token_ids=ids)
+        delta = Delta(text=req.text[req.emitted : safe], num_tokens=tokens, finish_reason=finish, token_ids=ids,
+                      logprobs=self._logprobs(req, ids, piece), prompt_logprobs=self._prompt_logprobs(req))
         req.emitted = safe
         if finish is not None:
             req.done = True
             self._running.remove(req)
         req.queue.put_nowait(delta)
+
+    @staticmethod
+    def _logprobs(req: _Req, ids: tuple[int, ...], piece: str) -> tuple[TokenLogprob, ...]:
+        k = req.sampling.logprobs
+        if k is None or not ids:
+            return ()
+        return tuple(entry(i, piece, k, WORDS) for i in ids)
+
+    def _prompt_logprobs(self, req: _Req) -> tuple[TokenLogprob, ...] | None:
+        k = req.sampling.prompt_logprobs
+        if k is None or req.prompt_sent:
+            return None
+        req.prompt_sent = True
+        return prompt_entries(req.prompt.token_ids, self.tokenizer.decode, k, WORDS)
 
     def _fail_all(self, err: BaseException) -> None:
         reqs = list(self._running) + [w[2] for w in self._waiting]
@@ -322,3 +356,11 @@ class FakeBackend:
         if self._task is not None and self._task is not asyncio.current_task():
             self._task.cancel()
         self._fail_all(err)
+
+
+def _script(say: re.Match[str] | None, sampling: Sampling) -> tuple[str, str] | None:
+    """What the double is scripted to say: a structured output's instance, or a prompt's marker."""
+    if sampling.structured is not None:
+        return ("say", instance(sampling.structured))
+    return (say.group(1), say.group(2).replace("|", "")) if say else None
+

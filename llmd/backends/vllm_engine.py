@@ -23,6 +23,7 @@ from llmd.backends.base import (
     PromptError,
     Sampling,
     StepRecord,
+    TokenLogprob,
     now,
 )
 from llmd.config import EngineConfig
@@ -35,7 +36,7 @@ from vllm import SamplingParams
 from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.platforms import current_platform
 from vllm.renderers.params import ChatParams
-from vllm.sampling_params import RequestOutputKind
+from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.engine.exceptions import EngineDeadError
 from vllm.v1.metrics.loggers import StatLoggerBase
@@ -141,12 +142,14 @@ class VllmBackend:
             raise BackendError(f"model {self.model_name} is not loaded")
         return self._engine.renderer
 
-    def render_chat(self, messages: list[dict[str, str]]) -> Prompt:
+    def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> Prompt:
         r = self._renderer()
         # No length cap here: the gateway compares the count with its own limits and says so.
         tok = r.default_chat_tok_params.with_kwargs(add_special_tokens=False, max_total_tokens=None)
+        params = self._chat_params if not tools else ChatParams(
+            chat_template_kwargs={"add_generation_prompt": True, "tools": tools})
         try:
-            _, prompts = r.render_chat([messages], self._chat_params, tok)
+            _, prompts = r.render_chat([messages], params, tok)
         except Exception as e:  # template errors, bad roles, tokenizer failures
             raise PromptError(f"cannot render the chat prompt: {e}") from None
         p = prompts[0]
@@ -166,6 +169,19 @@ class VllmBackend:
                 raise PromptError(f"cannot tokenize the prompt: {e}") from None
         return Prompt(token_ids=ids, engine_input={"prompt_token_ids": ids})
 
+    def decode(self, token_ids: list[int]) -> str:
+        return str(self._renderer().tokenizer.decode(token_ids))
+
+    def check(self, sampling: Sampling) -> None:
+        engine = self._engine
+        if engine is None:
+            raise BackendError(f"model {self.model_name} is not loaded")
+        try:
+            _params(sampling).verify(engine.model_config, engine.vllm_config.speculative_config,
+                                     engine.vllm_config.structured_outputs_config, engine.tokenizer)
+        except (ValueError, TypeError) as e:
+            raise PromptError(str(e)) from None
+
     # -- generation ------------------------------------------------------
     async def generate(self, request_id: str, prompt: Prompt, sampling: Sampling,
                        priority: int = 0) -> AsyncGenerator[Delta, None]:
@@ -174,24 +190,18 @@ class VllmBackend:
             raise BackendError(f"model {self.model_name} is not loaded")
         if engine.errored:
             raise EngineDead(f"engine for {self.model_name} is dead")
-        params = SamplingParams(
-            max_tokens=sampling.max_tokens,
-            temperature=1.0 if sampling.temperature is None else sampling.temperature,
-            top_p=1.0 if sampling.top_p is None else sampling.top_p,
-            stop=list(sampling.stop) or None,
-            seed=sampling.seed,
-            presence_penalty=sampling.presence_penalty or 0.0,
-            frequency_penalty=sampling.frequency_penalty or 0.0,
-            repetition_penalty=sampling.repetition_penalty or 1.0,
-            top_k=0 if sampling.top_k in (None, -1) else sampling.top_k,
-            ignore_eos=sampling.ignore_eos,
-            output_kind=RequestOutputKind.DELTA,
-        )
+        params = _params(sampling)
+        first = True
         try:
             async for out in engine.generate(prompt.engine_input, params, request_id, priority=priority):
                 c = out.outputs[0]
                 yield Delta(text=c.text, num_tokens=len(c.token_ids), finish_reason=c.finish_reason,
-                            cached_prompt_tokens=out.num_cached_tokens or 0, token_ids=tuple(c.token_ids))
+                            cached_prompt_tokens=out.num_cached_tokens or 0, token_ids=tuple(c.token_ids),
+                            logprobs=_logprobs(c.token_ids, c.logprobs, sampling.logprobs or 0) if c.logprobs else (),
+                            prompt_logprobs=(_prompt_logprobs(prompt.token_ids, out.prompt_logprobs,
+                                                              sampling.prompt_logprobs or 0, self.decode)
+                                             if first and out.prompt_logprobs else None))
+                first = False
         except EngineDeadError as e:
             raise EngineDead(f"engine for {self.model_name} died: {e}") from None
         except (asyncio.CancelledError, GeneratorExit):
@@ -206,3 +216,51 @@ class VllmBackend:
     async def abort(self, request_id: str) -> None:
         if self._engine is not None and not self._engine.errored:
             await self._engine.abort(request_id)
+
+
+def _params(s: Sampling) -> SamplingParams:
+    structured = None
+    if s.structured is not None:
+        st = s.structured
+        structured = StructuredOutputsParams(json=st.json_schema, json_object=True if st.json_object else None,
+                                             choice=list(st.choice) if st.choice is not None else None)
+    return SamplingParams(
+        max_tokens=s.max_tokens,
+        temperature=1.0 if s.temperature is None else s.temperature,
+        top_p=1.0 if s.top_p is None else s.top_p,
+        stop=list(s.stop) or None,
+        seed=s.seed,
+        presence_penalty=s.presence_penalty or 0.0,
+        frequency_penalty=s.frequency_penalty or 0.0,
+        repetition_penalty=s.repetition_penalty or 1.0,
+        top_k=0 if s.top_k in (None, -1) else s.top_k,
+        min_p=s.min_p or 0.0,
+        min_tokens=s.min_tokens,
+        ignore_eos=s.ignore_eos,
+        skip_special_tokens=s.skip_special_tokens,
+        include_stop_str_in_output=s.include_stop_str_in_output,
+        logprobs=s.logprobs,
+        prompt_logprobs=s.prompt_logprobs,
+        logit_bias=dict(s.logit_bias) if s.logit_bias else None,
+        structured_outputs=structured,
+        output_kind=RequestOutputKind.DELTA,
+    )
+
+
+def _entry(token_id: int, scored: dict[int, Any], k: int) -> TokenLogprob:
+    """One position of vLLM's logprobs: token id -> Logprob for the k best and the chosen token."""
+    own = scored[token_id]
+    best = sorted(scored.values(), key=lambda lp: lp.rank or 0)[:k]
+    return TokenLogprob(own.decoded_token or "", token_id, own.logprob,
+                        tuple((lp.decoded_token or "", lp.logprob) for lp in best))
+
+
+def _logprobs(token_ids: Any, per_token: Any, k: int) -> tuple[TokenLogprob, ...]:
+    return tuple(_entry(tid, scored, k) for tid, scored in zip(token_ids, per_token, strict=True))
+
+
+def _prompt_logprobs(token_ids: list[int], per_token: Any, k: int, decode: Any) -> tuple[TokenLogprob, ...]:
+    # The first prompt token has no logprob (nothing precedes it).
+    return tuple(TokenLogprob(decode([tid]), tid, None) if scored is None else _entry(tid, scored, k)
+                 for tid, scored in zip(token_ids, per_token, strict=True))
+

@@ -93,6 +93,11 @@ class OutputWindow:
     def __post_init__(self) -> None:
         self._keep = max((lookback(f) for f in self.filters), default=0)
 
+    @property
+    def holding(self) -> bool:
+        """Some text came in that has not gone out yet."""
+        return bool(self.held)
+
     def feed(self, text: str, tokens: int, final: bool) -> tuple[str, Match | None]:
         """Take new output; return the text now safe to release, or a blocking match (then
         nothing more may be released)."""

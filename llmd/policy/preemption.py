@@ -57,7 +57,7 @@ class PreemptionRound:
     running: int  # sequences holding seats, those already asked to yield included
     limit: int  # the seat limit this tick
     pending: int  # asked to yield in an earlier tick, not gone yet
-    live: list[QueuedRequest]  # running and not asked to yield, in dispatch order
+    live: list[QueuedRequest]  # running, preemptible and not asked to yield, in dispatch order
     waiting_interactive: int
     victims: list[QueuedRequest] = field(default_factory=list)
     heirs: list[Heir] = field(default_factory=list)

@@ -29,6 +29,9 @@ class QueuedRequest:
     seq: int = field(default_factory=lambda: next(_seq))
     running: bool = False  # holds a seat: released to the engine and not yet finished
     preempt_requested: bool = False  # chosen to yield its seat; cleared when it finishes
+    # False when resuming from its output so far would change the output (a structured
+    # output's grammar restarts at the prompt's end): such a sequence keeps its seat.
+    preemptible: bool = True
 
     @property
     def cost(self) -> int:

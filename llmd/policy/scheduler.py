@@ -177,8 +177,9 @@ class SchedulerCore:
     def _preempt(self) -> tuple[tuple[QueuedRequest, ...], tuple[QueuedRequest, ...]]:
         """Run the preemption rules in order; returns (victims, heirs seated in their place)."""
         running, limit = len(self.running), self.detector.seat_limit
-        live = [t for t in self.running.values() if not t.preempt_requested]
-        r = PreemptionRound(self, running, limit, pending=running - len(live), live=live,
+        pending = sum(1 for t in self.running.values() if t.preempt_requested)
+        live = [t for t in self.running.values() if not t.preempt_requested and t.preemptible]
+        r = PreemptionRound(self, running, limit, pending=pending, live=live,
                             waiting_interactive=self.queue.depth(INTERACTIVE))
         for rule in self.rules:
             rule.choose(r)

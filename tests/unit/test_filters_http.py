@@ -188,9 +188,17 @@ async def test_a_teams_own_filter_from_config(make_server, records) -> None:
     assert r.choices[0].text == "calm down!!! now"  # tenant a does not run it
 
 
-async def test_token_id_prompt_cannot_be_screened(make_server) -> None:
+async def test_token_id_prompts_are_screened_by_decoding_them(make_server) -> None:
+    """lm-evaluation-harness sends token ids, often several prompts at once: the screen reads
+    them decoded, so a blocked phrase is refused as text would be, and a clean one runs."""
     live = await make_server(TOML)
+    tok = live.backend().tokenizer
+    bad, fine = tok.encode("tell me the FORBIDDEN phrase"), tok.encode("a calm question")
     with pytest.raises(openai.BadRequestError) as e:
-        await client(live).completions.create(model="fake", prompt=[1, 2, 3], max_tokens=2)
-    assert e.value.status_code == 400 and e.value.body["param"] == "prompt"
-    assert "token ids" in e.value.message and live.backend().submitted == []
+        await client(live).completions.create(model="fake", prompt=bad, max_tokens=2)
+    assert e.value.code == "content_filter" and live.backend().submitted == []
+    with pytest.raises(openai.BadRequestError) as e:
+        await client(live).completions.create(model="fake", prompt=[fine, bad], max_tokens=2)
+    assert e.value.code == "content_filter" and live.backend().submitted == []
+    r = await client(live).completions.create(model="fake", prompt=[fine, fine], max_tokens=2)
+    assert [c.index for c in r.choices] == [0, 1] and r.usage.completion_tokens == 4

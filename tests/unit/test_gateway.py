@@ -13,6 +13,7 @@ import pytest
 from tests.conftest import LiveServer, async_wait_until, fake_toml
 
 MSG = [{"role": "user", "content": "hello there"}]
+TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
 
 
 def sdk(live: LiveServer) -> openai.AsyncOpenAI:
@@ -71,8 +72,22 @@ async def test_models_health_ready(make_server) -> None:
 @pytest.mark.parametrize(
     ("body", "param", "code"),
     [
-        ({"model": "fake", "messages": MSG, "n": 2}, "n", "unsupported_parameter"),
-        ({"model": "fake", "messages": MSG, "tools": [{"type": "function"}]}, "tools", "unsupported_parameter"),
+        ({"model": "fake", "messages": MSG, "n": 0}, "n", "invalid_value"),
+        ({"model": "fake", "messages": MSG, "n": 99}, "n", "invalid_value"),
+        ({"model": "fake", "messages": MSG, "tools": [{"type": "function"}]}, "tools[0].function",
+         "missing_required_parameter"),
+        ({"model": "fake", "messages": MSG, "tools": [TOOL]}, "tool_choice", "tool_choice_unsupported"),
+        ({"model": "fake", "messages": MSG, "tool_choice": "required"}, None, "invalid_value"),
+        ({"model": "fake", "messages": MSG, "tools": [TOOL], "tool_choice": {"type": "function",
+          "function": {"name": "nope"}}}, None, "invalid_value"),
+        ({"model": "fake", "messages": MSG, "top_logprobs": 3}, None, "invalid_value"),
+        ({"model": "fake", "messages": MSG, "logprobs": True, "top_logprobs": 21}, "top_logprobs", "invalid_value"),
+        ({"model": "fake", "messages": MSG, "response_format": {"type": "json_schema"}}, "response_format",
+         "invalid_value"),
+        ({"model": "fake", "messages": MSG, "response_format": {"type": "xml"}}, "response_format.type",
+         "invalid_value"),
+        ({"model": "fake", "messages": MSG, "logit_bias": {"many": 1}}, "logit_bias", None),
+        ({"model": "fake", "messages": MSG, "logit_bias": {"1": 500}}, "logit_bias.1", "invalid_value"),
         ({"model": "fake", "messages": MSG, "frobnicate": 1}, "frobnicate", "unknown_parameter"),
         ({"model": "fake", "messages": MSG, "max_tokens": "ten"}, "max_tokens", "invalid_value"),
         ({"model": "fake", "messages": MSG, "max_tokens": 0}, "max_tokens", "invalid_value"),
@@ -82,7 +97,7 @@ async def test_models_health_ready(make_server) -> None:
         ({"model": "fake", "messages": []}, "messages", "invalid_value"),
         ({"model": "fake", "messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role", "invalid_value"),
         ({"messages": MSG}, "model", "missing_required_parameter"),
-        ({"model": "fake", "messages": MSG, "stop": ["a", "b", "c", "d", "e"]}, "stop", "invalid_value"),
+        ({"model": "fake", "messages": MSG, "stop": list("abcdefghijklmnopq")}, "stop", "invalid_value"),
     ],
 )
 async def test_bad_parameters_get_clear_400s(make_server, body, param, code) -> None:
@@ -107,8 +122,11 @@ async def test_malformed_requests(make_server) -> None:
         assert r.status_code == 404 and r.json()["error"]["type"] == "invalid_request_error"
         r = await h.get("/v1/chat/completions")
         assert r.status_code == 405 and "error" in r.json()
-        r = await h.post("/v1/completions", json={"model": "fake", "prompt": ["a", "b"]})
-        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+        r = await h.post("/v1/completions", json={"model": "fake", "prompt": ["a", ""]})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt[1]"
+        r = await h.post("/v1/completions", json={"model": "fake", "prompt": "a", "best_of": 3})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "unsupported_parameter"
+        assert "n choices" in r.json()["error"]["message"]
         r = await h.post("/v1/completions", json={"model": "fake", "prompt": "a"},
                          headers={"X-Request-Timeout": "soon"})
         assert r.status_code == 400 and "X-Request-Timeout" in r.json()["error"]["message"]

@@ -1,0 +1,122 @@
+"""One choice's output as OpenAI shows it: text or tool calls, logprobs, a completion's echo.
+
+Deltas come in already screened (llmd/dispatch.py). Logprobs name tokens, so they must not
+say more than the text did: behind output filters a token's logprob goes out only once the
+window has let all its text out, and a token inside a span a filter redacted goes out
+with its text blanked and no alternatives.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from llmd.backends.base import Delta, TokenLogprob
+from llmd.protocol import logprobs as lp_shapes
+from llmd.protocol import responses
+from llmd.runtime import Choice, Job
+
+
+class ChoiceOutput:
+    """What one choice has produced, and what of it may go out now."""
+
+    def __init__(self, job: Job, choice: Choice, chat: bool) -> None:
+        self.job, self.choice, self.chat = job, choice, chat
+        self.parts: list[str] = []
+        self.finish: str | None = None
+        self.logprobs: list[TokenLogprob] = []  # released, in order
+        self._held: list[TokenLogprob] = []  # their text not yet all released
+        self._redactions = 0
+        self._offset = 0  # characters of this choice's text already sent (completions' text_offset)
+        self._started = False
+        self.wants_logprobs = choice.sampling.logprobs is not None
+
+    # -- taking deltas -----------------------------------------------------
+    def take(self, d: Delta) -> list[TokenLogprob]:
+        """Record a screened delta; returns the logprob entries that may go out with it."""
+        self.parts.append(d.text)
+        if d.finish_reason is not None:
+            self.finish = d.finish_reason
+        if not self.wants_logprobs:
+            return []
+        entries: list[TokenLogprob] = list(d.prompt_logprobs or ()) if self.job.echo_logprobs else []
+        self._held += d.logprobs
+        window = self.choice.window
+        if window is not None and window.holding and d.finish_reason is None:
+            return entries  # some of their text is still held back
+        if window is not None and len(window.redactions) != self._redactions:
+            self._redactions = len(window.redactions)
+            self._held = [TokenLogprob("", e.token_id, e.logprob) for e in self._held]
+        entries += self._held
+        self._held = []
+        self.logprobs += entries
+        return entries
+
+    @property
+    def text(self) -> str:
+        return self.choice.echo + "".join(self.parts)
+
+    # -- shapes ----------------------------------------------------------
+    def chunk_choice(self, d: Delta, entries: list[TokenLogprob]) -> dict[str, Any] | None:
+        """The stream chunk's choice for this delta, or None when there is nothing to say."""
+        tools = self.job.tools
+        text = d.text
+        if not self.chat:
+            if not self._started:
+                self._started, text = True, self.choice.echo + text
+            if not text and d.finish_reason is None and not entries:
+                return None
+            lp = lp_shapes.completion(entries, self._offset) if self.wants_logprobs else None
+            self._offset += len(text)
+            return responses.text_choice(self.choice.index, text, d.finish_reason, lp)
+        finish = self._finish(d.finish_reason)
+        if tools is not None:
+            delta = self._tool_delta(text, d.finish_reason is not None)
+        else:
+            delta = {"content": text} if text else {}
+        if not delta and finish is None and not entries:
+            return None  # nothing to say yet (a role-only chunk would only fake an early first token)
+        if not self._started:
+            self._started = True
+            delta = {"role": "assistant", **(delta or {"content": ""})}
+        lp = lp_shapes.chat(entries) if self.wants_logprobs else None
+        return responses.chat_delta(self.choice.index, delta, finish, lp)
+
+    def _tool_delta(self, text: str, last: bool) -> dict[str, Any]:
+        """Named function: the arguments stream as they come. `required`: the calls, whole, at the end."""
+        tools = self.job.tools
+        assert tools is not None
+        if tools.function is not None:
+            if not self._started:
+                head = {"index": 0, "id": self._call_id, "type": "function",
+                        "function": {"name": tools.function, "arguments": text}}
+                return {"content": None, "tool_calls": [head]}
+            return {"tool_calls": [{"index": 0, "function": {"arguments": text}}]} if text else {}
+        if not last:
+            return {}
+        calls = tools.calls("".join(self.parts))
+        if not calls:
+            return {"content": "".join(self.parts)}  # cut short: what there is, as text
+        return {"tool_calls": [{"index": i, **c} for i, c in enumerate(calls)]}
+
+    @property
+    def _call_id(self) -> str:
+        return f"call_{self.job.record.request_id[4:28]}{self.choice.index}"
+
+    def _finish(self, finish: str | None) -> str | None:
+        if finish == "stop" and self.job.tools is not None:
+            return "tool_calls"
+        return finish
+
+    def body_choice(self) -> dict[str, Any]:
+        """The whole choice, for a non-streaming response."""
+        if not self.chat:
+            lp = lp_shapes.completion(self.logprobs, 0) if self.wants_logprobs else None
+            return responses.text_choice(self.choice.index, self.text, self.finish, lp)
+        lp = lp_shapes.chat(self.logprobs) if self.wants_logprobs else None
+        tools = self.job.tools
+        calls = tools.calls(self.text) if tools is not None else None
+        if calls:
+            if tools is not None and tools.function is not None:
+                calls[0]["id"] = self._call_id
+            return responses.chat_choice(self.choice.index, None, self._finish(self.finish), lp, calls)
+        return responses.chat_choice(self.choice.index, self.text, self.finish, lp)

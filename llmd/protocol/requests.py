@@ -1,0 +1,307 @@
+"""OpenAI request bodies, validated strictly, with the vLLM extensions its clients send.
+
+Unknown fields and values we cannot honour are refused with a 400 naming the field:
+silently ignoring `best_of=3` would hand a client a wrong answer. What is accepted is
+honoured: n choices, logprobs, echo, structured outputs, tools, several prompts.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from llmd.errors import bad_request
+
+MAX_N = 16  # choices per request (each one a sequence in the engine)
+MAX_PROMPTS = 64  # prompts in one completions request
+MAX_STOP = 16
+MAX_TOP_LOGPROBS = 20
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class TextPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class ToolCallFunction(_Body):
+    name: str
+    arguments: str
+
+
+class ToolCall(_Body):
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
+class Message(_Body):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool's answer to one of them
+    # What the SDK echoes back when a client appends a response's message as it came.
+    refusal: None = None
+    annotations: list[Any] | None = None
+    audio: None = None
+    function_call: None = None
+
+    @model_validator(mode="after")
+    def _roles(self) -> Message:
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a message with role 'tool' needs 'tool_call_id'")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only an assistant message may carry 'tool_calls'")
+        return self
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.text for p in self.content)
+
+    def for_template(self) -> dict[str, Any]:
+        """The message as chat templates take it (OpenAI's `developer` is a system message)."""
+        out: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
+        if self.tool_calls:
+            out["tool_calls"] = [{"id": c.id, "type": "function",
+                                  "function": {"name": c.function.name, "arguments": _loads(c.function.arguments)}}
+                                 for c in self.tool_calls]
+        if self.tool_call_id:
+            out["tool_call_id"] = self.tool_call_id
+        if self.name:
+            out["name"] = self.name
+        return out
+
+
+def _loads(arguments: str) -> Any:
+    # Templates that render tool calls expect the arguments as an object, as vLLM passes them.
+    try:
+        return json.loads(arguments)
+    except json.JSONDecodeError:
+        return arguments
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM: usage in every chunk (guidellm asks for it)
+
+
+class JsonSchema(_Body):
+    name: Annotated[str, Field(min_length=1, max_length=64)]
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchema | None = None
+
+    @model_validator(mode="after")
+    def _schema(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("type 'json_schema' needs 'json_schema'")
+        return self
+
+
+class FunctionDef(_Body):
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_\-]{1,64}$")]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Body):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+_Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
+_Bias = Annotated[float, Field(ge=-100.0, le=100.0)]
+
+
+class _Common(_Body):
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+
+    model: Annotated[str, Field(min_length=1)]
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+    n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
+    stop: str | Annotated[list[str], Field(max_length=MAX_STOP)] | None = None
+    seed: int | None = None
+    user: str | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: _Penalty | None = None
+    frequency_penalty: _Penalty | None = None
+    logit_bias: dict[str, _Bias] | None = None  # token id (as a string) -> bias
+    response_format: ResponseFormat | None = None
+    metadata: dict[str, str] | None = None
+    # vLLM extensions that its own clients (`vllm bench serve`, guidellm, lm-eval) send.
+    repetition_penalty: Annotated[float, Field(gt=0.0, le=2.0)] | None = None
+    top_k: Annotated[int, Field(ge=-1)] | None = None
+    min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
+    min_tokens: Annotated[int, Field(ge=0)] | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    # llmd extension: "interactive" or "batch" (also the X-Priority-Class header).
+    priority_class: str | None = None
+
+    def stop_list(self) -> tuple[str, ...]:
+        if self.stop is None:
+            return ()
+        return (self.stop,) if isinstance(self.stop, str) else tuple(s for s in self.stop if s)
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens
+
+    def top_logprobs_wanted(self) -> int | None:
+        """Alternatives per output token (0: the sampled token's own logprob only); None: no logprobs."""
+        raise NotImplementedError
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and (self.stream_options.include_usage
+                                              or self.stream_options.continuous_usage_stats))
+
+    @property
+    def continuous_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
+
+
+class ChatRequest(_Common):
+    messages: Annotated[list[Message], Field(min_length=1)]
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+    tools: Annotated[list[Tool], Field(max_length=128)] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool = True
+    functions: list[Any] | None = None  # legacy function calling: only its neutral values
+    function_call: str | dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _tools(self) -> ChatRequest:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("'top_logprobs' needs 'logprobs': true")
+        if isinstance(self.tool_choice, NamedToolChoice):
+            if self.tool_choice.function.name not in {t.function.name for t in self.tools or ()}:
+                raise ValueError(f"tool_choice names '{self.tool_choice.function.name}', which is not in 'tools'")
+        elif self.tool_choice == "required" and not self.tools:
+            raise ValueError("tool_choice 'required' needs 'tools'")
+        if self.tools and self.response_format is not None and self.response_format.type != "text":
+            raise ValueError("use either 'tools' or a JSON 'response_format', not both")
+        return self
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def top_logprobs_wanted(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def chat_messages(self) -> list[dict[str, Any]]:
+        return [m.for_template() for m in self.messages]
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[int] | Annotated[list[str], Field(max_length=MAX_PROMPTS)] | \
+        Annotated[list[list[int]], Field(max_length=MAX_PROMPTS)]
+    logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+    echo: bool = False
+    best_of: int | None = None  # vLLM's engine has no best_of: only the neutral value
+    suffix: str | None = None
+
+    def top_logprobs_wanted(self) -> int | None:
+        return self.logprobs
+
+    def prompts(self) -> list[str | list[int]]:
+        """Every prompt of the request (OpenAI's `prompt` may be a list of them)."""
+        p = self.prompt
+        one_or_many: list[Any] = list(p) if isinstance(p, list) and p and not isinstance(p[0], int) else [p]
+        many: list[str | list[int]] = one_or_many
+        for i, one in enumerate(many):
+            if one == "" or one == []:
+                raise bad_request("prompt must not be empty", "prompt" if len(many) == 1 else f"prompt[{i}]")
+        return many
+
+
+_BRANCHES = {"str", "int", "float", "bool", "dict", "list", "NamedToolChoice", "TextPart"}
+
+
+def _param(loc: tuple[Any, ...]) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif isinstance(part, str) and ("[" in part or "-" in part or part in _BRANCHES):
+            continue  # union branch names, not fields (field names have neither "[" nor "-")
+        else:
+            out += f".{part}" if out else str(part)
+    return out
+
+
+# Fields OpenAI defines that are accepted only at their neutral value, and why.
+_NEUTRAL: dict[str, tuple[Any, ...]] = {
+    "best_of": (None, 1), "suffix": (None, ""), "functions": (None, []), "function_call": (None, "none"),
+}
+_WHY = {"best_of": "; vLLM's engine has no best_of: ask for n choices instead", "suffix": "",
+        "functions": "; use 'tools'", "function_call": "; use 'tool_choice'"}
+Parsed = TypeVar("Parsed", bound="_Common")
+
+
+def parse(cls: type[Parsed], raw: bytes) -> Parsed:
+    """Validate a JSON body; every failure becomes a 400 that names the offending field."""
+    if not raw.strip():
+        raise bad_request("the request body is empty; send a JSON object")
+    try:
+        req = cls.model_validate_json(raw)
+    except ValidationError as e:
+        first = e.errors()[0]
+        if first["type"] in ("json_invalid", "json_type", "model_type"):
+            raise bad_request("We could not parse the JSON body of your request: expected a JSON object",
+                              code="invalid_json") from None
+        param = _param(first["loc"])
+        if first["type"] == "missing":
+            raise bad_request(f"Missing required parameter: '{param}'", param, "missing_required_parameter") from None
+        if first["type"] == "extra_forbidden":
+            raise bad_request(f"Unrecognized request argument supplied: {param}", param, "unknown_parameter") from None
+        raise bad_request(f"Invalid value for '{param}': {first['msg']}", param or None, "invalid_value") from None
+    for name, neutral in _NEUTRAL.items():
+        if getattr(req, name, None) not in neutral:
+            raise bad_request(f"'{name}' is not supported by this server (got {getattr(req, name)!r}){_WHY[name]}",
+                              name, "unsupported_parameter")
+    if req.stream_options is not None and not req.stream:
+        raise bad_request("The 'stream_options' parameter is only allowed when 'stream' is enabled.", "stream_options")
+    return req
+
+
+def json_object(raw: bytes | None) -> dict[str, Any]:
+    """A request body that must be a JSON object (an empty body is `{}`); else a 400."""
+    try:
+        body = json.loads(raw or b"{}")
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        body = None
+    if not isinstance(body, dict):
+        raise bad_request("We could not parse the JSON body of your request: expected a JSON object",
+                          code="invalid_json")
+    return body
