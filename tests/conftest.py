@@ -11,6 +11,7 @@ import itertools
 import textwrap
 import time
 from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -20,8 +21,10 @@ from bench.lib.servers import (
     LiveServer,
     ServerProcess,
     free_port,
+    running,
     start_inprocess,
     start_server_process,
+    tool,
     two_version_store,
 )
 from bench.lib.servers import stop as stop_process
@@ -30,8 +33,8 @@ from llmd.store import StoreError, WeightStore
 
 REPO = Path(__file__).resolve().parent.parent
 EngineServer = ServerProcess  # the name engine tests know it by
-__all__ = ["ENGINE_TOML", "EngineServer", "LiveServer", "async_wait_until", "client_ids", "fake_toml", "free_port",
-           "start_server_process", "stop_process", "wait_until"]
+__all__ = ["ENGINE_TOML", "EngineServer", "LiveServer", "PeerServer", "async_wait_until", "client_ids", "fake_toml",
+           "free_port", "start_server_process", "stop_process", "wait_until"]
 _names = itertools.count()
 
 
@@ -139,6 +142,30 @@ def engine_server(smollm2_path: Path, tmp_path_factory: pytest.TempPathFactory) 
     srv = start_server_process(ENGINE_TOML, tmp_path_factory.mktemp("engine"))
     yield srv
     stop_process(srv.proc)
+
+
+@dataclass
+class PeerServer:
+    """`vllm serve` on the same model and engine settings as `engine_server`: the peer that
+    llmd's answers are compared with."""
+
+    url: str
+
+    @property
+    def base(self) -> str:
+        return self.url + "/v1"
+
+
+@pytest.fixture(scope="session")
+def vllm_server(smollm2_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[PeerServer]:
+    port, log = free_port(), tmp_path_factory.mktemp("vllm") / "vllm.log"
+    argv = [tool("llmd-vllm"), "serve", str(smollm2_path), "--served-model-name", "smollm2", "--dtype", "float32",
+            "--enforce-eager", "--max-model-len", "2048", "--max-num-seqs", "16", "--max-num-batched-tokens",
+            "1024", "--host", "127.0.0.1", "--port", str(port)]
+    # Its own core: two engines on one box must not fight over the same one.
+    with running(argv, f"http://127.0.0.1:{port}/health", log, 300,
+                 {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "1"}):
+        yield PeerServer(f"http://127.0.0.1:{port}")
 
 
 def wait_until(pred: Any, timeout: float = 10.0, interval: float = 0.05) -> bool:

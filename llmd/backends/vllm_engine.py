@@ -34,6 +34,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 from vllm import SamplingParams
 from vllm.engine.arg_utils import AsyncEngineArgs
+from vllm.exceptions import VLLMClientError
 from vllm.platforms import current_platform
 from vllm.renderers.params import ChatParams
 from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
@@ -179,7 +180,7 @@ class VllmBackend:
         try:
             _params(sampling).verify(engine.model_config, engine.vllm_config.speculative_config,
                                      engine.vllm_config.structured_outputs_config, engine.tokenizer)
-        except (ValueError, TypeError) as e:
+        except (VLLMClientError, ValueError, TypeError) as e:  # what the engine would refuse the request for
             raise PromptError(str(e)) from None
 
     # -- generation ------------------------------------------------------
@@ -206,7 +207,7 @@ class VllmBackend:
             raise EngineDead(f"engine for {self.model_name} died: {e}") from None
         except (asyncio.CancelledError, GeneratorExit):
             raise
-        except ValueError as e:
+        except (VLLMClientError, ValueError) as e:
             raise PromptError(str(e)) from None
         except Exception as e:
             if engine.errored:

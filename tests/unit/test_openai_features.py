@@ -139,9 +139,10 @@ async def test_named_and_required_tool_calls(make_server) -> None:
     streamed = done.choices[0].message.tool_calls[0]
     assert streamed.function.name == "get_weather" and json.loads(streamed.function.arguments)["city"]
     # The conversation goes on with the tool's answer.
-    follow = [*MSG, {"role": "assistant", "content": None, "tool_calls": [
-        {"id": call.id, "type": "function", "function": {"name": "get_weather", "arguments": call.function.arguments}}]},
-        {"role": "tool", "tool_call_id": call.id, "content": "sunny"}]
+    asked = {"id": call.id, "type": "function",
+             "function": {"name": "get_weather", "arguments": call.function.arguments}}
+    follow = [*MSG, {"role": "assistant", "content": None, "tool_calls": [asked]},
+              {"role": "tool", "tool_call_id": call.id, "content": "sunny"}]
     r = await c.chat.completions.create(model="fake", messages=follow, max_tokens=4)
     assert r.choices[0].message.content and r.choices[0].finish_reason == "length"
 
