@@ -1,0 +1,265 @@
+"""How many tokens per second can one llmd process stream? The gateway must never be what
+limits a GPU that decodes a small model at 20k+ tokens/s.
+
+One process serves (the real gateway on uvloop, as `llmd serve` runs it, fake engine at 1 ms
+per step with up to 256 sequences, so the server's loop is the bottleneck); a lean keep-alive
+client in its own process keeps CONCURRENCY SSE streams of TOKENS tokens in flight. In the
+same run, rounds alternating, a bare sanic SSE handler in the same place sends the same
+chunks (an OpenAI completion chunk per token, built and written one by one): what a sanic
+process can stream at all. Reported: tokens/s of each, their ratio (target >= 0.5), the
+serving process's CPU per token, and llmd's CPU per token by stage (thread CPU time inside
+each stage's functions, timed directly in a separate round; the rest is the event loop,
+HTTP and sanic). A variant with the example config's output filters is reported beside it.
+
+    python bench/gateway.py [--rounds 4] [--seconds 4] [--concurrency 128] [--tokens 128]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import tempfile
+import time
+import tomllib
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root: `bench` and `llmd`
+
+from bench.lib import lean_client, report, stats  # noqa: E402
+from bench.lib.servers import free_port, quiet_logs, start_inprocess  # noqa: E402
+
+SECTION = "## Gateway: tokens per second through one process"
+TARGET = 0.5
+LLMD_TOML = """
+[server]
+db_path = "{db}"
+log_level = "warning"
+[[models]]
+name = "fake"
+backend = "fake"
+max_output_tokens = 4096
+[models.fake]
+step_ms = 1.0
+step_ms_per_seq = 0.0
+max_num_seqs = 256
+[models.scheduling]
+reserved_seats = 0
+prior_tokens_per_s = 50000.0  # the fake engine's rate: the default prior (a CPU model's) sheds the first bursts
+{filters}
+"""
+# The example config's output chain (config.toml), on this model.
+FILTERS = """[models.filters]
+output = ["blocklist", "pii", "loops"]
+[[filters]]
+name = "blocklist"
+type = "blocklist"
+words = ["example banned phrase"]
+[[filters]]
+name = "pii"
+type = "pii"
+kinds = ["email", "phone", "card", "secret"]
+action = "redact"
+[[filters]]
+name = "loops"
+type = "degenerate"
+min_repeats = 8
+"""
+
+
+# -- the bare handler ---------------------------------------------------------------
+async def start_bare(name: str) -> tuple[Any, int]:
+    """A sanic app whose one route streams `max_tokens` OpenAI completion chunks, as a minimal
+    server would: each built with json.dumps and sent on its own."""
+    from sanic import Sanic
+    from sanic.response import json as json_response
+
+    app = Sanic(name)
+    app.config.MOTD, app.config.TOUCHUP = False, False
+
+    @app.post("/v1/completions")
+    async def completions(request: Any) -> Any:
+        body = json.loads(request.body)
+        n = int(body.get("max_tokens", 16))
+        if not body.get("stream"):
+            return json_response({"choices": [{"text": " word" * n}]})
+        response = await request.respond(content_type="text/event-stream")
+        created = int(time.time())
+        for i in range(n):
+            chunk = {"id": "cmpl-bare", "object": "text_completion", "created": created, "model": "fake",
+                     "choices": [{"index": 0, "text": " word", "logprobs": None,
+                                  "finish_reason": "length" if i == n - 1 else None}]}
+            await response.send(f"data: {json.dumps(chunk, separators=(',', ':'))}\n\n")
+        await response.send("data: [DONE]\n\n")
+        await response.eof()
+        return None
+
+    port = free_port()
+    server = await app.create_server(host="127.0.0.1", port=port, return_asyncio_server=True, access_log=False)
+    assert server is not None
+    await server.startup()
+    return server, port
+
+
+async def stop_bare(server: Any) -> None:
+    server.close()
+    for conn in list(server.connections):
+        conn.close_if_idle() or conn.abort()
+    await server.wait_closed()
+
+
+# -- stage timing ---------------------------------------------------------------------
+STAGES: dict[str, list[tuple[str, str, str]]] = {  # stage -> (module, object, function) timed
+    "engine (fake step)": [("llmd.backends.fake", "FakeBackend", "_step")],
+    "accounting": [("llmd.dispatch", "", "_account")],
+    "output filters": [("llmd.filters.chain", "OutputWindow", "feed")],
+    "shaping": [("llmd.outputs", "ChoiceOutput", "take"), ("llmd.outputs", "ChoiceOutput", "chunk_choice"),
+                ("llmd.streaming", "", "dumps")],
+    "SSE framing": [("llmd.gateway.generate", "", "_frame")],
+}
+
+
+def _timed(fn: Callable[..., Any], acc: list[float]) -> Callable[..., Any]:
+    clock = time.thread_time
+
+    def call(*a: Any, **k: Any) -> Any:
+        t0 = clock()
+        try:
+            return fn(*a, **k)
+        finally:
+            t1 = clock()
+            acc[0] += (t1 - t0) - (clock() - t1)
+    return call
+
+
+def install_stopwatches() -> tuple[dict[str, list[float]], Callable[[], None]]:
+    """Wrap each stage's functions; returns the accumulators and an undo."""
+    import importlib
+
+    accs: dict[str, list[float]] = {}
+    undo: list[tuple[Any, str, Any]] = []
+    for stage, targets in STAGES.items():
+        acc = accs.setdefault(stage, [0.0])
+        for mod_name, obj_name, fn_name in targets:
+            owner = importlib.import_module(mod_name)
+            if obj_name:
+                owner = getattr(owner, obj_name)
+            real = getattr(owner, fn_name)
+            undo.append((owner, fn_name, real))
+            setattr(owner, fn_name, _timed(real, acc))
+
+    def restore() -> None:
+        for owner, name, real in undo:
+            setattr(owner, name, real)
+    return accs, restore
+
+
+# -- rounds -------------------------------------------------------------------------------
+async def one_round(port: int, a: argparse.Namespace) -> dict[str, float]:
+    snap: list[float] = []
+    done, client_cpu = await lean_client.client_round(
+        port, a.seconds, a.concurrency, a.tokens, lambda: snap.extend((time.process_time(), time.perf_counter())))
+    cpu, wall = time.process_time() - snap[0], time.perf_counter() - snap[1]
+    tokens = done * a.tokens
+    return {"tps": tokens / wall, "cpu_us": cpu / tokens * 1e6, "busy": cpu / wall, "client_us": client_cpu / tokens * 1e6}
+
+
+async def measure(a: argparse.Namespace, tmp: Path) -> dict[str, Any]:
+    from llmd.config import Config
+
+    quiet_logs()
+    res: dict[str, list[dict[str, float]]] = {"llmd": [], "llmd+filters": [], "bare": []}
+    servers = {}
+    for label, filters in (("llmd", ""), ("llmd+filters", FILTERS)):
+        cfg = Config.model_validate(tomllib.loads(LLMD_TOML.format(db=tmp / f"{label}.db", filters=filters)))
+        servers[label] = await start_inprocess(cfg, f"bench_gateway_{label.replace('+', '_')}")
+    bare, bare_port = await start_bare("bench_gateway_bare")
+    ports = {"llmd": servers["llmd"].port, "llmd+filters": servers["llmd+filters"].port, "bare": bare_port}
+    try:
+        for label, port in ports.items():  # warm-up, discarded
+            await one_round(port, a)
+        for i in range(a.rounds):
+            order = list(ports) if i % 2 == 0 else list(reversed(ports))
+            for label in order:
+                res[label].append(await one_round(ports[label], a))
+        accs, restore = install_stopwatches()
+        try:
+            t0 = time.process_time()
+            staged = await one_round(ports["llmd+filters"], a)
+            staged_cpu = time.process_time() - t0
+        finally:
+            restore()
+    finally:
+        for live in servers.values():
+            await live.stop()
+        await stop_bare(bare)
+    tokens = staged["tps"] * a.seconds
+    return {"rounds": res, "stages": {k: v[0] / tokens * 1e6 for k, v in accs.items()},
+            "staged_cpu_us": staged_cpu / tokens * 1e6}
+
+
+# -- report -----------------------------------------------------------------------------------
+def summary(r: dict[str, Any]) -> dict[str, float]:
+    med = {k: stats.median([x["tps"] for x in v]) for k, v in r["rounds"].items()}
+    ratios = [x["tps"] / y["tps"] for x, y in zip(r["rounds"]["llmd"], r["rounds"]["bare"], strict=True)]
+    ratios_f = [x["tps"] / y["tps"] for x, y in zip(r["rounds"]["llmd+filters"], r["rounds"]["bare"], strict=True)]
+    return {**med, "ratio": stats.median(ratios), "ratio_filters": stats.median(ratios_f)}
+
+
+def report_lines(a: argparse.Namespace, r: dict[str, Any], seconds: float) -> list[str]:
+    s = summary(r)
+    rows = []
+    for label in ("llmd", "llmd+filters", "bare"):
+        v = r["rounds"][label]
+        rows.append([label, *(f"{x['tps']:,.0f}" for x in v), f"{s[label]:,.0f}",
+                     f"{stats.median([x['cpu_us'] for x in v]):.1f}", f"{stats.median([x['busy'] for x in v]):.2f}"])
+    head = ["server", *(f"r{i + 1} tok/s" for i in range(a.rounds)), "median tok/s", "server CPU µs/token",
+            "loop busy"]
+    stage_rows = [[k, f"{v:.2f}"] for k, v in r["stages"].items()]
+    rest = r["staged_cpu_us"] - sum(r["stages"].values())
+    stage_rows += [["event loop, HTTP, sanic, scheduling (the rest)", f"{rest:.2f}"],
+                   ["total (this round, with stopwatches)", f"{r['staged_cpu_us']:.2f}"]]
+    ok = s["ratio"] >= TARGET
+    return [
+        SECTION, "", report.stamp(seconds), "",
+        (f"Settings: one process serves on uvloop (the real gateway and node, fake engine at 1 ms/step, up to 256 "
+         f"sequences, no ledger stand-in: the SQLite ledger writes as shipped); a lean keep-alive client in its own "
+         f"process keeps {a.concurrency} SSE streams of {a.tokens} tokens in flight ({a.seconds:g} s per round, "
+         f"{a.rounds} rounds per server after a discarded warm-up, order alternating). `bare`: a sanic handler "
+         "in the same process sending an OpenAI completion chunk per token (json.dumps, one write each). "
+         "`llmd+filters`: the example config's output chain (blocklist, pii redact, loops)."), "",
+        *report.table(head, rows), "",
+        "llmd's CPU per token by stage (llmd+filters, one extra round; thread CPU time inside each stage's "
+        "functions):", "",
+        *report.table(["stage", "µs per token"], stage_rows), "",
+        f"- llmd / bare, median of round ratios: **{s['ratio']:.2f}** (target >= {TARGET}): {report.verdict(ok)}",
+        f"- llmd with the example output filters / bare: {s['ratio_filters']:.2f}",
+    ]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--seconds", type=float, default=4.0)
+    ap.add_argument("--concurrency", type=int, default=128)
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--no-write", action="store_true", help="do not update docs/benchmarks.md")
+    a = ap.parse_args()
+    import uvloop  # what `llmd serve` runs on (sanic picks it when installed)
+
+    t0 = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="llmd-bench-gateway-") as d:
+        r = uvloop.run(measure(a, Path(d)))
+    lines = report_lines(a, r, time.monotonic() - t0)
+    print("\n".join(lines))
+    if not a.no_write:
+        report.write_section(report.DOC, lines)
+        print(f"\nwritten to {report.DOC}")
+    return 0 if summary(r)["ratio"] >= TARGET else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
