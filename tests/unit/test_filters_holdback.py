@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from llmd.filters.base import Match
+from llmd.filters.base import HoldsBack, Match
 from llmd.filters.builtin import PII, Blocklist, Degenerate
 from llmd.filters.chain import OutputWindow
 from llmd.filters.normalize import folded
@@ -147,6 +147,7 @@ class Bangs:
 
 
 def test_a_custom_filter_that_declares_its_hold() -> None:
+    assert isinstance(Bangs(), HoldsBack) and all(isinstance(f, HoldsBack) for f in chain("block"))
     w = OutputWindow([Bangs()], 8)
     assert feed_all(w, ["calm", " down!", " now!", "!", " ok"])[0] == ["calm", " down", "! now", "", "!! ok", ""]
     sent, hit = feed_all(OutputWindow([Bangs()], 8), ["calm!", "!", "!"])
