@@ -9,8 +9,10 @@ session, so stopping it can sweep the engine processes it leaves behind.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
+import re
 import shutil
 import signal
 import socket
@@ -67,6 +69,38 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def dump_toml(data: dict[str, Any]) -> str:
+    """A config as tomllib read it (tables, arrays of tables, scalars, lists), written back as TOML,
+    so a bench can start `llmd serve` on config.toml with a few keys changed."""
+    def key(k: str) -> str:
+        return k if re.fullmatch(r"[A-Za-z0-9_-]+", k) else json.dumps(k)
+
+    def value(v: Any) -> str:
+        if isinstance(v, dict):
+            return "{ " + ", ".join(f"{key(k)} = {value(x)}" for k, x in v.items()) + " }"
+        if isinstance(v, list):
+            return "[" + ", ".join(value(x) for x in v) + "]"
+        return json.dumps(v)  # strings, numbers and booleans: JSON spells them as TOML does
+
+    lines: list[str] = []
+
+    def table(path: str, d: dict[str, Any]) -> None:
+        subs = []
+        for k, v in d.items():
+            many = isinstance(v, list) and bool(v) and all(isinstance(x, dict) for x in v)
+            if isinstance(v, dict) or many:
+                subs.append((f"{path}.{key(k)}" if path else key(k), v, many))
+            else:
+                lines.append(f"{key(k)} = {value(v)}")
+        for name, v, many in subs:
+            for item in (v if many else [v]):
+                lines.extend(["", f"[[{name}]]" if many else f"[{name}]"])
+                table(name, item)
+
+    table("", data)
+    return "\n".join(lines).lstrip("\n") + "\n"
 
 
 def tail(path: Path, n: int = 30) -> str:

@@ -34,6 +34,7 @@ class Stream:
     version: str | None = None  # the model version that served it (X-LLMD-Model-Version)
     done: bool = False  # saw [DONE]
     timed_out: bool = False
+    texts: list[str] | None = None  # a list here: every content chunk's text is kept in it too
 
     @property
     def ttft(self) -> float | None:
@@ -80,6 +81,8 @@ def _take(s: Stream, obj: dict[str, Any], chat: bool) -> None:
             if s.t_first is None:
                 s.t_first = now
             s.chunks.append(now)
+            if s.texts is not None:
+                s.texts.append(text)
 
 
 async def stream(client: httpx.AsyncClient, url: str, s: Stream, body: dict[str, Any],

@@ -8,6 +8,7 @@ import socket
 from pathlib import Path
 from typing import Annotated, Literal
 
+import regex
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from llmd.policy.classes import CLASSES, INTERACTIVE
@@ -187,10 +188,10 @@ class FilterSpec(_Strict):
     @field_validator("patterns")
     @classmethod
     def _regexes(cls, patterns: list[str]) -> list[str]:
-        for p in patterns:
+        for p in patterns:  # compiled as the blocklist compiles them (the `regex` module)
             try:
-                re.compile(p)
-            except re.error as e:
+                regex.compile(p)
+            except regex.error as e:
                 raise ValueError(f"{p!r} is not a valid regex: {e}") from None
         return patterns
 
@@ -213,8 +214,8 @@ class FilterSpec(_Strict):
 
 class FilteringConfig(_Strict):
     """Which filters a model runs: `input` on the prompt before admission, `output` on a
-    sliding window of the stream; output is released only after passing every filter,
-    held back by at most `holdback_tokens`."""
+    sliding window of the stream; output is released only after passing every filter, and
+    only a tail that could still become a match is held back, by at most `holdback_tokens`."""
 
     input: list[str] = Field(default_factory=list)
     output: list[str] = Field(default_factory=list)

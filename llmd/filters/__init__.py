@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from llmd.errors import APIError
-from llmd.filters.base import FilterError, InputFilter, Match, OutputFilter
+from llmd.filters.base import FilterError, HoldsBack, InputFilter, Match, OutputFilter
 from llmd.filters.builtin import GUARD_PROMPT
 from llmd.filters.chain import Filters, OutputWindow, screen_prompt
 
@@ -21,6 +21,7 @@ __all__ = [
     "ContentFiltered",
     "FilterError",
     "Filters",
+    "HoldsBack",
     "InputFilter",
     "Match",
     "OutputFilter",

@@ -4,6 +4,10 @@ An input filter looks at the whole prompt once, before admission; an output filt
 shown the stream's recent text (already released context plus the held-back tail) every
 time tokens arrive. Both answer with `Match`es; the chain decides what to do with them.
 A match never carries the matched text into logs: only the filter's name and its rule.
+
+An output filter may also say how much of the newest text it needs held back (`HoldsBack`):
+then text that cannot start one of its matches leaves at once. One that does not say keeps
+the behaviour from before: everything newer than `holdback_tokens` waits.
 """
 
 from __future__ import annotations
@@ -44,6 +48,33 @@ class OutputFilter(Protocol):
     def scan(self, text: str, final: bool) -> list[Match]:
         """Matches in `text` (the recent output). `final`: no more text will follow, so a
         match that ends exactly at the end of `text` is complete."""
+        ...
+
+
+@runtime_checkable
+class HoldsBack(Protocol):
+    """Optional for an output filter (the window reads each member with getattr): how much to hold.
+
+    `hold(text, start)` is shown the text `scan` was just shown (released context, then the pending
+    tail; redactions applied) and answers how many characters at the end of `text` must wait: all
+    of them from the first place at or after `start` where a match could still begin that `scan`
+    did not report, because the text ends inside it (a prefix of a phrase, "ann@exa") or more text
+    could still lengthen it ("a@b.co" -> "a@b.com"). Before `start` is context only (lookbehinds,
+    word boundaries). 0: nothing could, everything may leave now; a number at least as long as the
+    pending tail holds all of it. Text released here is never shown to `scan` as pending again, so a
+    match that later turns out to have begun in it can only stop the stream: hold too little and a
+    redaction becomes a stop, or a blocked phrase's first characters leave.
+
+    `lookback`: characters of released text shown again before the pending tail (enough for the
+    longest match, so one that began there is still seen, then stopped). Default 256.
+
+    Without `hold`, all of the pending tail waits until it is over `holdback_tokens` tokens (the
+    window's upper bound for every filter)."""
+
+    lookback: int
+
+    def hold(self, text: str, start: int) -> int:
+        """Characters at the end of `text` that could still belong to a match beginning at or after `start`."""
         ...
 
 

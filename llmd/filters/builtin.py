@@ -8,29 +8,54 @@ from __future__ import annotations
 
 import asyncio
 import re
+from bisect import bisect_left
 from collections.abc import Awaitable, Callable, Iterable
+from typing import Any
+
+import regex
 
 from llmd.filters.base import Action, Match
 from llmd.filters.normalize import fold, folded
 
 
+def undecided(rx: Any, text: str, pos: int = 0, grow: re.Pattern[str] | None = None) -> int | None:
+    """Where, at or after `pos`, the first match of `rx` (a `regex` pattern) that more text could
+    still change begins: a partial match (regex's partial matching: `text` ends inside it) or a
+    complete one that nothing but `grow` follows (by default: that ends where `text` does). None:
+    no match can begin there any more, whatever comes next."""
+    while (m := rx.search(text, pos, partial=True)) is not None:
+        if m.partial or (m.end() == len(text) if grow is None else grow.fullmatch(text, m.end())):
+            return m.start() if m.start() < len(text) else None
+        pos = m.start() + 1  # a complete match, decided: one beginning inside it may still grow
+    return None
+
+
 class Blocklist:
     """Words/phrases and regexes matched on folded text (see normalize.py), so `ＢＡＤ`,
     `b\u200dad` and `BaD` all match `bad`. Words match on word boundaries; `patterns`
-    are regexes over the folded text (write them in lower case)."""
+    are regexes over the folded text (write them in lower case; the `regex` module's syntax,
+    which accepts what `re` does). Holds back only a tail that could still become a match."""
+
+    lookback = 64  # released characters re-read: a phrase that began there is still seen (then stopped)
 
     def __init__(self, name: str, words: Iterable[str] = (), patterns: Iterable[str] = (),
                  action: Action = "block") -> None:
         self.name, self.action = name, action
-        self.rules: list[tuple[str, re.Pattern[str]]] = []
+        self.rules: list[tuple[str, Any]] = []  # (rule, compiled `regex` pattern)
         for w in words:
-            body = r"\s+".join(re.escape(part) for part in folded(w).split())
-            self.rules.append((f"word:{len(self.rules)}", re.compile(rf"(?<!\w){body}(?!\w)")))
+            body = r"\s+".join(regex.escape(part) for part in folded(w).split())
+            self.rules.append((f"word:{len(self.rules)}", regex.compile(rf"(?<!\w){body}(?!\w)")))
         for p in patterns:
-            self.rules.append((f"pattern:{len(self.rules)}", re.compile(p)))
+            self.rules.append((f"pattern:{len(self.rules)}", regex.compile(p)))
+        self._last: tuple[str, str, list[int]] = ("", "", [])  # scan and hold fold the same text
+
+    def _fold(self, text: str) -> tuple[str, list[int]]:
+        if text is not self._last[0]:
+            self._last = (text, *fold(text))
+        return self._last[1], self._last[2]
 
     def _matches(self, text: str, final: bool) -> list[Match]:
-        f, where = fold(text)
+        f, where = self._fold(text)
         out = []
         for rule, rx in self.rules:
             for m in rx.finditer(f):
@@ -48,6 +73,14 @@ class Blocklist:
     def scan(self, text: str, final: bool) -> list[Match]:
         return self._matches(text, final)
 
+    def hold(self, text: str, start: int) -> int:
+        """From the first folded character that may still begin a rule's match: a prefix of a phrase
+        after a word boundary ("the forb"), a pattern's partial match, a match at the very end."""
+        f, where = self._fold(text)
+        pos = start if text.isascii() else bisect_left(where, start)
+        first = min((s for _, rx in self.rules if (s := undecided(rx, f, pos)) is not None), default=None)
+        return 0 if first is None else len(text) - where[first]  # folded -> original: lengths differ
+
 
 def luhn_ok(digits: str) -> bool:
     total = 0
@@ -59,16 +92,17 @@ def luhn_ok(digits: str) -> bool:
     return total % 10 == 0
 
 
-_PII: dict[str, re.Pattern[str]] = {
+# `regex` patterns (partial matching tells the window what could still become one).
+_PII: dict[str, Any] = {
     # The top-level domain is optional: a stream cut at max_tokens ("ann@example") still names someone.
-    "email": re.compile(r"[A-Za-z0-9._%+-]+@[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)*"),
+    "email": regex.compile(r"[A-Za-z0-9._%+-]+@[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)*"),
     # Digit runs are matched whole: never a piece of a longer group ("1111 1111" inside a card).
-    "card": re.compile(r"(?<!\d)(?<!\d[ -])\d(?:[ -]?\d){12,18}(?![ -]?\d)"),
-    "phone": re.compile(r"(?<![\w+])(?<!\d[ .-])\+?\d{1,3}?[ .-]?\(?\d{2,4}\)?[ .-]?\d{3,4}[ .-]?\d{3,4}"
-                        r"(?![ .-]?\d)(?!\w)"),
-    "secret": re.compile(r"\b(?:sk-[A-Za-z0-9_-]{20,}|AKIA[0-9A-Z]{16}|gh[pousr]_[A-Za-z0-9]{36,}"
-                         r"|xox[baprs]-[A-Za-z0-9-]{10,}|llmd-[A-Za-z0-9_-]{20,}"
-                         r"|-----BEGIN [A-Z ]*PRIVATE KEY-----)"),
+    "card": regex.compile(r"(?<!\d)(?<!\d[ -])\d(?:[ -]?\d){12,18}(?![ -]?\d)"),
+    "phone": regex.compile(r"(?<![\w+])(?<!\d[ .-])\+?\d{1,3}?[ .-]?\(?\d{2,4}\)?[ .-]?\d{3,4}[ .-]?\d{3,4}"
+                           r"(?![ .-]?\d)(?!\w)"),
+    "secret": regex.compile(r"\b(?:sk-[A-Za-z0-9_-]{20,}|AKIA[0-9A-Z]{16}|gh[pousr]_[A-Za-z0-9]{36,}"
+                            r"|xox[baprs]-[A-Za-z0-9-]{10,}|llmd-[A-Za-z0-9_-]{20,}"
+                            r"|-----BEGIN [A-Z ]*PRIVATE KEY-----)"),
 }
 
 
@@ -82,7 +116,10 @@ _MAY_GROW = {"card": re.compile(r"[ .()-]*"), "phone": re.compile(r"[ .()-]*"), 
 class PII:
     """E-mail addresses, phone numbers, payment cards (Luhn-checked) and API-key-like secrets;
     `action` block or redact (replaced by `[REDACTED:<kind>]`). Matched on the raw text (after
-    NFKC, so full-width digits count) because redaction must cut the original span."""
+    NFKC, so full-width digits count) because redaction must cut the original span. Holds back
+    only a trailing run that could still grow into one ("ann@exa", "4111 1111", "sk-ab")."""
+
+    lookback = 48  # released characters re-read: an address that began there is still seen (then stopped)
 
     def __init__(self, name: str, kinds: Iterable[str] = ("email", "phone", "card", "secret"),
                  action: Action = "redact") -> None:
@@ -111,6 +148,14 @@ class PII:
                 out.append(Match(self.name, kind, self.action, m.start(), m.end(), f"[REDACTED:{kind}]"))
         return out
 
+    def hold(self, text: str, start: int) -> int:
+        """From the first place a kind's match may still begin: its partial match, or a complete one
+        followed only by what it may go on with (`_MAY_GROW`, what `scan` waits on). A card is held
+        whatever its Luhn sum so far: more digits change it."""
+        starts = (undecided(_PII[kind], text, start, _MAY_GROW[kind]) for kind in self.kinds)
+        first = min((s for s in starts if s is not None), default=None)
+        return 0 if first is None else len(text) - first
+
     async def check_prompt(self, text: str) -> Match | None:
         found = self.scan(text, True)
         return found[0] if found else None
@@ -124,6 +169,16 @@ class Degenerate:
 
     def __init__(self, name: str, min_repeats: int = 8, max_period: int = 64, min_chars: int = 48) -> None:
         self.name, self.min_repeats, self.max_period, self.min_chars = name, min_repeats, max_period, min_chars
+
+    @property
+    def lookback(self) -> int:
+        """Released characters re-read: the longest loop it looks for, whole."""
+        return max(self.max_period * self.min_repeats, self.min_chars + self.max_period)
+
+    def hold(self, text: str, start: int) -> int:
+        """Nothing: a loop only stops the stream (it is never cut out of the text), and it is found on
+        released text as well as held text, so what left before is harmless repetition."""
+        return 0
 
     def scan(self, text: str, final: bool) -> list[Match]:
         n = len(text)

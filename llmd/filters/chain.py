@@ -1,10 +1,14 @@
 """Building the configured filters and running them: the prompt screen and the output window.
 
 The output window is the part with semantics: streamed text is released to the client
-only after every output filter has seen it, and the newest `holdback_tokens` tokens are
-held back, so a match that spans chunk or token boundaries is caught (and redacted) before
-any of it leaves. Each filter sees the held text plus `lookback` characters of what was
-already released, enough for its longest match (and, for the loop detector, its period).
+only after every output filter has seen it, and only once no filter could still match
+across it: each says how much of the newest text could still begin a match (`hold`, see
+base.py: a prefix of a blocked phrase, "ann@exa"), and the rest leaves at once. So a match
+that spans chunk or token boundaries is caught (and redacted) before any of it leaves.
+`holdback_tokens` bounds the wait: a candidate that grows past it is released from its
+oldest token on, and should it then complete, its start has left and the stream stops.
+Each filter sees the held text plus `lookback` characters of what was already released,
+enough for its longest match (and, for the loop detector, its period).
 """
 
 from __future__ import annotations
@@ -16,10 +20,6 @@ from dataclasses import dataclass, field
 from llmd.config import Config, ConfigError, FilterSpec, ModelConfig, TenantConfig
 from llmd.filters.base import InputFilter, Match, OutputFilter
 from llmd.filters.builtin import PII, Ask, Blocklist, Classifier, Degenerate
-
-# Characters of released text a filter re-reads: enough to see a match that began there
-# (which can then only be blocked, no longer redacted) and its word boundaries.
-LOOKBACK = {Blocklist: 64, PII: 48}
 
 
 def build(spec: FilterSpec, ask: Ask) -> InputFilter | OutputFilter:
@@ -40,9 +40,9 @@ def build(spec: FilterSpec, ask: Ask) -> InputFilter | OutputFilter:
 
 
 def lookback(f: OutputFilter) -> int:
-    if isinstance(f, Degenerate):
-        return max(f.max_period * f.min_repeats, f.min_chars + f.max_period)
-    return LOOKBACK.get(type(f), 256)
+    """Characters of released text a filter re-reads: enough to see a match that began there
+    (which can then only be blocked, no longer redacted) and its word boundaries."""
+    return int(getattr(f, "lookback", 256))
 
 
 class Filters:
@@ -85,13 +85,22 @@ async def screen_prompt(chain: Sequence[InputFilter], text: str) -> tuple[Match 
 @dataclass
 class OutputWindow:
     filters: Sequence[OutputFilter]
-    holdback_tokens: int
+    holdback_tokens: int  # the most a candidate match is held back; older text leaves regardless
     released_tail: str = ""  # the end of what the client already has
-    held: list[list] = field(default_factory=list)  # [text, tokens] per delta, oldest first
+    held: list[list] = field(default_factory=list)  # [text, tokens] per delta still held (or its unsent end)
     redactions: list[str] = field(default_factory=list)  # labels of the rules that redacted
 
     def __post_init__(self) -> None:
-        self._keep = max((lookback(f) for f in self.filters), default=0)
+        self._views = [(f, lookback(f), getattr(f, "hold", None)) for f in self.filters]
+        self._keep = max((back for _, back, _ in self._views), default=0)
+        self._hold_all = any(h is None for _, _, h in self._views)  # a filter without `hold`: hold it all
+        # The bound let out text a candidate may have begun in: look for match starts in the
+        # released context too (not only in the pending text), until none begins there.
+        self._cut = False
+
+    @property
+    def held_tokens(self) -> int:
+        return sum(t for _, t in self.held)
 
     @property
     def holding(self) -> bool:
@@ -103,38 +112,82 @@ class OutputWindow:
         nothing more may be released)."""
         if text or tokens:
             self.held.append([text, tokens])
-        for f in self.filters:
-            hit = self._apply(f, final)
+        if not self.held:
+            return "", None
+        pending = self.held[0][0] if len(self.held) == 1 else "".join(t for t, _ in self.held)
+        seen = len(self.redactions)
+        windows: list[tuple[str, int]] = []  # what each filter was shown: (text, released characters in it)
+        for f, back, _ in self._views:
+            ctx = self.released_tail[-back:] if back else ""
+            window = ctx + pending
+            pending, hit = self._apply(f, window, len(ctx), final)
             if hit is not None:
                 self.held.clear()
                 return "", hit
-        out = []
-        while self.held and (final or sum(t for _, t in self.held) > self.holdback_tokens):
-            out.append(self.held.pop(0)[0])
-        released = "".join(out)
+            windows.append((window, len(ctx)))
+        if len(self.redactions) != seen:  # a redaction changed the pending text: holds read it afresh
+            windows = [(w[:n] + pending, n) for w, n in windows]
+        released = self._take(len(pending)) if final else self._release(pending, windows)
         if released:
             self.released_tail = (self.released_tail + released)[-self._keep:]
         return released, None
 
-    def _apply(self, f: OutputFilter, final: bool) -> Match | None:
-        if not self.held:
-            return None
-        ctx = self.released_tail[-lookback(f):]
-        pending = "".join(t for t, _ in self.held)
-        window = ctx + pending
+    def _apply(self, f: OutputFilter, window: str, n_ctx: int, final: bool) -> tuple[str, Match | None]:
+        """`f`'s verdict on `window` (`n_ctx` released characters, then the pending text): the
+        pending text with its redactions made, or a blocking match."""
         edits: list[Match] = []
         for m in f.scan(window, final):
-            if m.end <= len(ctx):
+            if m.end <= n_ctx:
                 continue  # entirely released already: it was judged when it was held
-            if m.action == "block" or m.start < len(ctx):
+            if m.action == "block" or m.start < n_ctx:
                 # a block, or a redaction whose start already left: it cannot be unsent
-                return m if m.action == "block" else Match(m.filter, m.rule, "block", m.start, m.end)
+                return "", m if m.action == "block" else Match(m.filter, m.rule, "block", m.start, m.end)
             edits.append(m)
+        pending = window[n_ctx:]
         if not edits:
-            return None
-        for m in sorted(edits, key=lambda m: m.start, reverse=True):
-            a, b = m.start - len(ctx), m.end - len(ctx)
-            pending = pending[:a] + m.replacement + pending[b:]
+            return pending, None
+        spans: list[tuple[int, int, str]] = []  # overlapping redactions are cut out as one span
+        for m in sorted(edits, key=lambda m: m.start):
+            if spans and m.start < spans[-1][1]:
+                spans[-1] = (spans[-1][0], max(spans[-1][1], m.end), spans[-1][2])
+            else:
+                spans.append((m.start, m.end, m.replacement))
             self.redactions.append(m.label)
-        self.held = [[pending, sum(t for _, t in self.held)]]
-        return None
+        for a, b, replacement in reversed(spans):
+            pending = pending[:a - n_ctx] + replacement + pending[b - n_ctx:]
+        self.held = [[pending, self.held_tokens]]
+        return pending, None
+
+    def _release(self, pending: str, windows: list[tuple[str, int]]) -> str:
+        """What no filter could still match across, then whatever is over the bound, oldest first."""
+        keep = len(pending) if self._hold_all else 0
+        if not self._hold_all:
+            begun_before = False
+            for (_, _, hold), (window, n_ctx) in zip(self._views, windows, strict=True):
+                assert hold is not None
+                k = hold(window, 0 if self._cut else n_ctx)
+                begun_before |= k > len(pending)
+                keep = max(keep, min(k, len(pending)))
+            self._cut = self._cut and begun_before
+        out = self._take(len(pending) - keep)
+        while self.held and self.held_tokens > self.holdback_tokens:
+            out += self.held.pop(0)[0]  # a candidate grew past the bound: its start leaves
+            self._cut = True
+        return out
+
+    def _take(self, n: int) -> str:
+        """The first `n` held characters, cut out of the held deltas (a delta cut in two keeps its
+        share of the tokens, rounded up)."""
+        out = []
+        while self.held and (n > 0 or not self.held[0][0]):
+            text, tokens = self.held[0]
+            if len(text) <= n:
+                out.append(text)
+                n -= len(text)
+                self.held.pop(0)
+            else:
+                rest = text[n:]
+                self.held[0] = [rest, -(-tokens * len(rest) // len(text))]
+                out.append(text[:n])
+                n = 0
+        return "".join(out)

@@ -32,6 +32,18 @@ def test_example_config_is_valid() -> None:
     assert cfg.models[0].name == "smollm2" and cfg.models[0].backend == "vllm"
 
 
+def test_example_config_written_back_reads_the_same(tmp_path: Path) -> None:
+    """bench/filters.py --engine vllm starts `llmd serve` on config.toml rewritten with bench.lib.servers.dump_toml."""
+    import tomllib
+
+    from bench.lib.servers import dump_toml
+
+    raw = tomllib.loads((REPO / "config.toml").read_text(encoding="utf-8"))
+    assert tomllib.loads(dump_toml(raw)) == raw
+    again, example = load_config(write(tmp_path, dump_toml(raw))), load_config(REPO / "config.toml")
+    assert again.model_dump(exclude={"path"}) == example.model_dump(exclude={"path"})
+
+
 def test_good_config_and_env_var(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     p = write(tmp_path, GOOD)
     monkeypatch.setenv("LLMD_CONFIG", str(p))

@@ -7,6 +7,7 @@ import asyncio
 
 import pytest
 
+from llmd.filters.base import Match
 from llmd.filters.builtin import PII, Blocklist, Classifier, Degenerate, luhn_ok
 from llmd.filters.chain import OutputWindow
 from llmd.filters.normalize import fold, folded
@@ -89,8 +90,19 @@ def test_window_redacts_email_and_card_split_across_chunks() -> None:
     assert w.redactions == ["pii/email", "pii/card"]
 
 
+class Quiet:
+    """A team's own output filter that does not say how much to hold (no `hold`): the safe default."""
+
+    name = "quiet"
+
+    def scan(self, text: str, final: bool) -> list[Match]:
+        return []
+
+
 def test_window_releases_after_holdback_and_everything_at_the_end() -> None:
-    w = OutputWindow([PII("pii")], holdback_tokens=2)
+    """A filter without `hold` keeps the rule from before it: the newest holdback_tokens tokens wait.
+    (The built-ins hold only what could still match: tests/unit/test_filters_holdback.py.)"""
+    w = OutputWindow([Quiet()], holdback_tokens=2)
     assert w.feed(" one", 1, False)[0] == ""
     assert w.feed(" two", 1, False)[0] == ""
     assert w.feed(" three", 1, False)[0] == " one"  # only the newest 2 tokens are held
