@@ -215,9 +215,10 @@ def report_lines(a: argparse.Namespace, r: dict[str, Any], seconds: float) -> li
     for label in ("llmd", "llmd+filters", "bare"):
         v = r["rounds"][label]
         rows.append([label, *(f"{x['tps']:,.0f}" for x in v), f"{s[label]:,.0f}",
-                     f"{stats.median([x['cpu_us'] for x in v]):.1f}", f"{stats.median([x['busy'] for x in v]):.2f}"])
+                     f"{stats.median([x['cpu_us'] for x in v]):.1f}", f"{stats.median([x['busy'] for x in v]):.2f}",
+                     f"{stats.median([x['client_us'] for x in v]):.1f}"])
     head = ["server", *(f"r{i + 1} tok/s" for i in range(a.rounds)), "median tok/s", "server CPU µs/token",
-            "loop busy"]
+            "server busy", "client CPU µs/token"]
     stage_rows = [[k, f"{v:.2f}"] for k, v in r["stages"].items()]
     rest = r["staged_cpu_us"] - sum(r["stages"].values())
     stage_rows += [["event loop, HTTP, sanic, scheduling (the rest)", f"{rest:.2f}"],

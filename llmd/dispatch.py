@@ -18,7 +18,7 @@ from dataclasses import replace
 from llmd.backends import BackendError, EngineDead, PromptError
 from llmd.backends.base import Delta, Prompt
 from llmd.errors import APIError, bad_request, deadline_exceeded, engine_failed, unavailable
-from llmd.filters import ContentFiltered
+from llmd.filters import ContentFiltered, OutputWindow
 from llmd.policy.classes import ENGINE_PRIORITY
 from llmd.runtime import Choice, Job
 from llmd.scheduler import Dropped
@@ -94,16 +94,16 @@ async def run(job: Job, choice: Choice) -> AsyncGenerator[Delta, None]:
                            prompt_logprobs=None)  # the echo's logprobs went out with the first attempt
 
 
-async def screened(job: Job, choice: Choice) -> AsyncGenerator[Delta, None]:
+def screened(job: Job, choice: Choice) -> AsyncGenerator[Delta, None]:
     """`run`'s deltas after the output filters: text is released only once every filter
     has seen it, redacted where a filter says so; a blocking match raises ContentFiltered
-    (the request's outcome is then `filtered`) and aborts the engine request."""
-    window = choice.window
+    (the request's outcome is then `filtered`) and aborts the engine request. With no
+    filters, `run` itself (one generator less on the per-token path)."""
+    return run(job, choice) if choice.window is None else _screened(job, choice, choice.window)
+
+
+async def _screened(job: Job, choice: Choice, window: OutputWindow) -> AsyncGenerator[Delta, None]:
     async with contextlib.aclosing(run(job, choice)) as deltas:
-        if window is None:
-            async for d in deltas:
-                yield d
-            return
         async for d in deltas:
             seen = len(window.redactions)
             text, hit = window.feed(d.text, d.num_tokens, d.finish_reason is not None)

@@ -8,6 +8,7 @@ with its text blanked and no alternatives.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from llmd.backends.base import Delta, TokenLogprob
@@ -29,6 +30,11 @@ class ChoiceOutput:
         self._offset = 0  # characters of this choice's text already sent (completions' text_offset)
         self._started = False
         self.wants_logprobs = choice.sampling.logprobs is not None
+        # The common case (text only) is encoded from templates: per token, one string escape.
+        self.plain = not self.wants_logprobs and job.tools is None
+        key = "delta" if chat else "text"
+        self._open = f'{{"index":{choice.index},"{key}":' + ('{"content":' if chat else "")
+        self._close = ("}" if chat else "") + ',"logprobs":null,"finish_reason":'
 
     # -- taking deltas -----------------------------------------------------
     def take(self, d: Delta) -> list[TokenLogprob]:
@@ -56,6 +62,16 @@ class ChoiceOutput:
         return self.choice.echo + "".join(self.parts)
 
     # -- shapes ----------------------------------------------------------
+    def chunk_json(self, d: Delta, entries: list[TokenLogprob]) -> str | None:
+        """The stream chunk's choice for this delta as JSON, or None when there is nothing to say."""
+        if not self.plain or not self._started or (self.chat and not d.text):
+            piece = self.chunk_choice(d, entries)
+            return None if piece is None else json.dumps(piece, separators=(",", ":"), ensure_ascii=False)
+        if not d.text and d.finish_reason is None:
+            return None
+        finish = "null" if d.finish_reason is None else f'"{d.finish_reason}"'
+        return f"{self._open}{json.dumps(d.text, ensure_ascii=False)}{self._close}{finish}}}"
+
     def chunk_choice(self, d: Delta, entries: list[TokenLogprob]) -> dict[str, Any] | None:
         """The stream chunk's choice for this delta, or None when there is nothing to say."""
         tools = self.job.tools

@@ -25,7 +25,6 @@ from llmd.protocol import ChatRequest, CompletionRequest, responses
 from llmd.runtime import Choice, Job
 
 DONE = "[DONE]"
-Payload = dict[str, Any] | str  # a chunk, or DONE
 Emit = Callable[[str], Awaitable[None]]
 
 
@@ -34,22 +33,25 @@ def dumps(obj: Any) -> str:
 
 
 class _Shape:
-    """The ids, object names and usage every payload of one response shares."""
+    """The ids, object names and usage every payload of one response shares; a chunk is
+    encoded from a template around its choice's JSON (no per-token dict of the envelope)."""
 
     def __init__(self, job: Job, req: ChatRequest | CompletionRequest) -> None:
         self.job, self.chat = job, isinstance(req, ChatRequest)
         self.rid = ("chatcmpl-" if self.chat else "cmpl-") + job.record.request_id
         self.model, self.created = job.runtime.served_name, responses.created_now()
         self.continuous = req.continuous_usage
+        obj = "chat.completion.chunk" if self.chat else "text_completion"
+        self._head = dumps(responses.chunk(self.rid, obj, self.model, self.created, []))[:-2]  # ... "choices":[
 
     def usage(self) -> dict[str, Any]:
         r = self.job.record
         return responses.usage(r.prompt_tokens, r.output_tokens, r.cached_prompt_tokens)
 
-    def chunk(self, choices: list[dict[str, Any]], with_usage: bool = False) -> dict[str, Any]:
-        obj = "chat.completion.chunk" if self.chat else "text_completion"
-        return responses.chunk(self.rid, obj, self.model, self.created, choices,
-                               self.usage() if with_usage or self.continuous else None)
+    def chunk(self, choice_json: str, with_usage: bool = False) -> str:
+        if with_usage or self.continuous:
+            return f'{self._head}{choice_json}],"usage":{dumps(self.usage())}}}'
+        return f"{self._head}{choice_json}]}}"
 
 
 async def complete(job: Job, req: ChatRequest | CompletionRequest) -> dict[str, Any]:
@@ -88,30 +90,31 @@ async def _all(runs: Any) -> None:
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def _choice_chunks(job: Job, shape: _Shape, choice: Choice) -> AsyncIterator[dict[str, Any]]:
+async def _choice_chunks(job: Job, shape: _Shape, choice: Choice) -> AsyncIterator[str]:
     """One choice's chunks; a filter stop is its last one (finish_reason content_filter)."""
     out = ChoiceOutput(job, choice, shape.chat)
     try:
         async for d in dispatch.screened(job, choice):
-            entries = out.take(d)
-            piece = out.chunk_choice(d, entries)
+            piece = out.chunk_json(d, out.take(d))
             if piece is not None:
-                yield shape.chunk([piece])
+                yield shape.chunk(piece)
     except ContentFiltered:
         last = (responses.chat_delta(choice.index, {} if out.parts else {"role": "assistant", "content": ""},
                                      "content_filter") if shape.chat
                 else responses.text_choice(choice.index, "", "content_filter"))
-        yield shape.chunk([last])
+        yield shape.chunk(dumps(last))
         raise
 
 
-async def _chunks(job: Job, shape: _Shape) -> AsyncIterator[dict[str, Any]]:
+def _chunks(job: Job, shape: _Shape) -> AsyncIterator[str]:
     """Every choice's chunks, interleaved as they come (one choice: straight through)."""
     if len(job.choices) == 1:
-        async for c in _choice_chunks(job, shape, job.choices[0]):
-            yield c
-        return
-    queue: asyncio.Queue[tuple[int, dict[str, Any] | BaseException | None]] = asyncio.Queue()
+        return _choice_chunks(job, shape, job.choices[0])
+    return _merged(job, shape)
+
+
+async def _merged(job: Job, shape: _Shape) -> AsyncIterator[str]:
+    queue: asyncio.Queue[tuple[int, str | BaseException | None]] = asyncio.Queue()
 
     async def feed(choice: Choice) -> None:
         try:
@@ -143,7 +146,7 @@ async def _chunks(job: Job, shape: _Shape) -> AsyncIterator[dict[str, Any]]:
         raise stopped
 
 
-async def _payloads(job: Job, req: ChatRequest | CompletionRequest) -> AsyncIterator[Payload]:
+async def _payloads(job: Job, req: ChatRequest | CompletionRequest) -> AsyncIterator[str]:
     shape = _Shape(job, req)
     stopped: ContentFiltered | None = None
     try:
@@ -152,9 +155,9 @@ async def _payloads(job: Job, req: ChatRequest | CompletionRequest) -> AsyncIter
     except ContentFiltered as e:  # its choice's last chunk said why; a terminal error event follows
         stopped = e
     if req.include_usage and not shape.continuous:
-        yield shape.chunk([], with_usage=True)
+        yield f'{shape._head}],"usage":{dumps(shape.usage())}}}'
     if stopped is not None:
-        yield stopped.body()
+        yield dumps(stopped.body())
     yield DONE
 
 
@@ -164,7 +167,7 @@ async def pump(job: Job, req: ChatRequest | CompletionRequest, emit: Emit) -> No
         async with dispatch.deadline(job):
             async for payload in _payloads(job, req):
                 started = True
-                await emit(payload if isinstance(payload, str) else dumps(payload))
+                await emit(payload)
         return
     except TimeoutError:
         err: APIError = dispatch.deadline_error(job)

@@ -6,7 +6,7 @@ import logging
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 import structlog
@@ -91,7 +91,7 @@ class RequestRecord:
 
     def as_log(self) -> dict[str, Any]:
         """The record as logged; `itl_samples` is for metrics and is dropped from the log line."""
-        d = asdict(self)
+        d = dict(self.__dict__)  # shallow: every field is a scalar but `itl`, which is handed on as is
         t0 = d.pop("t_arrival")
         disp, first, end = d.pop("t_dispatch"), d.pop("t_first_token"), d.pop("t_end")
         d.pop("t_last_token")

@@ -305,8 +305,9 @@ class FakeBackend:
             ids, piece = (WORD_ID_BASE + req.word_index(),), req.word()
             req.text += piece
             req.generated += 1
-        stops = req.sampling.stop
-        hit = min((i for s in stops if s and (i := req.text.find(s)) >= 0), default=-1)
+        sampling = req.sampling
+        stops = sampling.stop
+        hit = min((i for s in stops if s and (i := req.text.find(s)) >= 0), default=-1) if stops else -1
         if hit >= 0:
             req.text, finish = req.text[:hit], "stop"
         elif finish is None and ((req.eos_after is not None and req.generated >= req.eos_after) or req.script_done()):
@@ -321,8 +322,9 @@ class FakeBackend:
                     if req.text.endswith(s[:k]):
                         safe = min(safe, len(req.text) - k)
                         break
-        delta = Delta(text=req.text[req.emitted : safe], num_tokens=tokens, finish_reason=finish, token_ids=ids,
-                      logprobs=self._logprobs(req, ids, piece), prompt_logprobs=self._prompt_logprobs(req))
+        delta = Delta(req.text[req.emitted:safe], tokens, finish, 0, ids,
+                      self._logprobs(req, ids, piece) if sampling.logprobs is not None else (),
+                      self._prompt_logprobs(req) if sampling.prompt_logprobs is not None else None)
         req.emitted = safe
         if finish is not None:
             req.done = True
