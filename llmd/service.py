@@ -123,8 +123,7 @@ class Service:
             rt, cap = self._degrade(rt, tenant, record, conversation or req.user)
         backend = rt.backend
         record.model, record.version, record.deadline_s = rt.cfg.name, backend.version, deadline_s
-        tools, structured, tool_defs = plan_tools(req, rt.cfg.tool_parser) if isinstance(req, ChatRequest) else (
-            None, None, None)
+        tools, structured, tool_defs = plan_tools(req) if isinstance(req, ChatRequest) else (None, None, None)
         prompts = generation.prompts(req, backend, tool_defs)
         record.prompt_tokens = sum(p.num_tokens for p, _ in prompts)
         longest = max(p.num_tokens for p, _ in prompts)

@@ -3,8 +3,8 @@
 `required` and a named function are enforced with structured outputs, so they work with
 any model: a named function's output is its arguments object; `required` is an array of
 `{"name", "parameters"}` (one item unless parallel calls are allowed). `auto` leaves the
-choice to the model, which needs a chat template and a tool parser that know tools: a
-model without one refuses it with a 400 rather than pretend.
+choice to the model, which needs a chat template and a tool parser that know tools; llmd
+does not run vLLM's tool parsers yet, so it is refused with a 400 rather than pretended.
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ def _parses(text: str) -> bool:
 Plan = tuple[ToolMode | None, Structured | None, list[dict[str, Any]] | None]
 
 
-def plan(req: ChatRequest, parser: str | None) -> Plan:
+def plan(req: ChatRequest) -> Plan:
     """(how to read the output, the constraint to enforce, the tools for the chat template)."""
     if not req.tools or req.tool_choice == "none":
         return None, None, None
@@ -70,12 +70,10 @@ def plan(req: ChatRequest, parser: str | None) -> Plan:
     if choice == "required":
         schema = _required_schema(req.tools, req.parallel_tool_calls)
         return ToolMode(None, True), Structured(json_schema=schema), listed
-    if parser is None:
-        raise bad_request("tool_choice 'auto' needs a model whose chat template and tool parser know tools, and "
-                          f"model '{req.model}' has none configured; send tool_choice 'required' or name a function "
-                          "(both work with any model)", "tool_choice", "tool_choice_unsupported")
-    raise bad_request(f"tool_choice 'auto' with the '{parser}' parser is not supported yet; send tool_choice "
-                      "'required' or name a function", "tool_choice", "tool_choice_unsupported")
+    raise bad_request("tool_choice 'auto' (the default when tools are sent) lets the model decide, which needs a "
+                      "chat template and a tool parser that know tools; llmd does not run tool parsers yet: send "
+                      "tool_choice 'required' or name a function (both work with any model)", "tool_choice",
+                      "tool_choice_unsupported")
 
 
 def _parameters(tool: Tool) -> dict[str, Any]:

@@ -239,9 +239,6 @@ class ModelConfig(_Strict):
     pricing: PricingConfig = Field(default_factory=PricingConfig)
     filters: FilteringConfig = Field(default_factory=FilteringConfig)
     degradation: DegradationConfig = Field(default_factory=DegradationConfig)
-    # vLLM's tool parser for tool_choice "auto" (e.g. "hermes"), where the model's chat template
-    # knows tools; without one, "auto" is refused ("required" and named functions always work).
-    tool_parser: str | None = None
 
     @model_validator(mode="after")
     def _check(self) -> ModelConfig:
