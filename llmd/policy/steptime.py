@@ -84,7 +84,10 @@ class StepFit:
         return self.speed * (self.a + self.b * n) * (1.0 + 1.645 * self.noise)
 
     def seats_for(self, aim: float, lo: int, hi: int) -> int:
-        """The largest n in [lo, hi] whose predicted p95 step time meets `aim`; `lo` if none does."""
+        """The largest n in [lo, hi] whose predicted p95 step time meets `aim`. If not even `lo`
+        meets it, fewer seats cannot buy the aim: the most whose step is within 10% of the
+        fastest (`lo`'s), so a batch size that barely matters (a GPU's) is not cut for nothing."""
+        aim = max(aim, 1.1 * self.predict(lo)) if self.predict(lo) > aim else aim
         if self.predict(hi) <= aim:
             return hi
         while hi - lo > 1:  # predict is nondecreasing in n; invariant: predict(hi) > aim

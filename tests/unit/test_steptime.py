@@ -10,7 +10,7 @@ import pytest
 
 from llmd.backends.base import EngineStats, StepRecord
 from llmd.policy.saturation import SaturationDetector, StepModelITL, p95
-from llmd.policy.steptime import StepTimeModel, quantile
+from llmd.policy.steptime import StepFit, StepTimeModel, quantile
 
 
 class Clock:
@@ -187,6 +187,17 @@ def test_the_limit_stays_between_min_and_max_seats() -> None:
     assert max(limits) <= 32 and ctl2.seat_limit == 32
     fit = ctl.model.fit
     assert fit is not None and fit.seats_for(0.0, 3, 32) == 3 and fit.seats_for(10.0, 3, 32) == 32
+
+
+def test_an_aim_out_of_reach_keeps_the_seats_within_10_percent_of_the_fastest_step() -> None:
+    """Not even one sequence meets the aim: cutting seats cannot buy it, so the limit keeps the
+    batch sizes whose step is within 10% of the fastest rather than falling to one seat; where
+    the batch barely matters (a GPU: 30 ms + 0.03 ms per sequence), that is every seat."""
+    gpu = StepFit(a=0.030, b=0.00003, c=0.0, speed=1.0, noise=0.0, samples=100)
+    assert gpu.seats_for(0.020, 1, 64) == 64
+    cpu = StepFit(a=0.017, b=0.0013, c=0.0, speed=1.0, noise=0.0, samples=100)
+    assert cpu.seats_for(0.010, 1, 64) == 2  # 18.3 ms at 1; 1.1 x that allows 2 (19.6 ms), not 3
+    assert cpu.seats_for(0.092, 1, 64) == 57  # in reach: the largest that meets it
 
 
 def test_reading_the_seat_limit_never_steps_the_model() -> None:
