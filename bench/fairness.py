@@ -47,6 +47,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--parts", default="a,b,c", help="comma list of: a, b, c")
     p.add_argument("--quick", action="store_true", help="a short smoke run (small sizes; writes no docs)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--itl-controller", choices=["model", "aimd"], default="model",
+                   help="the target_itl_ms rows of parts a and c: the step-time model sizing the seats with AIMD "
+                        "correcting it (llmd's default), or AIMD alone (itl_step_model = false)")
     add_server_args(p.add_argument_group("servers"))
     for part in PARTS.values():
         part.add_arguments(p)

@@ -14,7 +14,7 @@ import time
 from itertools import pairwise
 from typing import Any
 
-from bench.fairness_parts import PartResult
+from bench.fairness_parts import PartResult, itl_label, itl_scheduling
 from bench.lib import report, stats
 from bench.lib.engines import Bench, Srv
 from bench.lib.load import (
@@ -109,8 +109,9 @@ def _lines(a: argparse.Namespace, rows: list[dict[str, Any]], best: dict[str, An
         f"{a.itl_concurrency} closed-loop completion streams (max_tokens uniform in "
         f"{int(a.itl_max_tokens * 0.75)}-{int(a.itl_max_tokens * 1.25)}, ignore_eos), one tenant. ITL is measured "
         f"client-side: gaps between consecutive content chunks of a stream (the first chunk's TTFT excluded), "
-        f"over a {a.itl_window_s:g} s window after {a.itl_warmup_s:g} s of warm-up ({a.aimd_warmup_s:g} s for AIMD, "
-        "which must first shrink its seats while the initial streams run out). 'engine step p95' is the p95 "
+        f"over a {a.itl_window_s:g} s window after {a.itl_warmup_s:g} s of warm-up ({a.aimd_warmup_s:g} s for the "
+        f"target_itl_ms run, {itl_label(a)}, whose seats must first come down while the initial streams run out). "
+        "'engine step p95' is the p95 "
         "interval between engine steps and 'engine tok/s' the tokens the engine generated in the window, both from "
         "/admin/engines?since= (for reference; 'out tok/s' is counted by the client). Target = "
         + (f"{target:g} ms (given)" if a.itl_target_ms
@@ -119,7 +120,7 @@ def _lines(a: argparse.Namespace, rows: list[dict[str, Any]], best: dict[str, An
         + ("" if a.full_sweep else ", stopping at the first value whose p95 meets the target (throughput and ITL "
            "both grow with max_running, so that one is the best hand-tuned setting)") + ".",
         "", *report.table(head, body), "",
-        (f"AIMD seat_limit/running and queue depth over time (t from the start of the measured window): "
+        (f"target_itl_ms seat_limit/running and queue depth over time (t from the start of the measured window): "
          f"{aimd['seat_trace']}"), "", *report.verdict_lines(verdicts),
     ]
 
@@ -131,14 +132,15 @@ async def run(bench: Bench) -> PartResult:
     with bench.llmd("c-free", {"fairness": "vtc"}, tenants) as srv:
         free = await itl_run(bench, srv, "unconstrained", a.itl_warmup_s)
     target = a.itl_target_ms or max(1, round(a.itl_target_factor * free["p95"]))
-    with bench.llmd("c-aimd", {"fairness": "vtc", "target_itl_ms": float(target)}, tenants) as srv:
-        aimd = await itl_run(bench, srv, f"AIMD target_itl_ms {target:g}", a.aimd_warmup_s)
+    with bench.llmd("c-aimd", {"fairness": "vtc", **itl_scheduling(a, target)}, tenants) as srv:
+        aimd = await itl_run(bench, srv, f"target_itl_ms {target:g} ({itl_label(a)})", a.aimd_warmup_s)
     sweep = await _sweep(bench, target)
     meeting = [r for r in sweep if r["p95"] <= target]
     best = max(meeting, key=lambda r: r["tps"]) if meeting else None
-    verdicts = [(f"AIMD p95 ITL {aimd['p95']:.0f} ms <= target {target:g} ms", aimd["p95"] <= target)]
+    verdicts = [(f"{itl_label(a)} p95 ITL {aimd['p95']:.0f} ms <= target {target:g} ms", aimd["p95"] <= target)]
     if best:
-        verdicts.append(((f"AIMD throughput {aimd['tps']:.0f} tok/s >= 0.9 x hand-tuned best ({best['config']}: "
+        verdicts.append(((f"{itl_label(a)} throughput {aimd['tps']:.0f} tok/s >= 0.9 x hand-tuned best "
+                          f"({best['config']}: "
                          f"{best['tps']:.0f} tok/s)"), aimd["tps"] >= 0.9 * best["tps"]))
     else:
         verdicts.append(("no max_running in the sweep met the target (nothing to compare against)", False))

@@ -12,7 +12,7 @@ import asyncio
 import math
 from typing import Any
 
-from bench.fairness_parts import PartResult
+from bench.fairness_parts import PartResult, itl_label, itl_scheduling
 from bench.lib import report
 from bench.lib.engines import Bench, Srv
 from bench.lib.load import (
@@ -143,8 +143,9 @@ async def run(bench: Bench) -> PartResult:
             rows["vtc"] = await flood_run(bench, srv, "llmd vtc, A flooding", a.flood_class)
     target = a.target_itl_ms or max(1, round(a.itl_factor * solo["itl_p50_ms"]))
     if "itl" in a.a_configs:
-        with bench.llmd("a-itl", {"fairness": "vtc", "target_itl_ms": float(target)}, tenants) as srv:
-            rows["itl"] = await flood_run(bench, srv, f"llmd vtc + target_itl_ms {target:g}, A flooding", a.flood_class)
+        with bench.llmd("a-itl", {"fairness": "vtc", **itl_scheduling(a, target)}, tenants) as srv:
+            rows["itl"] = await flood_run(bench, srv, f"llmd vtc + target_itl_ms {target:g} ({itl_label(a)}), "
+                                                      "A flooding", a.flood_class)
     if "batch" in a.a_configs:
         with bench.llmd("a-batch", {"fairness": "vtc"}, tenants) as srv:
             rows["batch"] = await flood_run(bench, srv, "llmd vtc, A flooding as class batch", "batch")

@@ -102,6 +102,8 @@ class StepRecord:
     waiting: int
     kv_usage: float
     generated_tokens: int
+    duration: float = 0.0  # seconds the step took (the step-time model's sample); 0: unknown
+    prefill_tokens: int = 0  # prompt tokens the step computed
 
 
 @dataclass

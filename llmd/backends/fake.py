@@ -279,19 +279,24 @@ class FakeBackend:
             self._die(EngineDead(f"engine loop crashed: {e!r}"))
 
     def _step(self, took: float = 0.0) -> None:
+        """One step of `took` seconds (what the loop slept: step_seconds(running) plus any lag):
+        reported with its prefill tokens, as vLLM's per-step stats are, for the step-time model."""
         batch = list(self._running)  # aborted mid-step requests are already gone
-        generated = 0
+        generated = prefilled = 0
+        ptps = self.cfg.prefill_tokens_per_step
         for req in batch:
             if req.prefill_left > 0:
+                prefilled += min(ptps, req.prompt.num_tokens - (math.ceil(req.prompt.num_tokens / ptps)
+                                                                 - req.prefill_left) * ptps)
                 req.prefill_left -= 1
                 continue
             generated += 1
             self._emit(req)
-        ptps = self.cfg.prefill_tokens_per_step
         held = sum(max(0, r.prompt.num_tokens - r.prefill_left * ptps) + r.generated for r in self._running)
         kv = held / (self.cfg.max_num_seqs * self.max_model_len)
         self.stats.record(StepRecord(t=now(), running=len(batch), waiting=len(self._waiting), kv_usage=min(1.0, kv),
-                                     generated_tokens=generated), itl=[took] * generated)
+                                     generated_tokens=generated, duration=took, prefill_tokens=prefilled),
+                          itl=[took] * generated)
 
     def _emit(self, req: _Req) -> None:
         """One decode step for `req`: append a word (or end it) and queue the delta."""

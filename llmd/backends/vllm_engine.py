@@ -43,6 +43,20 @@ from vllm.v1.engine.exceptions import EngineDeadError
 from vllm.v1.metrics.loggers import StatLoggerBase
 
 
+def _prefill_tokens(scheduler_stats: Any, iteration_stats: Any) -> int:
+    """Prompt tokens the step computed. vLLM's iteration details (on only with
+    enable_logging_iteration_details, which also logs every step) count each chunk in its own
+    step; otherwise the prompt tokens of the prefills that finished in it, less prefix-cache
+    hits (a chunked prefill's earlier chunks then count in its last step)."""
+    details = getattr(scheduler_stats, "iteration_details", None)
+    if details is not None and not getattr(details, "is_dummy", False):
+        return int(details.num_ctx_tokens)
+    if iteration_stats is None:
+        return 0
+    pts = getattr(iteration_stats, "prompt_token_stats", None)
+    return int(pts.computed) if pts is not None else int(getattr(iteration_stats, "num_prompt_tokens", 0))
+
+
 class _StepLogger(StatLoggerBase):
     """Copies vLLM's per-step scheduler stats into our EngineStats."""
 
@@ -57,9 +71,14 @@ class _StepLogger(StatLoggerBase):
         preempted = getattr(iteration_stats, "num_preempted_reqs", 0) if iteration_stats is not None else 0
         pcs = scheduler_stats.prefix_cache_stats
         itl = list(getattr(iteration_stats, "inter_token_latencies_iter", None) or [])
+        # The step's duration: a sequence that also got a token in the step before waited exactly
+        # one step (the engine core's own time stamps); any other waited longer. So the least of
+        # the step's inter-token latencies; unknown (0) when nothing in it was decoding.
         self._stats.record(
             StepRecord(t=now(), running=scheduler_stats.num_running_reqs, waiting=scheduler_stats.num_waiting_reqs,
-                       kv_usage=float(scheduler_stats.kv_cache_usage), generated_tokens=gen),
+                       kv_usage=float(scheduler_stats.kv_cache_usage), generated_tokens=gen,
+                       duration=min(itl, default=0.0),
+                       prefill_tokens=_prefill_tokens(scheduler_stats, iteration_stats)),
             prefix_queries=getattr(pcs, "queries", 0), prefix_hits=getattr(pcs, "hits", 0), preempted=preempted,
             itl=itl,
         )

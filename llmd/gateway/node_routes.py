@@ -88,6 +88,7 @@ def _engines(registry: Registry, since: float | None) -> dict[str, Any]:
                 "scheduler_running": len(sched.running),
                 "queued": {k: rt.queue.depth(k) for k in rt.queue.classes},
                 "seat_limit": sched.seat_limit,
+                "itl_controller": sched.core.detector.describe(),
                 "fairness": {k: c.fairness.snapshot() for k, c in rt.queue.classes.items()},
                 "dropped": sched.dropped, "preempted": sched.preempted,
             }

@@ -5,19 +5,23 @@ change without touching queueing: the scheduler sees only the `Saturation`
 protocol. Headroom means: fewer sequences running than the seat limit, KV cache
 below its high-water mark, and the engine's own waiting queue empty, so that
 *our* queue, not the engine's FCFS, decides the order. With a target
-inter-token latency the seat limit adapts (AIMD): it shrinks multiplicatively
-when p95 ITL exceeds the aim and grows by one when the seats are full and
-latency has room. The controller steps only in `update` (once per scheduler
-tick); reading the limit never changes it.
+inter-token latency the seat limit adapts: sized from a step-time model fitted
+on the engine's own steps (StepModelITL), with AIMD on the clients' p95 as the
+fine correction; or, without the engine's steps or before enough are seen, by
+AIMD alone (ITLController): it shrinks multiplicatively when p95 ITL exceeds
+the aim and grows by one when the seats are full and latency has room. The
+controller steps only in `update` (once per scheduler tick); reading the limit
+never changes it.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Protocol
 
 from llmd.policy.signals import Clock, EngineSignals
+from llmd.policy.steptime import StepFit, StepSample, StepTimeModel
 
 
 class Saturation(Protocol):
@@ -37,6 +41,9 @@ class Saturation(Protocol):
 
     def blocked_on_capacity(self, signals: EngineSignals, running: int) -> bool:
         """No headroom because seats or KV are full (not because the engine's own queue is)."""
+
+    def describe(self) -> dict[str, float | str | None] | None:
+        """The ITL controller's state, for /admin/engines; None without one. A pure read."""
 
 
 def p95(values: list[float]) -> float:
@@ -82,6 +89,7 @@ class ITLController:
         self.hold_s = hold_s
         self._floor, self._floor_until = 0.0, 0.0  # no cut below _floor until _floor_until
         self.last_p95: float | None = None
+        self.lag = 0.0  # judge only samples at least this old (seconds)
 
     @property
     def seat_limit(self) -> int:
@@ -95,16 +103,18 @@ class ITLController:
         if now < self._next:
             return
         self._next = now + self.interval_s
-        since = now - self._settled_at
+        self._on_interval(now)
+        edge = now - self.lag  # later samples are left to a step model, which reacts first
+        since = edge - self._settled_at
         itl = list(self.samples()) if self.samples is not None else signals.itl
-        full = [x for t, x in itl if t >= max(now - self.window_s, self._settled_at)]
+        full = [x for t, x in itl if max(edge - self.window_s, self._settled_at) <= t <= edge]
         if len(full) < 8:
             return
         self.last_p95 = p95(full)
         # Only a binding limit is to blame: while sequences ramp up (running well below it)
         # the stalls are prefills, and a cut would only be undone.
         binding = not self._cut and running >= 0.9 * self.limit
-        short = [x for t, x in itl if t >= max(now - self.window_s / 2, self._settled_at)]
+        short = [x for t, x in itl if max(edge - self.window_s / 2, self._settled_at) <= t <= edge]
         if binding and since >= self.window_s / 2 and len(short) >= 8 and p95(short) > 1.25 * self.target:
             self._cut_or_undo(now, p95(short))  # far over: half a window is evidence enough
         elif self.last_p95 > self.target:
@@ -114,12 +124,19 @@ class ITLController:
             self._before = None
             self._maybe_grow(now, running)
 
+    def _on_interval(self, now: float) -> None:
+        """Called once per interval before the samples are judged (a subclass's model step)."""
+
+    def describe(self) -> dict[str, float | str | None]:
+        return {"mode": "aimd", "aim_ms": self.target * 1000,
+                "client_p95_ms": None if self.last_p95 is None else self.last_p95 * 1000}
+
     def _maybe_grow(self, now: float, running: float) -> None:
         """One more seat, judged on a whole window at the current limit. A cut needs the same
         window unless the overshoot is large: on a half window a few prefills more or less
         decide, and those kept cutting a limit whose p95 over 20 s was 25% under the target
         (bench/fairness.py (c): 16 seats, where 24 met it)."""
-        if running < int(self.limit) or now - self._settled_at < self.window_s:
+        if running < int(self.limit) or now - self.lag - self._settled_at < self.window_s:
             return
         assert self.last_p95 is not None
         if self.last_p95 < 0.9 * self.target:
@@ -141,16 +158,123 @@ class ITLController:
         self._cut = True
 
 
+class StepModelITL(ITLController):
+    """The seat limit from a step-time model fitted on the engine's own steps (steptime.py): the
+    largest seat count whose predicted p95 step time meets the engine aim, recomputed every
+    interval, so a flood or a slower engine moves the limit within a second or two instead of
+    window by window. The AIMD rules above, on the clients' p95 and on the same windows, then
+    correct the engine aim, not the limit: clients also see our streaming path and preemption
+    waits, on top of the engine's steps. A cut lowers the aim by the overshoot (at least one
+    seat's worth), growth raises it by one seat's worth, and a futile cut is undone and held.
+    Until the model has seen enough steps (a cold start), plain AIMD on the limit."""
+
+    def __init__(self, target_ms: float, max_seats: int, min_seats: int = 1, window_s: float = 6.0,
+                 interval_s: float = 0.5, margin: float = 0.92, hold_s: float = 10.0, *, clock: Clock,
+                 steps: Callable[[], Sequence[StepSample]], model: StepTimeModel | None = None, lag_s: float = 2.0,
+                 samples: Callable[[], Iterable[tuple[float, float]]] | None = None) -> None:
+        super().__init__(target_ms, max_seats, min_seats, window_s, interval_s, margin=margin, hold_s=hold_s,
+                         clock=clock, samples=samples)
+        self.steps = steps
+        self.model = model if model is not None else StepTimeModel()
+        self.engine_aim: float | None = None  # the p95 step time seats are sized for; None: cold start
+        self.lag_s = lag_s  # AIMD judges only client gaps this old: the model reacts to a change first
+        self._proposed: int | None = None  # a small move of the limit, waiting for a second interval
+        self.aim_floor = 0.25 * self.target
+
+    def _on_interval(self, now: float) -> None:
+        self.model.ingest(self.steps())
+        fit = self.model.refresh()
+        if fit is None:
+            return
+        takeover = self.engine_aim is None
+        if takeover:  # the model takes over; AIMD's state was about seat counts
+            self.engine_aim = self.target
+            self._before, self._floor_until = None, 0.0
+            self.lag = self.lag_s
+        self._size(now, fit, at_once=takeover)
+
+    def _size(self, now: float, fit: StepFit, at_once: bool = False) -> None:
+        """The limit for the engine aim. A move of a seat or two must hold for two intervals (or
+        come from AIMD): the fit's noise would otherwise flap a seat in and out, and each lowering
+        preempts a sequence, whose resume costs a re-prefill."""
+        assert self.engine_aim is not None
+        n = fit.seats_for(self.engine_aim, self.min_seats, self.max_seats)
+        small = n != self.limit and abs(n - self.limit) <= max(2.0, 0.05 * self.limit)
+        if small and not at_once and self._proposed != n:
+            self._proposed = n
+            return
+        self._proposed = None
+        if n != self.limit:
+            self._settled_at = now  # AIMD judges latency at the new limit only
+            self._cut = self._cut or n < 0.9 * self.limit  # and once running came down to it
+        self.limit = float(n)
+
+    def _cut_or_undo(self, now: float, seen: float) -> None:
+        fit = self.model.fit
+        if self.engine_aim is None or fit is None:
+            return super()._cut_or_undo(now, seen)
+        if self._before is not None and seen >= self._before[1]:
+            if now - self.lag - self._settled_at < self.window_s:
+                return None  # judged on a whole window: right after a cut, the preempted re-prefill
+            self.engine_aim, self._before = self._before[0], None  # futile: undo it, and hold
+            self._floor, self._floor_until = self.engine_aim, now + self.hold_s
+            self._settled_at = now
+            return self._size(now, fit, at_once=True)
+        floor = max(self.aim_floor, self._floor if now < self._floor_until else 0.0)
+        if self.engine_aim <= floor or self.limit <= self.min_seats:
+            return None
+        aim = max(floor, self.engine_aim * min(self.decrease, max(0.5, self.target / seen)))
+        if fit.seats_for(aim, self.min_seats, self.max_seats) >= self.limit:  # at least one seat
+            aim = max(floor, min(aim, fit.predict(int(self.limit) - 1)))
+        self._before, self.engine_aim = (self.engine_aim, seen), aim
+        self._size(now, fit, at_once=True)
+        self._cut = True
+        return None
+
+    def _maybe_grow(self, now: float, running: float) -> None:
+        fit = self.model.fit
+        if self.engine_aim is None or fit is None:
+            return super()._maybe_grow(now, running)
+        judged = now - self.lag - self._settled_at >= self.window_s
+        if running < int(self.limit) or not judged or self.limit >= self.max_seats:
+            return None
+        assert self.last_p95 is not None
+        if self.last_p95 < 0.9 * self.target:
+            self.engine_aim = max(self.engine_aim, fit.predict(int(self.limit) + 1))  # one seat more
+            self._size(now, fit, at_once=True)
+            self._settled_at = now
+        return None
+
+    def describe(self) -> dict[str, float | str | None]:
+        fit = self.model.fit
+        if self.engine_aim is None or fit is None:
+            return super().describe() | {"mode": "aimd (cold start: the step model has too few steps)"}
+        return super().describe() | {
+            "mode": "step model", "engine_aim_ms": self.engine_aim * 1000, "a_ms": fit.a * 1000,
+            "b_ms_per_seq": fit.b * 1000, "c_ms_per_1k_prefill": fit.c * 1e6, "speed": fit.speed,
+            "predicted_p95_ms": fit.predict(self.seat_limit) * 1000, "steps_fitted": fit.samples}
+
+
 class SaturationDetector:
-    """Seats (fixed, or adapted by the ITL controller), KV high-water mark, engine queue."""
+    """Seats (fixed, or adapted by the ITL controller), KV high-water mark, engine queue.
+    With a target ITL and the engine's steps (`steps`), the step-time model sizes the seats."""
 
     def __init__(self, max_seats: int, kv_high: float = 0.95, target_itl_ms: float | None = None,
                  itl_margin: float = 0.92, *, clock: Clock,
-                 itl_samples: Callable[[], Iterable[tuple[float, float]]] | None = None) -> None:
+                 itl_samples: Callable[[], Iterable[tuple[float, float]]] | None = None,
+                 steps: Callable[[], Sequence[StepSample]] | None = None) -> None:
         self.max_seats = max_seats
         self.kv_high = kv_high
-        self.itl = (ITLController(target_itl_ms, max_seats, margin=itl_margin, clock=clock, samples=itl_samples)
-                    if target_itl_ms else None)
+        self.itl: ITLController | None = None
+        if target_itl_ms and steps is not None:
+            self.itl = StepModelITL(target_itl_ms, max_seats, margin=itl_margin, clock=clock, steps=steps,
+                                    samples=itl_samples)
+        elif target_itl_ms:
+            self.itl = ITLController(target_itl_ms, max_seats, margin=itl_margin, clock=clock, samples=itl_samples)
+
+    def describe(self) -> dict[str, float | str | None] | None:
+        """The ITL controller's state for /admin/engines; None without a target."""
+        return self.itl.describe() if self.itl is not None else None
 
     def update(self, signals: EngineSignals, running: int) -> None:
         if self.itl is not None:

@@ -137,6 +137,11 @@ def test_disconnect_mid_stream_stops_the_engine_within_two_steps(engine_server: 
     time.sleep(1.5)
     before = _running_steps(engine_server.engine_stats(since=t_start))
     assert len([s for s in before if s["t"] < t_close]) >= 5, "the engine's own stats show it was computing"
+    # What the step-time model reads: the step that finished the prompt's prefill counts its
+    # tokens, and each decode step its duration (the engine core's own time between tokens).
+    assert any(s["prefill_tokens"] > 0 for s in before)
+    durations = sorted(s["duration"] for s in before if s["duration"] > 0)
+    assert len(durations) >= 5 and 0.001 < durations[len(durations) // 2] < 2.0
     after = _running_steps(engine_server.engine_stats(since=t_close))
     assert len(after) <= 2, f"engine kept computing for {len(after)} steps after the disconnect"
     assert engine_server.engine_stats()["running"] == 0

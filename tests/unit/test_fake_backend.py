@@ -144,6 +144,9 @@ async def test_prefill_steps_and_stats() -> None:
         assert 0 < hist[2].kv_usage < hist[3].kv_usage  # prompt held, then grows by a token per step
         assert hist[3].kv_usage == pytest.approx(11 / (64 * 512))
         assert b.stats.steps == len(hist) == 8
+        # Each step reports the prompt tokens it computed and how long it took (the step model's samples).
+        assert [r.prefill_tokens for r in hist] == [4, 4, 2] + [0] * 5
+        assert all(r.duration >= b.step_seconds(1) * 0.9 for r in hist)
     finally:
         await b.stop()
 
@@ -188,6 +191,9 @@ async def test_step_time_grows_with_batch() -> None:
 
         one, eight = await interval(1), await interval(8)
         assert eight > 2 * one  # 25 ms vs 4 ms per step nominally; a generous bound
+        # What each step reports as its duration is the time it took, as its own model sets it.
+        steps = [r.duration for r in b.stats.history if r.running == 8]
+        assert statistics.median(steps) == pytest.approx(b.step_seconds(8), rel=0.5)
     finally:
         await b.stop()
 

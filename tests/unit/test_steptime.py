@@ -1,0 +1,230 @@
+"""The step-time model and the controller that sizes seats from it, on synthetic engine steps
+and a fake clock (llmd/policy/steptime.py, saturation.StepModelITL)."""
+
+from __future__ import annotations
+
+import random
+from collections import deque
+
+import pytest
+
+from llmd.backends.base import EngineStats, StepRecord
+from llmd.policy.saturation import SaturationDetector, StepModelITL, p95
+from llmd.policy.steptime import StepFit, StepTimeModel, quantile
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+class Engine:
+    """A synthetic engine: each step takes speed x (a + b.running + c.prefill) seconds, with 3%
+    noise and, now and then, a stall the model must not believe; clients see each step's time
+    plus `offset` (our streaming path) as the gap between a decoding sequence's tokens."""
+
+    def __init__(self, a: float = 0.010, b: float = 0.002, c: float = 0.0005, seed: int = 0) -> None:
+        self.a, self.b, self.c = a, b, c
+        self.speed, self.offset = 1.0, 0.0
+        self.rng = random.Random(seed)
+        self.clock = Clock()
+        self.stats = EngineStats()
+        self.gaps: deque[tuple[float, float]] = deque(maxlen=16384)
+
+    def step(self, running: int, prefill: int = 0, stall: float = 0.0) -> float:
+        d = self.speed * (self.a + self.b * running + self.c * prefill) * (1 + self.rng.gauss(0, 0.03)) + stall
+        self.clock.t += d
+        self.stats.record(StepRecord(self.clock.t, running, 0, 0.1, running, duration=d, prefill_tokens=prefill),
+                          itl=[d] * running)
+        self.gaps.extend([(self.clock.t, d + self.offset)] * running)
+        return d
+
+    def run(self, ctl: StepModelITL | SaturationDetector, seconds: float, demand: int) -> list[int]:
+        """Saturated by `demand` sequences (as many run as the limit lets); the limit at each step."""
+        limits = []
+        end = self.clock.t + seconds
+        while self.clock.t < end:
+            ctl.update(self.stats, min(demand, ctl.seat_limit))
+            limits.append(ctl.seat_limit)
+            self.step(min(demand, ctl.seat_limit))
+        return limits
+
+    def best(self, aim: float, noise: float = 0.05) -> int:
+        """The most sequences whose p95 step (3% noise: about +5%) plus offset meets `aim`."""
+        return int(((aim - self.offset) / (self.speed * (1 + noise)) - self.a) / self.b)
+
+
+def controller(e: Engine, target_ms: float = 60.0, max_seats: int = 64, min_seats: int = 1) -> StepModelITL:
+    return StepModelITL(target_ms, max_seats, min_seats, margin=1.0, clock=e.clock,
+                        steps=lambda: e.stats.history, samples=lambda: e.gaps)
+
+
+def test_the_fit_recovers_known_coefficients_from_noisy_steps() -> None:
+    e = Engine(a=0.017, b=0.0013, c=0.001, seed=1)
+    m = StepTimeModel()
+    for _ in range(600):
+        prefill = e.rng.choice([0] * 8 + [e.rng.randint(20, 400)])
+        stall = 0.3 if e.rng.random() < 0.05 else 0.0  # 5% of steps stall 300 ms: robust weights
+        e.step(e.rng.randint(1, 64), prefill, stall)
+    assert m.ingest(e.stats.history) == 600
+    fit = m.refresh()
+    assert fit is not None and fit.samples == 512  # the last `window` steps
+    assert fit.a == pytest.approx(0.017, rel=0.1)
+    assert fit.b == pytest.approx(0.0013, rel=0.05)
+    assert fit.c == pytest.approx(0.001, rel=0.05)
+    assert fit.speed == pytest.approx(1.0, abs=0.02)
+    # The predicted p95 decode step meets the aim at seats_for, and not one seat more.
+    n = fit.seats_for(0.092, 1, 64)
+    assert fit.predict(n) <= 0.092 < fit.predict(n + 1)
+    assert n == pytest.approx((0.092 / 1.05 - 0.017) / 0.0013, abs=2)
+
+
+def test_ingest_takes_only_new_steps_and_refit_needs_new_ones() -> None:
+    e, m = Engine(), StepTimeModel(min_steps=6)
+    for i in range(5):
+        e.step(4 + 4 * i)
+    assert m.ingest(e.stats.history) == 5 and m.refresh() is None  # too few steps: cold
+    assert m.ingest(e.stats.history) == 0
+    e.step(8)
+    assert m.ingest(e.stats.history) == 1
+    fit = m.refresh()
+    assert fit is not None and m.refresh() is fit  # nothing new: the same fit, not refitted
+    e.stats.record(StepRecord(e.clock.t + 1, 0, 0, 0.0, 0))  # idle or unknown duration: not a sample
+    assert m.ingest(e.stats.history) == 1 and len(m.window) == 6
+
+
+def test_one_batch_size_is_no_fit_until_a_second_tells_a_from_b() -> None:
+    """A cold flood fills every seat at once: a line through one batch size would have to guess
+    the intercept (and a low guess over-seats when it extrapolates down), so there is no fit
+    until a second batch size; after that, the intercept learned is kept as the prior."""
+    e, m = Engine(), StepTimeModel()
+    for _ in range(20):
+        e.step(64)
+    m.ingest(e.stats.history)
+    assert m.refresh() is None and not m.identified
+    for _ in range(6):
+        e.step(32)
+    m.ingest(e.stats.history)
+    fit = m.refresh()
+    assert fit is not None and m.identified
+    assert fit.a == pytest.approx(0.010, rel=0.2) and fit.b == pytest.approx(0.002, rel=0.1)
+    assert abs(fit.seats_for(0.060, 1, 64) - e.best(0.060)) <= 1
+    for _ in range(600):  # a long flood at one batch size: the learned intercept holds a and b apart
+        e.step(24)
+    m.ingest(e.stats.history)
+    fit = m.refresh()
+    assert fit is not None and fit.a == pytest.approx(0.010, rel=0.2) and fit.b == pytest.approx(0.002, rel=0.1)
+
+
+def test_the_limit_is_at_the_model_value_within_two_intervals_of_a_flood() -> None:
+    """Light traffic teaches the model; when a flood starts, the limit is where the step model
+    puts it within two controller intervals (1 s), not after windows of seconds."""
+    e = Engine()
+    ctl = controller(e)
+    while e.clock.t < 1030:  # 30 s of light traffic: 1-12 sequences, never the limit
+        ctl.update(e.stats, 0)
+        e.step(e.rng.randint(1, 12))
+    assert ctl.engine_aim is not None and ctl.model.fit is not None
+    flood_at = e.clock.t
+    limits = e.run(ctl, 1.0, demand=200)
+    best = e.best(0.060)
+    assert abs(limits[-1] - best) <= 1 and abs(limits[0] - best) <= 2
+    after = e.run(ctl, 20.0, demand=200)
+    assert max(after) <= best + 1 and min(after) >= best - 2  # and it stays there
+    gaps = [x for t, x in e.gaps if t > flood_at + 2]
+    assert p95(gaps) <= 0.060 * 1.02
+
+
+def test_a_cold_flood_reaches_the_model_value_within_a_few_steps() -> None:
+    """No step seen before the flood: plain AIMD at first (as before the model); its first cut
+    shows the model a second batch size, and the limit is the model's value a few steps later."""
+    e = Engine()
+    ctl = controller(e)
+    limits = e.run(ctl, 1.0, demand=200)
+    assert limits[0] == 64 and ctl.engine_aim is None and ctl.seat_limit == 32  # AIMD's first cut
+    e.run(ctl, 1.0, demand=200)
+    assert ctl.engine_aim is not None and abs(ctl.seat_limit - e.best(0.060)) <= 2
+
+
+def test_a_slower_engine_moves_the_limit_within_seconds() -> None:
+    e = Engine()
+    ctl = controller(e)
+    e.run(ctl, 20.0, demand=200)
+    before = ctl.seat_limit
+    assert abs(before - e.best(0.060)) <= 2
+    e.speed = 1.5  # another process took a share of the cores
+    e.run(ctl, 3.0, demand=200)
+    assert abs(ctl.seat_limit - e.best(0.060)) <= 2 and ctl.seat_limit < before - 5
+
+
+def test_aimd_corrects_a_systematic_offset_between_engine_steps_and_client_gaps() -> None:
+    """Clients see 15 ms more than the engine's step (our streaming path): the model alone would
+    hold 24 seats at a client p95 near 75 ms; AIMD lowers the engine aim until clients meet 60."""
+    e = Engine()
+    ctl = controller(e)
+    e.run(ctl, 10.0, demand=200)
+    assert abs(ctl.seat_limit - e.best(0.060)) <= 2
+    e.offset = 0.015
+    e.run(ctl, 60.0, demand=200)
+    start = e.clock.t
+    tail = e.run(ctl, 20.0, demand=200)
+    assert ctl.engine_aim is not None and ctl.engine_aim < 0.052
+    assert e.best(0.060) - 3 <= min(tail) and max(tail) <= e.best(0.060)
+    assert p95([x for t, x in e.gaps if t > start]) <= 0.060
+
+
+def test_the_limit_stays_between_min_and_max_seats() -> None:
+    e = Engine()
+    ctl = controller(e, target_ms=5.0, max_seats=32, min_seats=3)  # below even one sequence's step
+    limits = e.run(ctl, 20.0, demand=200)
+    assert min(limits) >= 3 and ctl.seat_limit == 3
+    e2 = Engine()
+    ctl2 = controller(e2, target_ms=1000.0, max_seats=32)  # far above any step: every seat
+    limits = e2.run(ctl2, 20.0, demand=200)
+    assert max(limits) <= 32 and ctl2.seat_limit == 32
+    fit = ctl.model.fit
+    assert fit is not None and fit.seats_for(0.0, 3, 32) == 3 and fit.seats_for(10.0, 3, 32) == 32
+
+
+def test_an_aim_out_of_reach_keeps_the_seats_within_10_percent_of_the_fastest_step() -> None:
+    """Not even one sequence meets the aim: cutting seats cannot buy it, so the limit keeps the
+    batch sizes whose step is within 10% of the fastest rather than falling to one seat; where
+    the batch barely matters (a GPU: 30 ms + 0.03 ms per sequence), that is every seat."""
+    gpu = StepFit(a=0.030, b=0.00003, c=0.0, speed=1.0, noise=0.0, samples=100)
+    assert gpu.seats_for(0.020, 1, 64) == 64
+    cpu = StepFit(a=0.017, b=0.0013, c=0.0, speed=1.0, noise=0.0, samples=100)
+    assert cpu.seats_for(0.010, 1, 64) == 2  # 18.3 ms at 1; 1.1 x that allows 2 (19.6 ms), not 3
+    assert cpu.seats_for(0.092, 1, 64) == 57  # in reach: the largest that meets it
+
+
+def test_reading_the_seat_limit_never_steps_the_model() -> None:
+    e = Engine()
+    det = SaturationDetector(64, target_itl_ms=60, itl_margin=1.0, clock=e.clock, steps=lambda: e.stats.history,
+                             itl_samples=lambda: e.gaps)
+    assert isinstance(det.itl, StepModelITL)
+    e.run(det, 5.0, demand=200)
+    ctl = det.itl
+    fit, limit, held = ctl.model.fit, det.seat_limit, len(ctl.model.window)
+    for _ in range(500):
+        e.step(e.rng.randint(1, 64))  # the engine moves on: 500 steps the model has not read
+    for _ in range(100):
+        assert det.seat_limit == limit and det.has_headroom(e.stats, limit - 1) and not det.has_headroom(e.stats, limit)
+        det.describe()
+    assert ctl.model.fit is fit and len(ctl.model.window) == held  # reads ingested and fitted nothing
+    det.update(e.stats, limit)
+    assert ctl.model.fit is not fit
+
+
+def test_without_steps_the_detector_runs_plain_aimd() -> None:
+    d = SaturationDetector(8, target_itl_ms=50, clock=Clock())
+    assert d.itl is not None and not isinstance(d.itl, StepModelITL)
+    assert d.describe() == {"mode": "aimd", "aim_ms": pytest.approx(46.0), "client_p95_ms": None}
+    assert SaturationDetector(8, clock=Clock(), steps=list).describe() is None
+
+
+def test_quantile() -> None:
+    assert quantile([], 0.5) == 0.0
+    assert quantile([1.0, 2.0, 3.0, 4.0], 0.5) == 2.0 and quantile([1.0, 2.0], 1.0) == 2.0
