@@ -17,7 +17,6 @@ HTTP and sanic). A variant with the example config's output filters is reported 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import sys
 import tempfile
@@ -29,8 +28,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root: `bench` and `llmd`
 
-from bench.lib import lean_client, report, stats  # noqa: E402
-from bench.lib.servers import free_port, quiet_logs, start_inprocess  # noqa: E402
+from bench.lib import lean_client, report, stats
+from bench.lib.servers import free_port, quiet_logs, start_inprocess
 
 SECTION = "## Gateway: tokens per second through one process"
 TARGET = 0.5
@@ -164,7 +163,8 @@ async def one_round(port: int, a: argparse.Namespace) -> dict[str, float]:
         port, a.seconds, a.concurrency, a.tokens, lambda: snap.extend((time.process_time(), time.perf_counter())))
     cpu, wall = time.process_time() - snap[0], time.perf_counter() - snap[1]
     tokens = done * a.tokens
-    return {"tps": tokens / wall, "cpu_us": cpu / tokens * 1e6, "busy": cpu / wall, "client_us": client_cpu / tokens * 1e6}
+    return {"tps": tokens / wall, "cpu_us": cpu / tokens * 1e6, "busy": cpu / wall,
+            "client_us": client_cpu / tokens * 1e6}
 
 
 async def measure(a: argparse.Namespace, tmp: Path) -> dict[str, Any]:
@@ -179,7 +179,7 @@ async def measure(a: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     bare, bare_port = await start_bare("bench_gateway_bare")
     ports = {"llmd": servers["llmd"].port, "llmd+filters": servers["llmd+filters"].port, "bare": bare_port}
     try:
-        for label, port in ports.items():  # warm-up, discarded
+        for port in ports.values():  # warm-up, discarded
             await one_round(port, a)
         for i in range(a.rounds):
             order = list(ports) if i % 2 == 0 else list(reversed(ports))
