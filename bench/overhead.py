@@ -6,7 +6,7 @@ fresh server on a free port, waits until it is ready, benchmarks it, and stops i
 The first round of each server is a discarded warm-up; measured rounds alternate the
 server order (ABBA) so slow drift on a shared machine does not favour one side.
 
-    .venv/bin/python bench/overhead.py                      # both sides, 3 rounds
+    .venv/bin/python bench/overhead.py                      # vllm, llmd as shipped, llmd without filters
     .venv/bin/python bench/overhead.py --servers vllm --rounds 1 --num-prompts 16
 
 The summary (medians over rounds of the per-round llmd/vLLM ratios) is checked against
@@ -23,18 +23,22 @@ import subprocess
 import sys
 import tempfile
 import time
+import tomllib
 import urllib.error
 import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root: `bench` and `llmd`
 
 from bench.lib import report, stats
-from bench.lib.servers import free_port, model_dir, running, tail, tool
+from bench.lib.servers import dump_toml, free_port, model_dir, running, tail, tool
 
 SECTION = "## Overhead: llmd vs vllm serve"
+SHIPPED = Path(__file__).resolve().parent.parent / "config.toml"
+DEMO_KEY = "sk-llmd-demo-change-me"  # config.toml's demo tenant
 TARGET_THROUGHPUT = 0.97  # llmd/vLLM output throughput, at least
 TARGET_TTFT = 1.05  # llmd/vLLM median TTFT, at most
 # (label, key in bench serve's JSON result)
@@ -61,30 +65,26 @@ def servers(args: argparse.Namespace, model: Path) -> dict[str, Server]:
                 "--max-num-seqs", "64", "--max-num-batched-tokens", "2048",
                 "--enable-prefix-caching", "--host", "127.0.0.1", "--port", str(port)]
 
-    def llmd(port: int, scratch: Path) -> list[str]:
-        cfg = scratch / f"llmd-{port}.toml"
-        cfg.write_text(f"""[server]
-host = "127.0.0.1"
-port = {port}
+    def llmd(filters: bool) -> Callable[[int, Path], list[str]]:
+        def command(port: int, scratch: Path) -> list[str]:
+            cfg = scratch / f"llmd-{port}.toml"
+            cfg.write_text(dump_toml(shipped_config(port, scratch / f"llmd-{port}.db", filters)))
+            return [tool("llmd"), "serve", "--config", str(cfg)]
+        return command
 
-[[models]]
-name = "{args.name}"
-source = "{args.source}"
-backend = "vllm"
-max_output_tokens = 1024
+    return {"vllm": Server("vllm", "/health", vllm), "llmd": Server("llmd", "/ready", llmd(True)),
+            "llmd-nofilters": Server("llmd-nofilters", "/ready", llmd(False))}
 
-[models.engine]
-max_model_len = 2048
-kv_cache_gib = 1
-max_num_seqs = 64
-max_num_batched_tokens = 2048
-enable_prefix_caching = true
-enforce_eager = true
-dtype = "float32"
-""")
-        return [tool("llmd"), "serve", "--config", str(cfg)]
 
-    return {"vllm": Server("vllm", "/health", vllm), "llmd": Server("llmd", "/ready", llmd)}
+def shipped_config(port: int, db: Path, filters: bool) -> dict[str, Any]:
+    """config.toml as users run it (filters, tenant, ITL target, degradation); only the port and
+    the usage DB moved. `filters=False`: the bench-only variant without input and output filters."""
+    cfg = tomllib.loads(SHIPPED.read_text(encoding="utf-8"))
+    cfg["server"] |= {"host": "127.0.0.1", "port": port, "db_path": str(db)}
+    if not filters:
+        for m in cfg["models"]:
+            m.pop("filters", None)
+    return cfg
 
 
 def bench(args: argparse.Namespace, model: Path, port: int, out: Path, env: dict[str, str]) -> dict:
@@ -114,7 +114,7 @@ def probe(args: argparse.Namespace, port: int) -> str:
     if args.ignore_eos:
         body["ignore_eos"] = True
     req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", json.dumps(body).encode(),
-                                 {"Content-Type": "application/json"})
+                                 {"Content-Type": "application/json", "Authorization": f"Bearer {DEMO_KEY}"})
     try:
         with urllib.request.urlopen(req, timeout=60) as r:
             return f"HTTP {r.status}: {r.read(300).decode(errors='replace')}"
@@ -132,7 +132,8 @@ def one_round(args: argparse.Namespace, model: Path, srv: Server, scratch: Path,
                  args.ready_timeout, env) as proc:
         print(f"  {srv.name} ready on :{port} after {time.monotonic() - t0:.0f}s (pid {proc.pid})", flush=True)
         load1 = os.getloadavg()[0]  # the machine is shared: record how busy it was
-        result = bench(args, model, port, scratch / f"{tag}-{srv.name}.json", {**os.environ, **env})
+        result = bench(args, model, port, scratch / f"{tag}-{srv.name}.json",
+                       {**os.environ, **env, "OPENAI_API_KEY": DEMO_KEY})
         result["load1_before"] = load1
         if result.get("failed"):
             print(f"WARNING: {srv.name}: {result['failed']} of {args.num_prompts} requests failed; "
@@ -152,16 +153,20 @@ def table(rows: list[tuple[str, str, dict]]) -> list[str]:
 
 def summary(results: dict[str, list[dict]]) -> tuple[list[str], bool | None]:
     """Medians over rounds per server, and the median of the per-round llmd/vLLM ratios against the targets."""
-    names = [n for n in ("vllm", "llmd") if results.get(n)]
-    both = len(names) == 2
-    head = ["figure"] + [f"{n} (median)" for n in names] + (["llmd/vllm (median of rounds)"] if both else [])
+    names = [n for n in ("vllm", "llmd", "llmd-nofilters") if results.get(n)]
+    both = "vllm" in names and "llmd" in names
+    variants = [n for n in names if n != "vllm"] if "vllm" in names else []
+    head = (["figure"] + [f"{n} (median)" for n in names]
+            + [f"{n}/vllm (median of rounds)" for n in variants])
     rows: list[list[str]] = []
     ratios: dict[str, float] = {}
     for label, key in METRICS:
         cells = [label] + [f"{stats.median(r[key] for r in results[n]):.1f}" for n in names]
-        if both:
-            ratios[key] = stats.median(lm[key] / v[key] for lm, v in zip(results["llmd"], results["vllm"], strict=True))
-            cells.append(f"{ratios[key]:.3f}")
+        for n in variants:
+            ratio = stats.median(lm[key] / v[key] for lm, v in zip(results[n], results["vllm"], strict=True))
+            cells.append(f"{ratio:.3f}")
+            if n == "llmd":
+                ratios[key] = ratio
         rows.append(cells)
     lines = report.table(head, rows)
     if not both:
@@ -174,7 +179,9 @@ def summary(results: dict[str, list[dict]]) -> tuple[list[str], bool | None]:
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--servers", default="vllm,llmd", help="comma list of: vllm, llmd")
+    p.add_argument("--servers", default="vllm,llmd,llmd-nofilters",
+                   help="comma list of: vllm, llmd (config.toml as shipped), llmd-nofilters (the same without "
+                        "filters, a bench-only variant reported beside it)")
     p.add_argument("--rounds", type=int, default=3, help="measured rounds per server (plus one warm-up)")
     p.add_argument("--num-prompts", type=int, default=48)
     p.add_argument("--input-len", type=int, default=128)
@@ -195,8 +202,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--keep", action="store_true", help="keep the scratch folder (logs, JSON results)")
     args = p.parse_args()
     args.chosen = [s.strip() for s in args.servers.split(",") if s.strip()]
-    if not args.chosen or any(s not in ("vllm", "llmd") for s in args.chosen):
-        p.error("--servers takes a comma list of vllm, llmd")
+    if not args.chosen or any(s not in ("vllm", "llmd", "llmd-nofilters") for s in args.chosen):
+        p.error("--servers takes a comma list of vllm, llmd, llmd-nofilters")
     return args
 
 
@@ -234,10 +241,13 @@ def main() -> int:
             shutil.rmtree(scratch, ignore_errors=True)
     sum_lines, verdict = summary(results)
     print("\nsummary\n" + "\n".join(sum_lines))
-    if len(args.chosen) == 2 and not args.no_docs:
+    if "vllm" in args.chosen and "llmd" in args.chosen and not args.no_docs:
         body = [SECTION, "", report.stamp(), "",
                 (f"Settings: model `{args.name}` ({model}), dtype float32, eager, max_model_len 2048, "
                  "max_num_seqs 64, max_num_batched_tokens 2048, prefix caching on, 1 GiB KV cache; "
+                 "`llmd` is config.toml as shipped (its input and output filters, its demo tenant's key, its "
+                 "target_itl_ms, its degradation steps; only the port and the usage DB moved), "
+                 "`llmd-nofilters` the same without filters (a bench-only variant, beside it, never instead); "
                  f"`bench serve --backend openai --dataset-name random`, input {args.input_len}, "
                  f"output {args.output_len}{' (ignore_eos)' if args.ignore_eos else ''}, "
                  f"{args.num_prompts} prompts, max concurrency {args.max_concurrency}, request rate "
