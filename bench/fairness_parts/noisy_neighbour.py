@@ -29,10 +29,10 @@ from bench.lib.load import (
 from bench.lib.streams import new_client, output_tokens_between, statuses
 
 TITLE = "(a) Noisy neighbour"
-CONFIGS = ("vtc", "itl", "vllm", "batch")
+CONFIGS = ("vtc", "itl", "vllm", "batch", "shipped")
 QUICK: dict[str, Any] = {"flood_inflight": 24, "chat_requests": 6, "chat_interval_s": 1.0, "buildup_s": 5.0,
                          "chat_timeout_s": 60.0, "flood_max_tokens": 64}
-FLOODED = ("vtc", "itl", "batch")  # the llmd rows held to B's solo TTFT
+FLOODED = ("vtc", "itl", "batch", "shipped")  # the llmd rows held to B's solo TTFT
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -48,7 +48,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--chat-timeout-s", type=float, default=60.0, help="client bound on a chat; counts as its TTFT")
     g.add_argument("--a-configs", default="vtc,itl,vllm",
                    help=f"flood configurations after B solo, comma list of: {', '.join(CONFIGS)} "
-                        "(batch: llmd vtc with A's flood sent as class batch)")
+                        "(batch: llmd vtc with A's flood sent as class batch; shipped: config.toml as users run "
+                        "it, its filters and ITL target, with B's solo measured on it too)")
     g.add_argument("--itl-factor", type=float, default=2.0, help="target_itl_ms = this x B's solo ITL p50")
     g.add_argument("--target-itl-ms", type=float, help="part a's target_itl_ms (default: from --itl-factor)")
 
@@ -91,11 +92,11 @@ async def _solo(bench: Bench, srv: Srv) -> dict[str, Any]:
 
 
 def _verdicts(rows: dict[str, dict[str, Any]]) -> list[tuple[str, bool]]:
-    solo = rows["solo"]
     out: list[tuple[str, bool]] = []
     for key in FLOODED:
         if (r := rows.get(key)) is None:
             continue
+        solo = rows["shipped-solo" if key == "shipped" else "solo"]
         out.extend((f"{r['config']}: B TTFT {q} {r[q]:.3f}s within +1 s of solo {solo[q]:.3f}s",
                     r[q] <= solo[q] + 1.0) for q in ("p50", "p95"))
         if key == "itl":
@@ -149,6 +150,10 @@ async def run(bench: Bench) -> PartResult:
     if "batch" in a.a_configs:
         with bench.llmd("a-batch", {"fairness": "vtc"}, tenants) as srv:
             rows["batch"] = await flood_run(bench, srv, "llmd vtc, A flooding as class batch", "batch")
+    if "shipped" in a.a_configs:
+        with bench.llmd_shipped("a-shipped", tenants) as srv:
+            rows["shipped-solo"] = {**await _solo(bench, srv), "config": "llmd as shipped (config.toml), B solo"}
+            rows["shipped"] = await flood_run(bench, srv, "llmd as shipped (config.toml), A flooding", a.flood_class)
     if "vllm" in a.a_configs:
         with bench.vllm("a-vllm") as srv:
             rows["vllm"] = await flood_run(bench, srv, "vllm serve (FCFS), A flooding", a.flood_class)

@@ -14,13 +14,16 @@ import json
 import os
 import tempfile
 import time
+import tomllib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from bench.lib import report
-from bench.lib.servers import free_port, model_dir, running, tool
+from bench.lib.servers import dump_toml, free_port, model_dir, running, tool
+
+SHIPPED = Path(__file__).resolve().parents[2] / "config.toml"
 
 
 def add_server_args(p: argparse.ArgumentParser | Any) -> None:
@@ -115,6 +118,25 @@ class Bench:
             yield Srv("llmd", f"http://127.0.0.1:{port}", keys, admin, log)
 
     @contextlib.contextmanager
+    def llmd_shipped(self, tag: str, tenants: dict[str, dict[str, Any]]) -> Iterator[Srv]:
+        """`llmd serve` on config.toml as users run it (its model and engine settings, filters, ITL
+        target, degradation), with these tenants (fresh keys) in place of its demo tenant."""
+        from llmd.auth import generate_key, hash_key
+
+        port, admin = free_port(), generate_key()
+        keys = {t: generate_key() for t in tenants}
+        cfg = tomllib.loads(SHIPPED.read_text(encoding="utf-8"))
+        cfg["server"] |= {"host": "127.0.0.1", "port": port, "db_path": str(self.scratch / f"{tag}.db"),
+                          "default_deadline_s": 600, "max_deadline_s": 600}
+        cfg["auth"] = {"admin_keys": [hash_key(admin)]}
+        cfg["tenants"] = [{"name": t, "keys": [hash_key(keys[t])], **extra} for t, extra in tenants.items()]
+        path = self.scratch / f"{tag}.toml"
+        path.write_text(dump_toml(cfg))
+        with self._run(tag, [tool("llmd"), "serve", "--config", str(path)], port, "/ready",
+                       kv_gib=cfg["models"][0]["engine"]["kv_cache_gib"]) as log:
+            yield Srv("llmd", f"http://127.0.0.1:{port}", keys, admin, log)
+
+    @contextlib.contextmanager
     def vllm(self, tag: str) -> Iterator[Srv]:
         """`vllm serve` (through llmd-vllm) with the same engine settings: FCFS, no tenants."""
         a = self.args
@@ -138,9 +160,9 @@ class Bench:
                   flush=True)
 
     @contextlib.contextmanager
-    def _run(self, tag: str, argv: list[str], port: int, ready: str) -> Iterator[Path]:
+    def _run(self, tag: str, argv: list[str], port: int, ready: str, kv_gib: int | None = None) -> Iterator[Path]:
         self._note_code()
-        env = {"VLLM_CPU_KVCACHE_SPACE": str(self.args.kv_gib), "HF_HUB_OFFLINE": "1"}
+        env = {"VLLM_CPU_KVCACHE_SPACE": str(kv_gib or self.args.kv_gib), "HF_HUB_OFFLINE": "1"}
         log = self.scratch / f"{tag}-server.log"
         t0 = time.monotonic()
         self.n_servers += 1
