@@ -90,6 +90,14 @@ async def _all(runs: Any) -> None:
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
+def _stopped_chunk(shape: _Shape, choice: Choice, out: ChoiceOutput) -> str:
+    """A choice's last chunk when a filter stopped it: finish_reason content_filter."""
+    last = (responses.chat_delta(choice.index, {} if out.parts else {"role": "assistant", "content": ""},
+                                 "content_filter") if shape.chat
+            else responses.text_choice(choice.index, "", "content_filter"))
+    return shape.chunk(dumps(last))
+
+
 async def _choice_chunks(job: Job, shape: _Shape, choice: Choice) -> AsyncIterator[str]:
     """One choice's chunks; a filter stop is its last one (finish_reason content_filter)."""
     out = ChoiceOutput(job, choice, shape.chat)
@@ -99,18 +107,22 @@ async def _choice_chunks(job: Job, shape: _Shape, choice: Choice) -> AsyncIterat
             if piece is not None:
                 yield shape.chunk(piece)
     except ContentFiltered:
-        last = (responses.chat_delta(choice.index, {} if out.parts else {"role": "assistant", "content": ""},
-                                     "content_filter") if shape.chat
-                else responses.text_choice(choice.index, "", "content_filter"))
-        yield shape.chunk(dumps(last))
+        yield _stopped_chunk(shape, choice, out)
         raise
 
 
-def _chunks(job: Job, shape: _Shape) -> AsyncIterator[str]:
-    """Every choice's chunks, interleaved as they come (one choice: straight through)."""
-    if len(job.choices) == 1:
-        return _choice_chunks(job, shape, job.choices[0])
-    return _merged(job, shape)
+async def _emit_choice(job: Job, shape: _Shape, choice: Choice, emit: Emit) -> None:
+    """The one-choice stream, straight from the engine's deltas to `emit`: the per-token path,
+    with no generator between them but the engine's own."""
+    out = ChoiceOutput(job, choice, shape.chat)
+    try:
+        async for d in dispatch.screened(job, choice):
+            piece = out.chunk_json(d, out.take(d))
+            if piece is not None:
+                await emit(shape.chunk(piece))
+    except ContentFiltered:
+        await emit(_stopped_chunk(shape, choice, out))
+        raise
 
 
 async def _merged(job: Job, shape: _Shape) -> AsyncIterator[str]:
@@ -146,38 +158,45 @@ async def _merged(job: Job, shape: _Shape) -> AsyncIterator[str]:
         raise stopped
 
 
-async def _payloads(job: Job, req: ChatRequest | CompletionRequest) -> AsyncIterator[str]:
-    shape = _Shape(job, req)
-    stopped: ContentFiltered | None = None
-    try:
-        async for c in _chunks(job, shape):
-            yield c
-    except ContentFiltered as e:  # its choice's last chunk said why; a terminal error event follows
-        stopped = e
-    if req.include_usage and not shape.continuous:
-        yield f'{shape._head}],"usage":{dumps(shape.usage())}}}'
-    if stopped is not None:
-        yield dumps(stopped.body())
-    yield DONE
-
-
 async def pump(job: Job, req: ChatRequest | CompletionRequest, emit: Emit) -> None:
-    started = False
+    shape = _Shape(job, req)
+    sent = [0]
+
+    async def counted(payload: str) -> None:
+        sent[0] += 1
+        await emit(payload)
+
     try:
         async with dispatch.deadline(job):
-            async for payload in _payloads(job, req):
-                started = True
-                await emit(payload)
+            await _stream(job, req, shape, counted)
         return
     except TimeoutError:
         err: APIError = dispatch.deadline_error(job)
     except APIError as e:
         err = e
-    if not started:
+    if not sent[0]:
         raise err
     # Tokens were already delivered: end the stream with a terminal error event.
     job.life.fail(err)
     job.record.finish_reason = job.record.finish_reason or "error"
     with contextlib.suppress(Exception):
         await emit(dumps(err.body()))
+    await emit(DONE)
+
+
+async def _stream(job: Job, req: ChatRequest | CompletionRequest, shape: _Shape, emit: Emit) -> None:
+    """Every choice's chunks, then the usage chunk, a filter's terminal error event, [DONE]."""
+    stopped: ContentFiltered | None = None
+    try:
+        if len(job.choices) == 1:
+            await _emit_choice(job, shape, job.choices[0], emit)
+        else:
+            async for c in _merged(job, shape):
+                await emit(c)
+    except ContentFiltered as e:  # its choice's last chunk said why; a terminal error event follows
+        stopped = e
+    if req.include_usage and not shape.continuous:
+        await emit(f'{shape._head}],"usage":{dumps(shape.usage())}}}')
+    if stopped is not None:
+        await emit(dumps(stopped.body()))
     await emit(DONE)
