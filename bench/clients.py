@@ -68,8 +68,10 @@ def ensure_venv(venv: Path, torch: str) -> Path:
     if not (venv / "bin" / "python").exists():
         subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "-q"]
-    subprocess.run([*pip, torch], check=True)  # first: else the clients' `torch` requirement pulls a CUDA build
-    subprocess.run([*pip, *CLIENTS], check=True)
+    for what in ([torch], CLIENTS):  # torch first: else the clients' `torch` requirement pulls a CUDA build
+        done = subprocess.run([*pip, *what], capture_output=True, text=True, check=False)
+        if done.returncode != 0:
+            sys.exit(f"pip install {' '.join(what)} failed:\n{done.stdout[-3000:]}{done.stderr[-3000:]}")
     stamp.touch()
     return venv / "bin"
 
