@@ -45,6 +45,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root: `bench` and `llmd`
 
 from bench.lib import report, stats
+from bench.lib.engines import other_engines
 from bench.lib.servers import free_port, running, tail, tool
 from llmd.auth import hash_key
 from llmd.config import Config, load_config
@@ -188,6 +189,16 @@ def vllm_server(c: Config, model: Path, scratch: Path, timeout: float) -> Iterat
         yield f"http://127.0.0.1:{port}", log
 
 
+def note_box(r: dict[str, Any]) -> None:
+    """The box is shared: note other vLLM engines and the load when a server starts (both go in the report)."""
+    busy, load = other_engines(), os.getloadavg()[0]
+    r.setdefault("load1", []).append(load)
+    r["other_engines"] = max(r.get("other_engines", 0), busy)
+    if busy:
+        print(f"  WARNING: {busy} other vLLM engine process(es) running on this machine; timings will be skewed",
+              flush=True)
+
+
 def llmd_records(log: Path, endpoint: str) -> list[dict[str, Any]]:
     """llmd's per-request log lines for one endpoint."""
     out = []
@@ -267,17 +278,20 @@ def run_lm_eval(a: argparse.Namespace, bin_dir: Path, url: str, key: str | None,
     return {"acc": res["acc,none"], "stderr": res["acc_stderr,none"], "wall_s": wall,
             "eval_s": float(results.get("total_evaluation_time_seconds", "nan")),
             "retries": log.read_text(errors="replace").count("API request failed"),
-            "loglik": {s["doc_id"]: [float(r[0]) for r in s["filtered_resps"]] for s in samples}}
+            "resps": {s["doc_id"]: s["filtered_resps"] for s in samples}}  # per choice: [log-likelihood, is_greedy]
 
 
-def agreement(x: dict[str, Any], y: dict[str, Any]) -> tuple[int, int, float]:
-    """Questions where both picked the same choice, questions, and the largest log-likelihood difference."""
-    same, gap = 0, 0.0
-    for doc, lx in x["loglik"].items():
-        ly = y["loglik"][doc]
+def agreement(x: dict[str, Any], y: dict[str, Any]) -> tuple[int, int, int, float]:
+    """Questions where both picked the same choice, where every (log-likelihood, is_greedy) was
+    identical, questions, and the largest log-likelihood difference."""
+    same, identical, gap = 0, 0, 0.0
+    for doc, rx in x["resps"].items():
+        ry = y["resps"][doc]
+        lx, ly = [float(r[0]) for r in rx], [float(r[0]) for r in ry]
         same += lx.index(max(lx)) == ly.index(max(ly))
+        identical += rx == ry
         gap = max(gap, *(abs(p - q) for p, q in zip(lx, ly, strict=True)))
-    return same, len(x["loglik"]), gap
+    return same, identical, len(x["resps"]), gap
 
 
 def vllm_requests(log: Path) -> str:
@@ -292,6 +306,7 @@ def run(a: argparse.Namespace, bin_dir: Path, c: Config, model: Path, scratch: P
     name, cfg = c.models[0].name, shipped_config(Path(a.config), scratch)
     task = write_task(scratch / "task", questions(a.sums))
     r: dict[str, Any] = {"n_questions": len(questions(a.sums))}
+    note_box(r)
     with llmd_server(cfg, scratch, a.ready_timeout) as (url, log):
         print("  guidellm -> llmd ...", flush=True)
         r["g_llmd_s"] = run_guidellm(a, bin_dir, url, a.key, name, model, scratch / "guidellm-llmd.json")
@@ -299,6 +314,7 @@ def run(a: argparse.Namespace, bin_dir: Path, c: Config, model: Path, scratch: P
         r["lm_llmd"] = run_lm_eval(a, bin_dir, url, a.key, name, model, task, scratch / "lm-llmd")
     r["llmd_chat"] = outcomes(llmd_records(log, "/v1/chat/completions"))
     r["llmd_completions"] = outcomes(llmd_records(log, "/v1/completions"))
+    note_box(r)
     with vllm_server(c, model, scratch, a.ready_timeout) as (url, log):
         if a.guidellm_baseline:
             print("  guidellm -> vllm serve ...", flush=True)
@@ -335,15 +351,16 @@ def guidellm_lines(a: argparse.Namespace, r: dict[str, Any], scratch: Path, hold
 
 def lm_eval_lines(r: dict[str, Any]) -> tuple[list[str], bool]:
     x, y = r["lm_llmd"], r["lm_vllm"]
-    same, n, gap = agreement(x, y)
+    same, identical, n, gap = agreement(x, y)
     head = ["server", "acc", "stderr", "HTTP requests (by status)", "lm_eval wall s", "lm_eval evaluation s",
             "retried requests"]
     rows = [["llmd", f"{x['acc']:.4f}", f"{x['stderr']:.4f}", r["llmd_completions"], f"{x['wall_s']:.1f}",
              f"{x['eval_s']:.1f}", x["retries"]],
             ["vllm serve", f"{y['acc']:.4f}", f"{y['stderr']:.4f}", r["vllm_completions"], f"{y['wall_s']:.1f}",
              f"{y['eval_s']:.1f}", y["retries"]]]
-    lines = [f"- the same choice on {same} of {n} questions; largest difference in a choice's log-likelihood "
-             f"{gap:.2e} (float32 on a CPU: a batch of another shape could round the last digits differently)."]
+    lines = [f"- the same choice on {same} of {n} questions; every choice's log-likelihood and is_greedy identical "
+             f"on {identical} of {n}; largest difference in a log-likelihood {gap:.2e} (float32 on a CPU: a batch of "
+             "another shape could round the last digits differently)."]
     return [*report.table(head, rows), "", *lines], x["acc"] == y["acc"]
 
 
@@ -363,8 +380,9 @@ def section(a: argparse.Namespace, r: dict[str, Any], scratch: Path, took: float
              f"`vllm serve` on the same model folder with the same engine settings (dtype {e.dtype}, eager, "
              f"max_model_len {e.max_model_len}, max_num_seqs {e.max_num_seqs}, max_num_batched_tokens "
              f"{e.max_num_batched_tokens}, prefix caching {'on' if e.enable_prefix_caching else 'off'}, "
-             f"{e.kv_cache_gib} GiB KV cache). One server at a time, each with both cores; clients in "
-             f".venv-clients ({vers}), offline."), "",
+             f"{e.kv_cache_gib} GiB KV cache). One server at a time, each with both cores (load1 when each "
+             f"started: {', '.join(f'{x:.2f}' for x in r['load1'])}; other vLLM engines on the box: "
+             f"{r['other_engines']}); clients in .venv-clients ({vers}), offline."), "",
             (f"**guidellm** `run --profile kind=sweep,sweep_size={a.guidellm_sweep},max_concurrency="
              f"{a.guidellm_concurrency} --constraint kind=max_duration,seconds={a.guidellm_seconds} --data "
              f"kind=synthetic_text,prompt_tokens={a.prompt_tokens},output_tokens={a.output_tokens}` with the model's "
