@@ -45,6 +45,7 @@ from llmd.config import Config
 ROOT = Path(__file__).resolve().parent.parent
 TARGET_US = 50.0
 SECTIONS = {"fake": "## Filters", "vllm": "## Filters on the real engine"}
+TARGET_TTFT = 1.1  # TTFT p50 with the example output chain, over TTFT without output filters
 LABELS = ("no output filters", "example chain")
 PROSE = ("the of and to in is was for on that with as by it at from his her an be this are which or had "
          "not were but have one they all there been their has would more when will who if no out so said "
@@ -55,6 +56,14 @@ PROSE = ("the of and to in is was for on that with as by it at from his her an b
          "another know while last might us great old year off come since against go came right used take three")
 WORDS = PROSE.split()  # common English words, for prose-like tokens
 PII_BITS = ["write to ann.lee@example.com today", "call +1 415 555 0134 now", "pay 4111 1111 1111 1111 then"]
+# --system-prompt: what an app's chat turn usually carries before the user's words (about 150 tokens).
+SYSTEM = ("You are the support assistant of a small software company. Answer in plain, friendly English, in "
+          "short paragraphs. If a question is about billing, explain the plans (Starter, Team and Business), "
+          "how to change plans from the account page, and that refunds are possible within 14 days. If a question "
+          "is about the product, explain the features step by step and suggest the documentation pages that "
+          "cover them. Never invent features, prices or dates; say when you do not know, and offer to pass the "
+          "question to a human. Do not ask for passwords or card numbers, and do not repeat personal data the "
+          "user shares. Keep every answer under two hundred words unless the user asks for more detail.")
 PROMPTS = ["Tell me a story about a lighthouse keeper.", "Explain how a bicycle stays upright.",
            "Describe a walk through a forest in autumn.", "Write a letter to a friend about your holiday."]
 Samples = dict[str, list[float]]  # "ttft" / "itl" -> seconds
@@ -167,8 +176,9 @@ async def rounds(args: argparse.Namespace, urls: dict[str, str], headers: dict[s
     async with new_client(600) as h:
         for i in range(args.rounds + 1):  # round 0 warms up and is dropped
             for label in (list(urls) if i % 2 == 0 else list(reversed(urls))):
+                system = [{"role": "system", "content": SYSTEM}] if args.system_prompt else []
                 bodies = [{"model": args.model, "max_tokens": args.max_tokens, "ignore_eos": True, "temperature": 0,
-                           "messages": [{"role": "user", "content": PROMPTS[(i + k) % len(PROMPTS)]}]}
+                           "messages": [*system, {"role": "user", "content": PROMPTS[(i + k) % len(PROMPTS)]}]}
                           for k in range(args.streams)]
                 got = await asyncio.gather(*(stream(h, urls[label] + "/v1/chat/completions",
                                                     Stream("t", time.monotonic(), texts=[]), b, headers)
@@ -212,6 +222,8 @@ def latency_subprocess(args: argparse.Namespace) -> dict[str, Any]:
         for n, label in enumerate(LABELS):
             raw, port = raw_config(args, label != LABELS[0]), free_port()
             raw["server"].update(host="127.0.0.1", port=port, db_path=str(scratch / f"{n}.db"))
+            if args.engine == "vllm":  # two engines at once: each on its own core, or they fight over both
+                raw["models"][0].setdefault("engine", {})["cpu_threads_bind"] = str(n)
             for j, t in enumerate(raw.get("tenants", [])):  # the first tenant gets the key, the others unusable ones
                 t["keys"] = [hash_key(key if j == 0 else generate_key())]
             cfg = scratch / f"{n}.toml"
@@ -249,11 +261,15 @@ def report_lines(args: argparse.Namespace, pt: dict[str, Any], lat: dict[str, An
     itl = stats.median(base["itl"]) * 1e3
     d_itl = (stats.median(chain["itl"]) - stats.median(base["itl"])) * 1e3
     d_itl95 = (stats.pct(chain["itl"], 95) - stats.pct(base["itl"], 95)) * 1e3
+    ratio = stats.median(chain["ttft"]) / stats.median(base["ttft"])
     head = ["configuration", "TTFT p50 ms", "TTFT p95 ms", "first word p50 ms", "first word p95 ms", "ITL p50 ms",
             "ITL p95 ms", "streams"]
     holds = pt["holds"]
+    system = ", a ~150-token system prompt" if args.system_prompt else ""
+    verdict = [(f"TTFT p50 with the example chain / without filters: {ratio:.2f} (target <= {TARGET_TTFT})",
+                ratio <= TARGET_TTFT)]
     return [
-        SECTIONS[args.engine], "",
+        SECTIONS[args.engine] + (" (chats with a system prompt)" if args.system_prompt else ""), "",
         report.stamp() + f" Python {sys.version.split()[0]}, {os.cpu_count()} CPUs.", "",
         (f"(a) The example config's output chain ({pt['names']}; holdback_tokens {pt['holdback']}, the upper "
          f"bound) fed {pt['tokens']:,} prose tokens one at a time, in process: **{pt['us_per_token']:.1f} µs per "
@@ -261,7 +277,7 @@ def report_lines(args: argparse.Namespace, pt: dict[str, Any], lat: dict[str, An
          f"prose {hold_text(holds['prose'])}; prose with an address, a phone number or a card every 40 tokens "
          f"(3-character tokens) {hold_text(holds['pii'])}."), "",
         (f"(b) {args.streams} concurrent streamed chats x {args.rounds} alternating rounds (after a warm-up round), "
-         f"max_tokens {args.max_tokens}, ignore_eos, temperature 0, through {describe(args)}; TTFT, time to "
+         f"max_tokens {args.max_tokens}, ignore_eos, temperature 0{system}, through {describe(args)}; TTFT, time to "
          "the first chunk with more than white space (first word) and ITL (gaps between content chunks), "
          "measured by the client:"), "",
         *report.table(head, rows), "",
@@ -269,6 +285,7 @@ def report_lines(args: argparse.Namespace, pt: dict[str, Any], lat: dict[str, An
          f"unfiltered ITL p50 ({itl:.1f} ms). Text waits only while it could still become a match: with pii on, "
          "a stream's last word waits for the next token, since any word could begin an address."),
         f"- added ITL: p50 {d_itl:+.1f} ms, p95 {d_itl95:+.1f} ms.",
+        *report.verdict_lines(verdict),
         (f"- hold-back on this engine's own output (the unfiltered streams' chunks replayed through the example "
          f"chain in process), tokens held after each chunk: {hold_text(lat['replay'])}."), "",
     ], ok
@@ -282,6 +299,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--rounds", type=int, help="(b) measured rounds (default: fake 6, vllm 10)")
     ap.add_argument("--streams", type=int, help="(b) concurrent streams per round (default: fake 8, vllm 1: solo)")
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--system-prompt", action="store_true",
+                    help="(b) each chat carries a ~150-token system prompt, as an app's usually does")
     ap.add_argument("--step-ms", type=float, default=20.0, help="the fake engine's step time")
     ap.add_argument("--ready-timeout", type=float, default=600.0)
     ap.add_argument("--no-write", action="store_true")
