@@ -179,6 +179,21 @@ def test_batch_is_preempted_for_a_waiting_interactive_request_only_when_seats_or
     assert core.tick().dispatch == (chat,)
 
 
+def test_a_sequence_that_cannot_resume_is_never_preempted() -> None:
+    """A structured output's grammar would restart at a resumed prompt's end: such a sequence
+    keeps its seat, and the rules take the next candidate (or none) instead."""
+    core, _, _ = make(seats=2, rules=[BatchForInteractive()])
+    other, fixed = req("a", "batch"), req("a", "batch")
+    fixed.preemptible = False
+    seat(core, other, fixed)
+    assert submit(core, req("b")).preempt == (other,)  # newest first would pick `fixed`: it cannot resume
+    only, _, _ = make(seats=1, rules=[BatchForInteractive(), OverSeatLimit()])
+    locked = req("a", "batch")
+    locked.preemptible = False
+    seat(only, locked)
+    assert submit(only, req("b")).preempt == ()  # nothing it may take: the chat waits for the seat
+
+
 def test_fair_share_preemption_takes_the_flooding_tenants_newest_one_at_a_time() -> None:
     core, _, _ = make(seats=4, rules=[FairShare()])
     flood = [req("a") for _ in range(4)]
