@@ -31,7 +31,7 @@ class ChoiceOutput:
         self._started = False
         self.wants_logprobs = choice.sampling.logprobs is not None
         # The common case (text only) is encoded from templates: per token, one string escape.
-        self.plain = not self.wants_logprobs and job.tools is None
+        self.plain = not self.wants_logprobs and job.tools is None and not choice.prompt_only
         key = "delta" if chat else "text"
         self._open = f'{{"index":{choice.index},"{key}":' + ('{"content":' if chat else "")
         self._close = ("}" if chat else "") + ',"logprobs":null,"finish_reason":'
@@ -39,6 +39,11 @@ class ChoiceOutput:
     # -- taking deltas -----------------------------------------------------
     def take(self, d: Delta) -> list[TokenLogprob]:
         """Record a screened delta; returns the logprob entries that may go out with it."""
+        if self.choice.prompt_only:  # echo with max_tokens 0: the prompt (and its logprobs) is all
+            scored = list(d.prompt_logprobs or ()) if self.wants_logprobs else []
+            self.logprobs += scored
+            self.finish = d.finish_reason or self.finish
+            return scored
         self.parts.append(d.text)
         if d.finish_reason is not None:
             self.finish = d.finish_reason
@@ -75,7 +80,7 @@ class ChoiceOutput:
     def chunk_choice(self, d: Delta, entries: list[TokenLogprob]) -> dict[str, Any] | None:
         """The stream chunk's choice for this delta, or None when there is nothing to say."""
         tools = self.job.tools
-        text = d.text
+        text = "" if self.choice.prompt_only else d.text
         if not self.chat:
             if not self._started:
                 self._started, text = True, self.choice.echo + text

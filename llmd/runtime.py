@@ -104,6 +104,7 @@ class Choice:
     engine_id: str
     window: OutputWindow | None = None  # the output filters, when the model or tenant has any
     echo: str = ""  # a completion's echo: the prompt's text, before the output
+    prompt_only: bool = False  # echo with max_tokens 0: the prompt is the whole answer
     finished: bool = False  # the engine said it finished (no abort needed)
     t_last_token: float | None = None  # for its inter-token gaps
 

@@ -139,8 +139,10 @@ class Service:
         deadline = record.t_arrival + deadline_s
         life.admit(self._admit(record, rt, tenant, klass, record.prompt_tokens + len(prompts) * req.n * max_tokens,
                                deadline))
+        prompt_only = isinstance(req, CompletionRequest) and req.prompt_only
         choices = [self._choice(record, i * req.n + j, prompt, generation.for_choice(sampling, j), tenant, klass,
-                                deadline, rt, echo) for i, (prompt, echo) in enumerate(prompts) for j in range(req.n)]
+                                deadline, rt, echo, prompt_only)
+                   for i, (prompt, echo) in enumerate(prompts) for j in range(req.n)]
         headers = {VERSION_HEADER: backend.version} | ratelimit_headers(self.admission.limits(tenant))
         if record.degraded:
             headers[DEGRADED_HEADER] = record.degraded
@@ -162,11 +164,11 @@ class Service:
         return ticket
 
     def _choice(self, record: RequestRecord, index: int, prompt: Prompt, sampling: Sampling, tenant: TenantConfig,
-                klass: str, deadline: float, rt: ModelRuntime, echo: str) -> Choice:
+                klass: str, deadline: float, rt: ModelRuntime, echo: str, prompt_only: bool) -> Choice:
         flow = QueuedRequest(record.request_id, tenant.name, klass, prompt.num_tokens, sampling.max_tokens, deadline,
                              preemptible=sampling.structured is None)
         return Choice(index, prompt, sampling, flow, f"{record.request_id}-{index}-{uuid.uuid4().hex[:8]}",
-                      self.filters.output_window(rt.cfg, tenant), echo)
+                      self.filters.output_window(rt.cfg, tenant, sampling.ignore_eos), echo, prompt_only)
 
     def _overloaded(self, rt: ModelRuntime) -> bool:
         return rt.scheduler.estimate_wait("", INTERACTIVE, False) > rt.cfg.degradation.overload_wait_s

@@ -47,7 +47,9 @@ class OutputFilter(Protocol):
 
     def scan(self, text: str, final: bool) -> list[Match]:
         """Matches in `text` (the recent output). `final`: no more text will follow, so a
-        match that ends exactly at the end of `text` is complete."""
+        match that ends exactly at the end of `text` is complete. An optional class attribute
+        `safety = False` says the filter guards cost, not content (it then stands aside for a
+        request that forces its length with ignore_eos)."""
         ...
 
 

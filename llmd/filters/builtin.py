@@ -163,9 +163,12 @@ class PII:
 
 class Degenerate:
     """Stops a looping generation: the text ends in the same span repeated `min_repeats`
-    times (a span of 1 to `max_period` characters, covering at least `min_chars`)."""
+    times (a span of 1 to `max_period` characters, covering at least `min_chars`). It saves
+    tokens rather than guards content (`safety = False`): a client that forces the length
+    (ignore_eos) gets its tokens, loops and all."""
 
     action: Action = "block"
+    safety = False
 
     def __init__(self, name: str, min_repeats: int = 8, max_period: int = 64, min_chars: int = 48) -> None:
         self.name, self.min_repeats, self.max_period, self.min_chars = name, min_repeats, max_period, min_chars

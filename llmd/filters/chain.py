@@ -63,9 +63,14 @@ class Filters:
         names = [*model.filters.input, *(tenant.input_filters if tenant else [])]
         return [f for n in dict.fromkeys(names) if isinstance(f := self.by_name[n], InputFilter)]
 
-    def output_window(self, model: ModelConfig, tenant: TenantConfig | None) -> OutputWindow | None:
+    def output_window(self, model: ModelConfig, tenant: TenantConfig | None,
+                      forced_length: bool = False) -> OutputWindow | None:
+        """`forced_length`: the client asked for every token up to max_tokens (vLLM's ignore_eos,
+        what load generators send), so filters that only guard against a degenerate generation
+        (`safety = False`: the loop detector) stand aside; the safety filters still apply."""
         names = [*model.filters.output, *(tenant.output_filters if tenant else [])]
-        chain = [f for n in dict.fromkeys(names) if isinstance(f := self.by_name[n], OutputFilter)]
+        chain = [f for n in dict.fromkeys(names) if isinstance(f := self.by_name[n], OutputFilter)
+                 and not (forced_length and not getattr(f, "safety", True))]
         return OutputWindow(chain, model.filters.holdback_tokens) if chain else None
 
 

@@ -226,10 +226,26 @@ class ChatRequest(_Common):
 class CompletionRequest(_Common):
     prompt: str | list[int] | Annotated[list[str], Field(max_length=MAX_PROMPTS)] | \
         Annotated[list[list[int]], Field(max_length=MAX_PROMPTS)]
+    # 0 with echo: score the prompt only (the older OpenAI way, which vLLM keeps).
+    max_tokens: Annotated[int, Field(ge=0)] | None = None
     logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     echo: bool = False
     best_of: int | None = None  # vLLM's engine has no best_of: only the neutral value
     suffix: str | None = None
+
+    @model_validator(mode="after")
+    def _prompt_only(self) -> CompletionRequest:
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens 0 is only for scoring a prompt: it needs echo true")
+        return self
+
+    @property
+    def prompt_only(self) -> bool:
+        """Score the prompt, generate nothing the client sees (echo with max_tokens 0)."""
+        return self.max_tokens == 0
+
+    def requested_max_tokens(self) -> int | None:
+        return 1 if self.max_tokens == 0 else self.max_tokens  # the engine generates at least one token
 
     def top_logprobs_wanted(self) -> int | None:
         return self.logprobs

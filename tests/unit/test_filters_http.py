@@ -202,3 +202,18 @@ async def test_token_id_prompts_are_screened_by_decoding_them(make_server) -> No
     assert e.value.code == "content_filter" and live.backend().submitted == []
     r = await client(live).completions.create(model="fake", prompt=[fine, fine], max_tokens=2)
     assert [c.index for c in r.choices] == [0, 1] and r.usage.completion_tokens == 4
+
+
+async def test_a_forced_length_runs_without_the_loop_detector_but_with_the_safety_filters(make_server) -> None:
+    """Load generators send ignore_eos and want every token: a loop is theirs to keep; an
+    address is still redacted."""
+    live = await make_server(TOML)
+    c = client(live)
+    loop = "[[repeat:la la ]]"
+    stopped = await c.completions.create(model="fake", prompt=loop, max_tokens=40)
+    assert stopped.choices[0].finish_reason == "content_filter"
+    forced = await c.completions.create(model="fake", prompt=loop, max_tokens=40, extra_body={"ignore_eos": True})
+    assert forced.choices[0].finish_reason == "length" and forced.usage.completion_tokens == 40
+    mail = await c.completions.create(model="fake", prompt="[[say:write to bob@example.com please]]", max_tokens=40,
+                                      extra_body={"ignore_eos": True})
+    assert "bob@" not in mail.choices[0].text

@@ -99,6 +99,20 @@ async def test_echo_with_logprobs_scores_the_prompt(make_server) -> None:
     assert lp.text_offset[0] == 0 and lp.text_offset[-1] == len("The capital of France is Paris")
 
 
+async def test_echo_with_max_tokens_0_scores_the_prompt_only(make_server) -> None:
+    """vLLM's (and older OpenAI's) way to score a prompt: echo, logprobs, max_tokens 0."""
+    live = await make_server(fake_toml())
+    tok = live.backend().tokenizer
+    ids = tok.encode("The capital of France is Paris")
+    c = sdk(live)
+    r = await c.completions.create(model="fake", prompt=ids, max_tokens=0, echo=True, logprobs=1)
+    lp = r.choices[0].logprobs
+    assert r.choices[0].text == tok.decode(ids) and len(lp.tokens) == len(ids) and lp.token_logprobs[0] is None
+    with pytest.raises(openai.BadRequestError) as e:
+        await c.completions.create(model="fake", prompt="x", max_tokens=0)
+    assert "echo" in e.value.message
+
+
 async def test_json_schema_output_validates(make_server) -> None:
     class City(BaseModel):
         name: str
@@ -194,3 +208,15 @@ async def test_batch_api_takes_the_same_bodies(make_server, tmp_path) -> None:
         await asyncio.sleep(0.05)
     out = json.loads((await c.files.content(b.output_file_id)).text)
     assert len(out["response"]["body"]["choices"]) == 2 and out["response"]["body"]["usage"]["completion_tokens"] == 6
+
+
+async def test_an_idempotent_retry_replays_the_same_choices(make_server) -> None:
+    live = await make_server(fake_toml())
+    c = sdk(live)
+    kw = {"model": "fake", "messages": MSG, "max_tokens": 4, "n": 3, "logprobs": True,
+          "extra_headers": {"Idempotency-Key": "three-choices"}}
+    first = await c.chat.completions.create(**kw)
+    again = await c.chat.completions.create(**kw)
+    assert again.model_dump() == first.model_dump() and len(again.choices) == 3
+    assert len(live.backend().submitted) == 3  # generated once, three choices
+    assert len(await rows(live)) == 1
