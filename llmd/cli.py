@@ -50,7 +50,11 @@ def serve(config_path: str, host: str | None, port: int | None) -> None:
                 store.resolve(m.source, m.version)
             except StoreError as e:
                 raise click.ClickException(f"{cfg.path}: models[{cfg.models.index(m)}].source: {e}") from None
-    app = create_app(build_node(cfg, store))
+    try:
+        node = build_node(cfg, store)
+    except ConfigError as e:  # what only the backends can check (a tool parser's name)
+        raise click.ClickException(str(e)) from None
+    app = create_app(node)
     log.info("serving", host=cfg.server.host, port=cfg.server.port, config=str(cfg.path),
              models=[m.name for m in cfg.models])
     app.run(host=cfg.server.host, port=cfg.server.port, single_process=True, access_log=False, motd=False)

@@ -13,9 +13,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from llmd.backends import unknown_tool_parser
 from llmd.batch.runner import BatchRunner
 from llmd.batch.store import BatchStore
-from llmd.config import Config
+from llmd.config import Config, ConfigError
 from llmd.filters import Filters
 from llmd.filters.guard import Guard
 from llmd.idempotency import IdempotencyStore, IdempotentRuns
@@ -75,6 +76,7 @@ class Node:
 
 def build_node(config: Config, store: WeightStore | None = None, ledger: Ledger | None = None) -> Node:
     """Everything a node runs, wired. `ledger` replaces the SQLite ledger (benchmarks' stand-ins)."""
+    _check_tool_parsers(config)
     db = config.server.db_path or home() / "llmd.db"
     prices = {m.name: Price(m.pricing.input_per_mtok, m.pricing.output_per_mtok) for m in config.models}
     ledger = ledger or Ledger(db, config.server.node, prices)
@@ -89,6 +91,15 @@ def build_node(config: Config, store: WeightStore | None = None, ledger: Ledger 
     batches = BatchStore(db.with_suffix(".batches.db"), config.batch.data_dir or _files_dir(db))
     runner = BatchRunner(batches, config, lifecycle, service)
     return Node(config, ledger, registry, admission, metrics, lifecycle, service, runs, batches, runner)
+
+
+def _check_tool_parsers(config: Config) -> None:
+    """Each `tool_parser` names one its backend has, in config.toml's terms (file and key): the
+    config's own validation cannot ask the backends, which alone may import their engines."""
+    for i, m in enumerate(config.models):
+        if (why := unknown_tool_parser(m)) is not None:
+            raise ConfigError(f"{config.path or 'config'}: invalid configuration\n"
+                              f"  models[{i}].tool_parser (model {m.name!r}): {why}")
 
 
 def _files_dir(db: Path) -> Path:

@@ -12,7 +12,22 @@ from llmd.backends.base import Backend, BackendError, EngineDead, PromptError
 from llmd.config import ModelConfig
 from llmd.store import StoreError, WeightStore
 
-__all__ = ["Backend", "BackendError", "EngineDead", "PromptError", "build_backend"]
+__all__ = ["Backend", "BackendError", "EngineDead", "PromptError", "build_backend", "unknown_tool_parser"]
+
+
+def unknown_tool_parser(cfg: ModelConfig) -> str | None:
+    """Why the model's `tool_parser` names no parser its backend has (None: it does, or none is set).
+    Checked at start, so a typo is an error there, not a 400 on every `auto` request."""
+    if cfg.tool_parser is None:
+        return None
+    if cfg.backend == "vllm":
+        from llmd.backends.vllm_tools import parser_names
+    else:
+        from llmd.backends.fake_tools import parser_names
+    names = parser_names()
+    if cfg.tool_parser in names:
+        return None
+    return f"unknown tool parser {cfg.tool_parser!r}; the {cfg.backend} backend has: {', '.join(names)}"
 
 
 async def build_backend(cfg: ModelConfig, store: WeightStore) -> Backend:
@@ -25,7 +40,7 @@ async def build_backend(cfg: ModelConfig, store: WeightStore) -> Backend:
         from llmd.backends.vllm_engine import VllmBackend
 
         assert stored is not None  # config validation guarantees a source
-        return VllmBackend(cfg.name, stored.version, stored.path, cfg.engine)
+        return VllmBackend(cfg.name, stored.version, stored.path, cfg.engine, cfg.tool_parser)
     if cfg.backend == "fake":
         from llmd.backends.fake import FakeBackend
         from llmd.backends.tokenizer import TiktokenTokenizer

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -150,6 +150,22 @@ def now() -> float:
     return time.time()
 
 
+class ToolReader(Protocol):
+    """One choice's output read in the model's own tool-call format (`tool_choice: "auto"`): the
+    model's configured tool parser. Stateful, so one per choice, used whole or streamed, not both."""
+
+    keep_special_tokens: bool  # the parser reads calls marked by special tokens: keep them in the text
+
+    def parse(self, text: str) -> tuple[str | None, list[dict[str, Any]]]:
+        """The whole output: (the text outside the calls, None if there is none; OpenAI `tool_calls`)."""
+        ...
+
+    def feed(self, text: str, token_ids: Sequence[int], last: bool) -> tuple[str, list[dict[str, Any]]]:
+        """The next streamed piece (`last`: the output ends with it): (content to send now, OpenAI
+        `tool_calls` deltas: index, and id, type and name when a call starts, arguments pieces)."""
+        ...
+
+
 @runtime_checkable
 class Backend(Protocol):
     """One loaded model version. Implementations: `fake` (test double) and `vllm`."""
@@ -182,6 +198,11 @@ class Backend(Protocol):
     def check(self, sampling: Sampling) -> None:
         """Raise PromptError for what the engine would refuse (a schema it cannot compile, a
         logit_bias outside the vocabulary), so it is a 400 before admission, not after a wait."""
+        ...
+
+    def tool_reader(self, tools: list[dict[str, Any]], prompt: Prompt) -> ToolReader:
+        """A reader of one choice's tool calls with the configured `tool_parser` (the caller checks
+        one is set); raises PromptError where the parser cannot take these tools."""
         ...
 
     def generate(self, request_id: str, prompt: Prompt, sampling: Sampling,

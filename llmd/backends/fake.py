@@ -30,9 +30,11 @@ from llmd.backends.base import (
     Sampling,
     StepRecord,
     TokenLogprob,
+    ToolReader,
     now,
 )
 from llmd.backends.fake_outputs import entry, instance, prompt_entries
+from llmd.backends.fake_tools import FakeToolReader
 from llmd.backends.tokenizer import TiktokenTokenizer
 from llmd.config import FakeEngineConfig
 
@@ -163,6 +165,9 @@ class FakeBackend:
         schema = sampling.structured.json_schema if sampling.structured else None
         if schema is not None and not isinstance(schema.get("type", "object"), (str, list)):
             raise PromptError("Grammar error: invalid JSON schema")
+
+    def tool_reader(self, tools: list[dict[str, Any]], prompt: Prompt) -> ToolReader:
+        return FakeToolReader()
 
     def render_completion(self, prompt: str | list[int]) -> Prompt:
         if isinstance(prompt, str):

@@ -24,6 +24,7 @@ from llmd.backends.base import (
     Sampling,
     StepRecord,
     TokenLogprob,
+    ToolReader,
     now,
 )
 from llmd.config import EngineConfig
@@ -41,6 +42,8 @@ from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.engine.exceptions import EngineDeadError
 from vllm.v1.metrics.loggers import StatLoggerBase
+
+from llmd.backends import vllm_tools
 
 
 def _prefill_tokens(scheduler_stats: Any, iteration_stats: Any) -> int:
@@ -90,14 +93,17 @@ class _StepLogger(StatLoggerBase):
 class VllmBackend:
     """One model version served by one in-process AsyncLLM engine."""
 
-    def __init__(self, model_name: str, version: str, model_path: Path, cfg: EngineConfig) -> None:
+    def __init__(self, model_name: str, version: str, model_path: Path, cfg: EngineConfig,
+                 tool_parser: str | None = None) -> None:
         self.model_name = model_name
         self.version = version
         self.model_path = model_path
         self.cfg = cfg
+        self.tool_parser = tool_parser
         self.max_model_len = cfg.max_model_len
         self.stats = EngineStats()
         self._engine: AsyncLLM | None = None
+        self._tool_parser_cls: Any = None  # composed at start, against the engine's tokenizer
         self._chat_params = ChatParams(chat_template_kwargs={"add_generation_prompt": True})
 
     # -- lifecycle -------------------------------------------------------
@@ -130,7 +136,14 @@ class VllmBackend:
         )
 
     async def start(self) -> None:
-        self._engine = await asyncio.to_thread(self._build)
+        engine = await asyncio.to_thread(self._build)
+        if self.tool_parser is not None:
+            try:
+                self._tool_parser_cls = vllm_tools.parser_class(self.tool_parser, engine.tokenizer, self.model_name)
+            except BackendError:
+                await asyncio.to_thread(engine.shutdown)  # a model that cannot be served as configured
+                raise
+        self._engine = engine
 
     async def stop(self) -> None:
         engine, self._engine = self._engine, None
@@ -201,6 +214,11 @@ class VllmBackend:
                                      engine.vllm_config.structured_outputs_config, engine.tokenizer)
         except (VLLMClientError, ValueError, TypeError) as e:  # what the engine would refuse the request for
             raise PromptError(str(e)) from None
+
+    def tool_reader(self, tools: list[dict[str, Any]], prompt: Prompt) -> ToolReader:
+        if self._tool_parser_cls is None:
+            raise BackendError(f"model {self.model_name} has no tool_parser configured")
+        return vllm_tools.VllmToolReader(self._tool_parser_cls, self._renderer().tokenizer, tools, prompt.token_ids)
 
     # -- generation ------------------------------------------------------
     async def generate(self, request_id: str, prompt: Prompt, sampling: Sampling,

@@ -237,6 +237,10 @@ class ModelConfig(_Strict):
     max_output_tokens: Annotated[int, Field(gt=0)] = 1024
     default_max_tokens: Annotated[int, Field(gt=0)] = 256
     output_tokens_policy: Literal["reject", "clamp"] = "reject"
+    # The backend's tool parser for `tool_choice: "auto"` (for vllm, a registered vLLM tool parser
+    # such as "hermes", "llama3_json" or "pythonic") that reads the calls in the format this
+    # model's chat template teaches; unset: "auto" is refused (`required` and named tools need none).
+    tool_parser: Annotated[str, Field(min_length=1, pattern=r"^[A-Za-z0-9][A-Za-z0-9._\-]*$")] | None = None
     engine: EngineConfig = Field(default_factory=EngineConfig)
     fake: FakeEngineConfig = Field(default_factory=FakeEngineConfig)
     scheduling: SchedulingConfig = Field(default_factory=SchedulingConfig)
