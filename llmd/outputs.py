@@ -27,6 +27,7 @@ class ChoiceOutput:
         self.logprobs: list[TokenLogprob] = []  # released, in order
         self._held: list[TokenLogprob] = []  # their text not yet all released
         self._redactions = 0
+        self._called = False  # tool_choice auto: the parser found a call (finish_reason tool_calls)
         self._offset = 0  # characters of this choice's text already sent (completions' text_offset)
         self._started = False
         self.wants_logprobs = choice.sampling.logprobs is not None
@@ -89,11 +90,8 @@ class ChoiceOutput:
             lp = lp_shapes.completion(entries, self._offset) if self.wants_logprobs else None
             self._offset += len(text)
             return responses.text_choice(self.choice.index, text, d.finish_reason, lp)
+        delta = self._tool_delta(text, d) if tools is not None else ({"content": text} if text else {})
         finish = self._finish(d.finish_reason)
-        if tools is not None:
-            delta = self._tool_delta(text, d.finish_reason is not None)
-        else:
-            delta = {"content": text} if text else {}
         if not delta and finish is None and not entries:
             return None  # nothing to say yet (a role-only chunk would only fake an early first token)
         if not self._started:
@@ -102,10 +100,13 @@ class ChoiceOutput:
         lp = lp_shapes.chat(entries) if self.wants_logprobs else None
         return responses.chat_delta(self.choice.index, delta, finish, lp)
 
-    def _tool_delta(self, text: str, last: bool) -> dict[str, Any]:
-        """Named function: the arguments stream as they come. `required`: the calls, whole, at the end."""
-        tools = self.job.tools
+    def _tool_delta(self, text: str, d: Delta) -> dict[str, Any]:
+        """Named function: the arguments stream as they come. `required`: the calls, whole, at the end.
+        `auto`: whatever the model's tool parser makes of each piece, text or call deltas."""
+        tools, last = self.job.tools, d.finish_reason is not None
         assert tools is not None
+        if tools.auto:
+            return self._auto_delta(text, d, last)
         if tools.function is not None:
             if not self._started:
                 head = {"index": 0, "id": self._call_id, "type": "function",
@@ -119,12 +120,27 @@ class ChoiceOutput:
             return {"content": "".join(self.parts)}  # cut short: what there is, as text
         return {"tool_calls": [{"index": i, **c} for i, c in enumerate(calls)]}
 
+    def _auto_delta(self, text: str, d: Delta, last: bool) -> dict[str, Any]:
+        reader = self.choice.tools
+        assert reader is not None and self.job.tools is not None
+        # The text is what the output filters released; the token ids are the engine's (parsers
+        # that look for a marker token see it as soon as it is generated).
+        content, calls = reader.feed(text, d.token_ids, last)
+        if not self.job.tools.many:
+            calls = [c for c in calls if c.get("index", 0) == 0]  # parallel_tool_calls false: the first
+        self._called = self._called or bool(calls)
+        delta: dict[str, Any] = {"content": content} if content else {}
+        if calls:
+            delta["tool_calls"] = calls
+        return delta
+
     @property
     def _call_id(self) -> str:
         return f"call_{self.job.record.request_id[4:28]}{self.choice.index}"
 
     def _finish(self, finish: str | None) -> str | None:
-        if finish == "stop" and self.job.tools is not None:
+        tools = self.job.tools
+        if finish == "stop" and tools is not None and (self._called or not tools.auto):
             return "tool_calls"
         return finish
 
@@ -135,9 +151,22 @@ class ChoiceOutput:
             return responses.text_choice(self.choice.index, self.text, self.finish, lp)
         lp = lp_shapes.chat(self.logprobs) if self.wants_logprobs else None
         tools = self.job.tools
+        if tools is not None and tools.auto:
+            return self._auto_body(lp)
         calls = tools.calls(self.text) if tools is not None else None
         if calls:
             if tools is not None and tools.function is not None:
                 calls[0]["id"] = self._call_id
             return responses.chat_choice(self.choice.index, None, self._finish(self.finish), lp, calls)
         return responses.chat_choice(self.choice.index, self.text, self.finish, lp)
+
+    def _auto_body(self, lp: dict[str, Any] | None) -> dict[str, Any]:
+        """`auto`, whole: the calls the model's tool parser finds, and any text outside them."""
+        reader = self.choice.tools
+        assert reader is not None and self.job.tools is not None
+        content, calls = reader.parse(self.text)
+        calls = calls if self.job.tools.many else calls[:1]
+        if not calls:
+            return responses.chat_choice(self.choice.index, content or "", self.finish, lp)
+        self._called = True
+        return responses.chat_choice(self.choice.index, content, self._finish(self.finish), lp, calls)

@@ -13,7 +13,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from llmd.backends import Backend
-from llmd.backends.base import Prompt, Sampling
+from llmd.backends.base import Prompt, Sampling, ToolReader
 from llmd.config import ModelConfig, TenantConfig
 from llmd.filters import OutputWindow
 from llmd.lifecycle import RequestLife
@@ -105,6 +105,7 @@ class Choice:
     window: OutputWindow | None = None  # the output filters, when the model or tenant has any
     echo: str = ""  # a completion's echo: the prompt's text, before the output
     prompt_only: bool = False  # echo with max_tokens 0: the prompt is the whole answer
+    tools: ToolReader | None = None  # tool_choice auto: the model's tool parser reads this choice's output
     finished: bool = False  # the engine said it finished (no abort needed)
     t_last_token: float | None = None  # for its inter-token gaps
 

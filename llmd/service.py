@@ -11,11 +11,13 @@ from __future__ import annotations
 import contextlib
 import time
 import uuid
+from dataclasses import replace
+from typing import Any
 
 from llmd import generation
 from llmd.auth import Principal
-from llmd.backends import PromptError
-from llmd.backends.base import Prompt, Sampling
+from llmd.backends import Backend, PromptError
+from llmd.backends.base import Prompt, Sampling, ToolReader
 from llmd.config import ModelConfig, TenantConfig
 from llmd.errors import (
     AdmissionRefused,
@@ -38,6 +40,7 @@ from llmd.registry.registry import Registry
 from llmd.registry.routing import RoutingError, parse_model
 from llmd.runtime import Choice, Job, ModelRuntime
 from llmd.telemetry import RequestRecord
+from llmd.tools import ToolMode
 from llmd.tools import plan as plan_tools
 
 DEGRADED_HEADER = "X-LLMD-Degraded"
@@ -123,7 +126,7 @@ class Service:
             rt, cap = self._degrade(rt, tenant, record, conversation or req.user)
         backend = rt.backend
         record.model, record.version, record.deadline_s = rt.cfg.name, backend.version, deadline_s
-        tools, structured, tool_defs = plan_tools(req) if isinstance(req, ChatRequest) else (None, None, None)
+        tools, structured, tool_defs = plan_tools(req, rt.cfg) if isinstance(req, ChatRequest) else (None, None, None)
         prompts = generation.prompts(req, backend, tool_defs)
         record.prompt_tokens = sum(p.num_tokens for p, _ in prompts)
         longest = max(p.num_tokens for p, _ in prompts)
@@ -132,6 +135,9 @@ class Service:
         max_tokens = min(max_tokens, cap) if cap else max_tokens
         record.max_tokens = max_tokens
         sampling = generation.sampling(req, max_tokens, structured or generation.response_format(req))
+        readers = _tool_readers(backend, tools, tool_defs, prompts[0][0], req.n)
+        if readers and readers[0].keep_special_tokens:
+            sampling = replace(sampling, skip_special_tokens=False)
         try:
             backend.check(sampling)
         except PromptError as e:
@@ -143,6 +149,8 @@ class Service:
         choices = [self._choice(record, i * req.n + j, prompt, generation.for_choice(sampling, j), tenant, klass,
                                 deadline, rt, echo, prompt_only)
                    for i, (prompt, echo) in enumerate(prompts) for j in range(req.n)]
+        for c, reader in zip(choices, readers or (), strict=False):
+            c.tools = reader
         headers = {VERSION_HEADER: backend.version} | ratelimit_headers(self.admission.limits(tenant))
         if record.degraded:
             headers[DEGRADED_HEADER] = record.degraded
@@ -197,6 +205,18 @@ class Service:
             done.append(f"max_tokens={cap}")
         record.degraded = ", ".join(done) or None
         return rt, cap
+
+
+def _tool_readers(backend: Backend, mode: ToolMode | None, defs: list[dict[str, Any]] | None, prompt: Prompt,
+                  n: int) -> list[ToolReader] | None:
+    """One reader per choice where the model's tool parser reads `auto` calls (a parser keeps
+    state between deltas); built before admission, so tools it cannot take are a 400 at once."""
+    if mode is None or not mode.auto:
+        return None
+    try:
+        return [backend.tool_reader(defs or [], prompt) for _ in range(n)]
+    except PromptError as e:
+        raise bad_request(str(e), "tools") from None
 
 
 def _sampling_param(req: ChatRequest | CompletionRequest) -> str | None:

@@ -3,8 +3,9 @@
 `required` and a named function are enforced with structured outputs, so they work with
 any model: a named function's output is its arguments object; `required` is an array of
 `{"name", "parameters"}` (one item unless parallel calls are allowed). `auto` leaves the
-choice to the model, which needs a chat template and a tool parser that know tools; llmd
-does not run vLLM's tool parsers yet, so it is refused with a 400 rather than pretended.
+choice to the model, in the format its chat template teaches, which only the model's own tool
+parser can read: the model's `tool_parser` (config) names it, and each choice's output goes
+through it (the backend's `ToolReader`); a model without one refuses `auto` with a 400.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from llmd.backends.base import Structured
+from llmd.config import ModelConfig
 from llmd.errors import bad_request
 from llmd.protocol.requests import ChatRequest, NamedToolChoice, Tool
 
@@ -23,10 +25,12 @@ ANY_OBJECT: dict[str, Any] = {"type": "object"}
 
 @dataclass(frozen=True)
 class ToolMode:
-    """How a request's output becomes tool calls: a named function, or a `required` array."""
+    """How a request's output becomes tool calls: a named function, a `required` array, or
+    whatever the model's tool parser finds (`auto`)."""
 
     function: str | None  # the named function (its output is the arguments object)
-    many: bool  # `required`: an array of calls
+    many: bool  # `required`: an array of calls; `auto`: more than one call may go out
+    auto: bool = False  # the model decides; each choice's ToolReader reads its output
 
     def calls(self, text: str) -> list[dict[str, Any]] | None:
         """The OpenAI `tool_calls` in a finished output; None when it does not parse (cut short)."""
@@ -58,7 +62,7 @@ def _parses(text: str) -> bool:
 Plan = tuple[ToolMode | None, Structured | None, list[dict[str, Any]] | None]
 
 
-def plan(req: ChatRequest) -> Plan:
+def plan(req: ChatRequest, model: ModelConfig) -> Plan:
     """(how to read the output, the constraint to enforce, the tools for the chat template)."""
     if not req.tools or req.tool_choice == "none":
         return None, None, None
@@ -70,9 +74,13 @@ def plan(req: ChatRequest) -> Plan:
     if choice == "required":
         schema = _required_schema(req.tools, req.parallel_tool_calls)
         return ToolMode(None, True), Structured(json_schema=schema), listed
-    raise bad_request("tool_choice 'auto' (the default when tools are sent) lets the model decide, which needs a "
-                      "chat template and a tool parser that know tools; llmd does not run tool parsers yet: send "
-                      "tool_choice 'required' or name a function (both work with any model)", "tool_choice",
+    if model.tool_parser is not None:
+        return ToolMode(None, req.parallel_tool_calls, auto=True), None, listed
+    raise bad_request(f"tool_choice 'auto' (the default when tools are sent) lets the model decide, which needs a "
+                      f"tool parser for its format, and model '{model.name}' has none configured: an operator sets "
+                      f"`tool_parser` in its [[models]] entry of the config (a vLLM tool parser that matches its "
+                      f"chat template, such as 'hermes', 'llama3_json' or 'pythonic'). Or send tool_choice "
+                      f"'required' or name a function: both work with any model", "tool_choice",
                       "tool_choice_unsupported")
 
 
