@@ -136,14 +136,12 @@ class VllmBackend:
         )
 
     async def start(self) -> None:
-        engine = await asyncio.to_thread(self._build)
-        if self.tool_parser is not None:
-            try:
-                self._tool_parser_cls = vllm_tools.parser_class(self.tool_parser, engine.tokenizer, self.model_name)
-            except BackendError:
-                await asyncio.to_thread(engine.shutdown)  # a model that cannot be served as configured
-                raise
-        self._engine = engine
+        if self.tool_parser is not None:  # before the engine: a parser the vocabulary cannot serve fails fast
+            tokenizer = self.cfg.extra.get("tokenizer") or self.model_path
+            trust = bool(self.cfg.extra.get("trust_remote_code", False))
+            self._tool_parser_cls = await asyncio.to_thread(vllm_tools.checked_parser, self.tool_parser,
+                                                            str(tokenizer), trust, self.model_name)
+        self._engine = await asyncio.to_thread(self._build)
 
     async def stop(self) -> None:
         engine, self._engine = self._engine, None

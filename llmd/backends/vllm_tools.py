@@ -17,6 +17,7 @@ from pydantic import ValidationError
 from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 from vllm.parser.abstract_parser import Parser
 from vllm.parser.parser_manager import ParserManager
+from vllm.tokenizers import get_tokenizer
 from vllm.tool_parsers import ToolParserManager
 
 from llmd.backends.base import BackendError, PromptError
@@ -37,6 +38,12 @@ def parser_class(name: str, tokenizer: Any, model: str) -> type[Parser]:
     if cls is None:
         raise BackendError(f"tool_parser {name!r}: vLLM composed no parser")
     return cls
+
+
+def checked_parser(name: str, tokenizer_path: str, trust_remote_code: bool, model: str) -> type[Parser]:
+    """`parser_class` against the model's tokenizer loaded on its own, so a mismatch is found before
+    the engine is built (tens of seconds on a CPU, minutes for a large model on a GPU)."""
+    return parser_class(name, get_tokenizer(tokenizer_path, trust_remote_code=trust_remote_code), model)
 
 
 class VllmToolReader:
