@@ -121,6 +121,7 @@ backend = "vllm"
 max_prompt_tokens = 1000
 max_output_tokens = 1024
 default_max_tokens = 64
+tool_parser = "pythonic"
 [models.engine]
 max_model_len = 2048
 kv_cache_gib = 1
