@@ -95,7 +95,9 @@ def luhn_ok(digits: str) -> bool:
 # `regex` patterns (partial matching tells the window what could still become one).
 _PII: dict[str, Any] = {
     # The top-level domain is optional: a stream cut at max_tokens ("ann@example") still names someone.
-    "email": regex.compile(r"[A-Za-z0-9._%+-]+@[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)*"),
+    # The local part is at most 64 characters (RFC 5321), so a long run with no "@" (a hash, a
+    # token soup) is held back by 64 characters at most, not until the hold-back bound.
+    "email": regex.compile(r"[A-Za-z0-9._%+-]{1,64}@[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)*"),
     # Digit runs are matched whole: never a piece of a longer group ("1111 1111" inside a card).
     "card": regex.compile(r"(?<!\d)(?<!\d[ -])\d(?:[ -]?\d){12,18}(?![ -]?\d)"),
     "phone": regex.compile(r"(?<![\w+])(?<!\d[ .-])\+?\d{1,3}?[ .-]?\(?\d{2,4}\)?[ .-]?\d{3,4}[ .-]?\d{3,4}"
@@ -163,20 +165,25 @@ class PII:
 
 class Degenerate:
     """Stops a looping generation: the text ends in the same span repeated `min_repeats`
-    times (a span of 1 to `max_period` characters, covering at least `min_chars`). It saves
-    tokens rather than guards content (`safety = False`): a client that forces the length
-    (ignore_eos) gets its tokens, loops and all."""
+    times (a span of 1 to `max_period` characters, covering at least `min_chars`). A span of
+    fewer than `SHORT` characters must cover `short_chars`: a line of dashes or equals signs
+    is a separator, not a loop. It saves tokens rather than guards content (`safety = False`):
+    a client that forces the length (ignore_eos) gets its tokens, loops and all."""
+
+    SHORT = 3  # spans this short ("-", "=-", "*-*") repeat in separator lines
 
     action: Action = "block"
     safety = False
 
-    def __init__(self, name: str, min_repeats: int = 8, max_period: int = 64, min_chars: int = 48) -> None:
+    def __init__(self, name: str, min_repeats: int = 8, max_period: int = 64, min_chars: int = 48,
+                 short_chars: int = 160) -> None:
         self.name, self.min_repeats, self.max_period, self.min_chars = name, min_repeats, max_period, min_chars
+        self.short_chars = max(short_chars, min_chars)  # longer than a separator line (80-120 characters)
 
     @property
     def lookback(self) -> int:
         """Released characters re-read: the longest loop it looks for, whole."""
-        return max(self.max_period * self.min_repeats, self.min_chars + self.max_period)
+        return max(self.max_period * self.min_repeats, self.min_chars + self.max_period, self.short_chars)
 
     def hold(self, text: str, start: int) -> int:
         """Nothing: a loop only stops the stream (it is never cut out of the text), and it is found on
@@ -194,13 +201,20 @@ class Degenerate:
         while (i := text.rfind(suffix, lo, end)) >= 0:
             end = i + 3
             p = n - 4 - i
-            span = p * max(self.min_repeats, -(-self.min_chars // p))
-            if span > n:
-                break
             tail = text[n - p:]
+            short = self._short(tail)
+            span = p * max(self.min_repeats, -(-(self.short_chars if short else self.min_chars) // p))
+            if span > n:
+                if short:
+                    continue  # a longer period may still fit
+                break
             if tail.strip() and text[n - span:] == tail * (span // p):
                 return [Match(self.name, f"repeat:{p}", "block", n - span, n)]
         return []
+
+    def _short(self, tail: str) -> bool:
+        """Whether `tail` is a unit shorter than SHORT repeated ("----" is "-" four times)."""
+        return any(len(tail) % q == 0 and tail == tail[:q] * (len(tail) // q) for q in range(1, self.SHORT))
 
 
 Ask = Callable[[str, str, float], Awaitable[str]]  # (model, text, timeout_s) -> the model's answer

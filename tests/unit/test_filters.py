@@ -73,6 +73,24 @@ def test_degenerate_stops_a_loop_not_prose() -> None:
     assert d.scan("-" * 30, False) == []  # shorter than min_chars
 
 
+def test_a_separator_line_is_not_a_loop_but_a_run_past_any_line_is() -> None:
+    d = Degenerate("loop")
+    for line in ("-" * 120, "=" * 100, "=-" * 50, "*" * 80):
+        assert d.scan("def f():\n    # " + line, False) == [], line  # code and markdown separators
+    assert d.scan("x " + "-" * 170, False)[0].rule == "repeat:1"
+    assert d.scan("x " + "=-" * 90, False)[0].rule == "repeat:2"
+    assert d.scan("hello!!!!!" * 10, False)[0].rule == "repeat:10"  # a short run inside does not hide the loop
+
+
+def test_a_long_run_without_an_at_sign_is_held_by_an_address_local_part_at_most() -> None:
+    pii = PII("pii")
+    assert pii.hold("assist" * 30, 0) == 64  # RFC 5321: a local part has at most 64 characters
+    assert pii.hold("Hello wor", 0) == 3  # only the last word could still begin one
+    text = "x" * 100 + "@example.com ok"
+    (m,) = pii.scan(text, True)
+    assert text[m.start:m.end] == "x" * 64 + "@example.com"
+
+
 def test_window_catches_a_match_split_across_chunks() -> None:
     w = OutputWindow([Blocklist("words", words=["forbidden phrase"])], holdback_tokens=4)
     sent, hit = stream(w, ["this is a ", "for", "bid", "den ph", "rase indeed"])
