@@ -178,13 +178,18 @@ class Service:
         return Choice(index, prompt, sampling, flow, f"{record.request_id}-{index}-{uuid.uuid4().hex[:8]}",
                       self.filters.output_window(rt.cfg, tenant, sampling.ignore_eos), echo, prompt_only)
 
-    def _overloaded(self, rt: ModelRuntime) -> bool:
-        return rt.scheduler.estimate_wait("", INTERACTIVE, False) > rt.cfg.degradation.overload_wait_s
+    def _overloaded(self, rt: ModelRuntime, tenant: str = "") -> bool:
+        """The model's queue (no tenant) or, for a tenant, its own wait under the model's fairness:
+        a tenant within its share is seated ahead of a flooding neighbour's backlog."""
+        fair = bool(tenant) and rt.cfg.scheduling.fairness == "vtc"
+        return rt.scheduler.estimate_wait(tenant, INTERACTIVE, fair) > rt.cfg.degradation.overload_wait_s
 
     def _degrade(self, rt: ModelRuntime, tenant: TenantConfig, record: RequestRecord,
                  key: str | None) -> tuple[ModelRuntime, int | None]:
         """The model's degradation steps that apply now: maybe another model, maybe a cap on
-        max_tokens, maybe a refusal that points at the Batch API. Named in X-LLMD-Degraded."""
+        max_tokens, maybe a refusal that points at the Batch API. Named in X-LLMD-Degraded.
+        The level follows the model's overload; a refusal only a tenant that would itself wait
+        that long (a light tenant is not shut out for its neighbour's flood)."""
         d = rt.cfg.degradation
         steps = self.degraders[rt.cfg.name].observe(self._overloaded(rt))
         done: list[str] = []
@@ -194,7 +199,7 @@ class Service:
                 if not self._overloaded(other):
                     rt = other
                     done.append(f"fallback={d.fallback_model}")
-        if "batch" in steps and self._overloaded(rt):
+        if "batch" in steps and self._overloaded(rt, tenant.name):
             record.decision = "shed:overloaded_use_batch"
             raise AdmissionRefused(
                 "overloaded_use_batch", 503, f"model '{rt.cfg.name}' is overloaded; send this request through the "

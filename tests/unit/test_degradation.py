@@ -17,7 +17,7 @@ from llmd.config import Config
 from llmd.policy.degradation import Degrader
 from tests.conftest import async_wait_until
 
-KEY_A, KEY_B = "sk-llmd-deg-a", "sk-llmd-deg-b"
+KEY_A, KEY_B, KEY_C = "sk-llmd-deg-a", "sk-llmd-deg-b", "sk-llmd-deg-c"
 TOML = f"""
 [server]
 default_deadline_s = 60
@@ -48,6 +48,10 @@ keys = ["{hash_key(KEY_A)}"]
 [[tenants]]
 name = "b"
 keys = ["{hash_key(KEY_B)}"]
+models = ["big"]
+[[tenants]]
+name = "c"
+keys = ["{hash_key(KEY_C)}"]
 models = ["big"]
 """
 
@@ -124,6 +128,11 @@ async def test_steps_apply_in_order_under_sustained_overload_and_undo_when_calm(
     assert e.value.status_code == 503 and e.value.body["code"] == "overloaded_use_batch"
     assert "/v1/batches" in e.value.body["message"] and e.value.response.headers["retry-after"] == "30"
     assert any(x["status"] == "shed" and x["decision"] == "shed:overloaded_use_batch" for x in records)
+    # C (no fallback either) sends little: fair queueing seats it ahead of B's backlog, so it is
+    # served (capped, the model is overloaded), not shut out for its neighbour's flood.
+    c = openai.AsyncOpenAI(base_url=live.base, api_key=KEY_C, max_retries=0, timeout=60)
+    h, r = await ask(c)
+    assert h["x-llmd-degraded"] == "max_tokens=5" and r.model.startswith("big@") and r.usage.completion_tokens == 5
     # A client that opted in gets its request run as a batch of one instead: 202 and the batch.
     async with httpx.AsyncClient(base_url=live.base, headers={"Authorization": f"Bearer {KEY_B}"}) as h:
         r = await h.post("/completions", headers={"X-LLMD-Batch-Ok": "1"},
