@@ -4,7 +4,6 @@ a prompt's `[[say:...]]` makes the fake engine produce exactly that text, three 
 
 from __future__ import annotations
 
-import asyncio
 import json
 from pathlib import Path
 
@@ -17,7 +16,7 @@ from llmd.cli import main
 from llmd.config import ConfigError, load_config
 from llmd.node import build_node
 from tests.conftest import LiveServer, fake_toml
-from tests.unit.test_openai_features import FILTERED, TIME, WEATHER
+from tests.unit.test_openai_features import FILTERED, TIME, WEATHER, batch_of_one
 
 WITH_PARSER = fake_toml().replace("default_max_tokens = 16", 'default_max_tokens = 16\ntool_parser = "fake"')
 PARIS = '<<get_weather {"city": "Paris", "days": 2}>>'
@@ -124,16 +123,8 @@ async def test_idempotent_replay_and_batch_take_auto(make_server) -> None:
     again = await c.chat.completions.create(**kw)
     assert again.model_dump() == first.model_dump() and first.choices[0].message.tool_calls
     assert len(live.backend().submitted) == 1
-    line = {"custom_id": "a", "method": "POST", "url": "/v1/chat/completions",
-            "body": {"model": "fake", "messages": say(PARIS), "tools": [WEATHER], "max_tokens": 100}}
-    f = await c.files.create(file=("in.jsonl", json.dumps(line).encode()), purpose="batch")
-    b = await c.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
-    for _ in range(200):
-        b = await c.batches.retrieve(b.id)
-        if b.status == "completed":
-            break
-        await asyncio.sleep(0.05)
-    choice = json.loads((await c.files.content(b.output_file_id)).text)["response"]["body"]["choices"][0]
+    out = await batch_of_one(c, {"model": "fake", "messages": say(PARIS), "tools": [WEATHER], "max_tokens": 100})
+    choice = out["response"]["body"]["choices"][0]
     assert choice["finish_reason"] == "tool_calls" and choice["message"]["tool_calls"][0]["function"]["name"] == (
         "get_weather")
 

@@ -194,11 +194,9 @@ async def test_quota_reserves_every_choice_and_cancel_aborts_them_all(make_serve
     assert len(got) == 1 and got[0]["status"] == "cancelled"
 
 
-async def test_batch_api_takes_the_same_bodies(make_server, tmp_path) -> None:
-    live = await make_server(fake_toml())
-    c = sdk(live)
-    line = {"custom_id": "a", "method": "POST", "url": "/v1/chat/completions",
-            "body": {"model": "fake", "messages": MSG, "max_tokens": 3, "n": 2, "logprobs": True}}
+async def batch_of_one(c: openai.AsyncOpenAI, body: dict) -> dict:
+    """A Batch API run of one chat body, to completion; its output line."""
+    line = {"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": body}
     f = await c.files.create(file=("in.jsonl", json.dumps(line).encode()), purpose="batch")
     b = await c.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
     for _ in range(200):
@@ -206,7 +204,14 @@ async def test_batch_api_takes_the_same_bodies(make_server, tmp_path) -> None:
         if b.status == "completed":
             break
         await asyncio.sleep(0.05)
-    out = json.loads((await c.files.content(b.output_file_id)).text)
+    assert b.output_file_id, b
+    return json.loads((await c.files.content(b.output_file_id)).text)
+
+
+async def test_batch_api_takes_the_same_bodies(make_server, tmp_path) -> None:
+    live = await make_server(fake_toml())
+    c = sdk(live)
+    out = await batch_of_one(c, {"model": "fake", "messages": MSG, "max_tokens": 3, "n": 2, "logprobs": True})
     assert len(out["response"]["body"]["choices"]) == 2 and out["response"]["body"]["usage"]["completion_tokens"] == 6
 
 
