@@ -114,7 +114,8 @@ def _lines(a: argparse.Namespace, rows: dict[str, dict[str, Any]], target: float
              r["a_statuses"], r["seats"], r["preempted"]] for r in rows.values()]
     lines = [
         f"Tenant A keeps {a.flood_inflight} completions in flight (max_tokens {a.flood_max_tokens}, ignore_eos, "
-        f"class {a.flood_class} unless the row says otherwise, all sent at once and each resubmitted as it ends); "
+        f"class {a.flood_class} unless the row says otherwise, all sent at once and each resubmitted as it ends, "
+        "a refused one after its Retry-After as the OpenAI SDK waits); "
         f"after {a.buildup_s:g} s tenant B sends {a.chat_requests} chats, one every {a.chat_interval_s:g} s "
         f"(max_tokens {a.chat_max_tokens}, interactive), client timeout {a.chat_timeout_s:g} s (a timeout counts "
         f"as TTFT = timeout). target_itl_ms = {a.itl_factor:g} x B's solo ITL p50"

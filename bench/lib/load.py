@@ -58,7 +58,8 @@ async def cancel_all(tasks: list[asyncio.Task[Any]]) -> None:
 
 
 class Workers:
-    """Closed loop: `n` workers each keep one streamed request in flight, resubmitting as it ends."""
+    """Closed loop: `n` workers each keep one streamed request in flight, resubmitting as it ends;
+    a refused one after its Retry-After (at most 60 s), as the OpenAI SDK waits, else 0.5 s."""
 
     def __init__(self, client: httpx.AsyncClient, srv: Srv, tenant: str, n: int, path: str,
                  body: Body, headers: dict[str, str], stagger_s: float = 0.0) -> None:
@@ -81,7 +82,7 @@ class Workers:
             self.results.append(s)
             await stream(self.client, self.srv.url + self.path, s, self.body(i), self.headers)
             if not s.done:
-                await asyncio.sleep(0.5)  # refused or failed: do not spin
+                await asyncio.sleep(min(s.retry_after or 0.5, 60.0))  # refused or failed: do not spin
 
     async def stop(self) -> None:
         await cancel_all(self._tasks)

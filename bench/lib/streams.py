@@ -7,6 +7,7 @@ Client-side timing is what a user gets: TTFT is the time to the first chunk with
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from collections.abc import Callable
@@ -35,6 +36,7 @@ class Stream:
     done: bool = False  # saw [DONE]
     timed_out: bool = False
     texts: list[str] | None = None  # a list here: every content chunk's text is kept in it too
+    retry_after: float | None = None  # a refusal's Retry-After header, seconds
 
     @property
     def ttft(self) -> float | None:
@@ -98,6 +100,8 @@ async def stream(client: httpx.AsyncClient, url: str, s: Stream, body: dict[str,
                 s.version = r.headers.get("x-llmd-model-version")
                 if r.status_code != 200:
                     s.error = _error_code(await r.aread(), r.status_code)
+                    with contextlib.suppress(TypeError, ValueError):
+                        s.retry_after = float(r.headers.get("retry-after"))
                     return s
                 async for line in r.aiter_lines():
                     if not line.startswith("data: "):
