@@ -21,10 +21,14 @@ robust sigma, relative). A decoding step's p95 time with n sequences is predicte
 
     speed·(a + b·n)·(1 + 1.645·noise)
 
-and `seats_for(aim)` is the largest n it lets meet the aim. Prefills are not in it on purpose:
-how often a step carries one follows the traffic, and the bursts a load change brings (a flood
-seats many at once) would otherwise swing the seats; the controller's AIMD on the clients' p95
-corrects for them, and everything else between an engine step and a client's gap.
+and `seats_for(aim)` is the largest n it lets meet the aim. A prefill adds c·P to the step it
+lands in, and once more than 1 step in 20 carries one, a p95 gap is such a step. With the
+seats full, sequences start as others end, so the share f of steps with a prefill grows with
+n; past 5%, the prediction adds c·P, P the (1 - 0.05/f) quantile of the prefills seen (the p95
+of all steps lies that far up among them). The share (per running sequence) and the prefills'
+quantiles are taken over the whole window, decay-weighted, not the recent steps: a flood's
+burst of prefills must not swing the seats. The controller's
+AIMD on the clients' p95 corrects what remains between an engine step and a client's gap.
 
 Pure: samples in (with their own time stamps), numbers out; no clock, no engine.
 """
@@ -34,7 +38,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 _Sample = tuple[float, int, int, float]  # (t, running, prefill tokens, duration s)
@@ -78,10 +82,24 @@ class StepFit:
     speed: float  # recent steps' duration over the fit's prediction (median): 1.0 while the fit is current
     noise: float  # recent steps' relative spread around speed·(a + b·running + c·prefill) (robust sigma)
     samples: int  # steps the fit used
+    prefill_sizes: tuple[float, ...] = ()  # the window's prefills (steps with one): quantiles 1/20 .. 20/20
+    prefill_share_per_seq: float = 0.0  # the window's share of steps with a prefill, per running sequence
+
+    P95_SHARE = 0.05  # the slowest steps a p95 leaves out
+
+    def prefill_at(self, n: int) -> float:
+        """Prompt tokens in a p95 step with `n` sequences: none while fewer than 1 step in 20
+        carries a prefill; else, with a share f of steps carrying one, the (1 - 0.05/f)
+        quantile of the prefills (the p95 of all steps is that far up among those)."""
+        f = self.prefill_share_per_seq * n
+        if f <= self.P95_SHARE or not self.prefill_sizes:
+            return 0.0
+        q = 1.0 - self.P95_SHARE / min(f, 1.0)
+        return self.prefill_sizes[min(len(self.prefill_sizes) - 1, max(0, math.ceil(q * len(self.prefill_sizes)) - 1))]
 
     def predict(self, n: int) -> float:
-        """Predicted p95 time (seconds) of a decode step with `n` sequences."""
-        return self.speed * (self.a + self.b * n) * (1.0 + 1.645 * self.noise)
+        """Predicted p95 time (seconds) of a step with `n` sequences, its prefill included."""
+        return self.speed * (self.a + self.b * n + self.c * self.prefill_at(n)) * (1.0 + 1.645 * self.noise)
 
     def seats_for(self, aim: float, lo: int, hi: int) -> int:
         """The largest n in [lo, hi] whose predicted p95 step time meets `aim`. If not even `lo`
@@ -220,7 +238,8 @@ class StepTimeModel:
             self.a_prior, self.identified = a, True
         elif not self.identified:
             return None  # one batch size, and no intercept seen yet: a and b are anyone's guess
-        return self._recent(a, b, c, samples)
+        sizes, share = _prefills(samples, decay)
+        return replace(self._recent(a, b, c, samples), prefill_sizes=sizes, prefill_share_per_seq=share)
 
     def _recent(self, a: float, b: float, c: float, samples: list[_Sample]) -> StepFit:
         newest = samples[-1][0]
@@ -242,6 +261,25 @@ def _huber(samples: Sequence[_Sample], coef: Sequence[float], decay: Sequence[fl
         return list(decay)
     k = 1.345 * scale
     return [d if abs(x) <= k else d * k / abs(x) for x, d in zip(res, decay, strict=True)]
+
+
+def _prefills(samples: Sequence[_Sample], w: Sequence[float]) -> tuple[tuple[float, ...], float]:
+    """(the weighted quantiles 1/20 .. 20/20 of the steps' prefills, the weighted share of steps
+    with one per running sequence)."""
+    total = sum(w)
+    with_prefill = sorted((s[2], wi) for s, wi in zip(samples, w, strict=True) if s[2] > 0)
+    if not with_prefill or total <= 0:
+        return (), 0.0
+    mass = sum(wi for _, wi in with_prefill)
+    sizes, acc, k = [], 0.0, 1
+    for p, wi in with_prefill:
+        acc += wi
+        while k <= 20 and acc >= mass * k / 20 - 1e-12:
+            sizes.append(float(p))
+            k += 1
+    sizes += [float(with_prefill[-1][0])] * (20 - len(sizes))
+    running = sum(wi * s[1] for s, wi in zip(samples, w, strict=True)) / total
+    return tuple(sizes), mass / total / running if running > 0 else 0.0
 
 
 def _spread(samples: Sequence[_Sample], w: Sequence[float]) -> float:
