@@ -252,7 +252,8 @@ class StepModelITL(ITLController):
         return super().describe() | {
             "mode": "step model", "engine_aim_ms": self.engine_aim * 1000, "a_ms": fit.a * 1000,
             "b_ms_per_seq": fit.b * 1000, "c_ms_per_1k_prefill": fit.c * 1e6, "speed": fit.speed,
-            "predicted_p95_ms": fit.predict(self.seat_limit) * 1000, "steps_fitted": fit.samples}
+            "predicted_p95_ms": fit.predict(self.seat_limit) * 1000, "steps_fitted": fit.samples,
+            "prefill_in_p95_tokens": fit.prefill_at(self.seat_limit)}
 
 
 class SaturationDetector:
