@@ -47,10 +47,12 @@ async def test_a_flood_brings_the_seat_limit_to_the_step_models_value(make_serve
     tasks = flood(live, 80)
     try:
         # Cold: the first steps all run 64 sequences, so plain AIMD cuts first (to 32); its steps
-        # show the model a second batch size, and from then on the model sizes the seats.
+        # show the model a second batch size, and from then on the model sizes the seats. The
+        # first fits, on a dozen steps that all carry the flood's prefills, may still credit the
+        # prefills with the batch's cost: judged once the fit has two dozen steps.
         def sized() -> bool:
             fit = ctl.model.fit
-            return (ctl.engine_aim is not None and fit is not None
+            return (ctl.engine_aim is not None and fit is not None and fit.samples >= 24
                     and abs(ctl.seat_limit - fit.seats_for(ctl.engine_aim, 1, 64)) <= 2
                     and len(rt.scheduler.running) <= ctl.seat_limit)
 
