@@ -139,6 +139,15 @@ async def test_auto_without_a_parser_is_a_400_that_says_how_to_configure_one(mak
     assert live.backend().submitted == []  # refused before any engine time
 
 
+async def test_auto_with_malformed_tools_is_a_400_naming_them(make_server) -> None:
+    live = await make_server(WITH_PARSER)
+    async with httpx.AsyncClient(base_url=live.base) as h:
+        for tools in ([{"type": "function"}], [{"type": "function", "function": {"name": 3}}], "get_weather"):
+            r = await h.post("/chat/completions", json={"model": "fake", "messages": say(PARIS), "tools": tools})
+            assert r.status_code == 400 and r.json()["error"]["param"].startswith("tools"), (tools, r.text)
+    assert live.backend().submitted == []
+
+
 def test_an_unknown_tool_parser_is_a_start_up_error_naming_key_and_file(tmp_path: Path) -> None:
     p = tmp_path / "llmd.toml"
     p.write_text(WITH_PARSER.replace('tool_parser = "fake"', 'tool_parser = "hermes"'))
