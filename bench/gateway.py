@@ -224,7 +224,8 @@ def report_lines(a: argparse.Namespace, r: dict[str, Any], seconds: float) -> li
          f"process keeps {a.concurrency} SSE streams of {a.tokens} tokens in flight ({a.seconds:g} s per round, "
          f"{a.rounds} rounds per server after a discarded warm-up, order alternating). `bare`: a sanic handler "
          "in the same process sending an OpenAI completion chunk per token (json.dumps, one write each). "
-         "`llmd+filters`: the example config's output chain (blocklist, pii redact, loops)."), "",
+         "`llmd+filters`: config.toml's filters and output chain as shipped (blocklist, pii redact, loops; "
+         "holdback_tokens 32), read from the file."), "",
         *report.table(head, rows), "",
         "llmd's CPU per token by stage (llmd+filters, one extra round; thread CPU time inside each stage's "
         f"functions, each reading corrected by one clock read; the stopwatches themselves added "
