@@ -217,6 +217,7 @@ def report_lines(a: argparse.Namespace, r: dict[str, Any], seconds: float) -> li
     stage_rows += [["event loop, HTTP, sanic, scheduling (the rest)", f"{plain - sum(r['stages'].values()):.2f}"],
                    ["total (llmd+filters rounds' median)", f"{plain:.2f}"]]
     ok = s["ratio"] >= TARGET
+    chain = shipped_filters()["model"]
     return [
         SECTION, "", report.stamp(seconds), "",
         (f"Settings: one process serves on uvloop (the real gateway and node, fake engine at 1 ms/step, up to 256 "
@@ -224,8 +225,8 @@ def report_lines(a: argparse.Namespace, r: dict[str, Any], seconds: float) -> li
          f"process keeps {a.concurrency} SSE streams of {a.tokens} tokens in flight ({a.seconds:g} s per round, "
          f"{a.rounds} rounds per server after a discarded warm-up, order alternating). `bare`: a sanic handler "
          "in the same process sending an OpenAI completion chunk per token (json.dumps, one write each). "
-         "`llmd+filters`: config.toml's filters and output chain as shipped (blocklist, pii redact, loops; "
-         "holdback_tokens 32), read from the file."), "",
+         f"`llmd+filters`: config.toml's filters as shipped, read from the file (output "
+         f"{', '.join(chain['output'])}; holdback_tokens {chain['holdback_tokens']})."), "",
         *report.table(head, rows), "",
         "llmd's CPU per token by stage (llmd+filters, one extra round; thread CPU time inside each stage's "
         f"functions, each reading corrected by one clock read; the stopwatches themselves added "
