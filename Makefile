@@ -11,7 +11,7 @@ CONFIG ?= config.toml
 # pip's per-index warnings about this machine's local mirrors drown the real output.
 QUIET_PIP := grep -v "is ignored: it is neither a file nor a directory" || true
 
-.PHONY: install model serve test lint bench clean
+.PHONY: install model serve test reliability lint bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -31,6 +31,10 @@ serve: model
 
 test: model
 	$(BIN)/python -m pytest -q -rs
+
+# Fault, flood and soak tests that take minutes each (README, "Reliability"); not in `make test`.
+reliability: model
+	$(BIN)/python -m pytest -q -rs -m reliability tests/reliability
 
 # Style and likely bugs (ruff), types (mypy; strict for llmd/policy and the newer packages),
 # and the architecture's import rules (import-linter): see docs/development.md.

@@ -217,3 +217,25 @@ def test_random_splits_under_the_shipped_bound_never_leak_a_whole_secret() -> No
         out = "".join(sent)
         assert not any(s in out for s in planted), text
         assert out == whole if hit is None else hit.action == "block", text
+
+
+def test_the_shipped_chain_lets_words_out_at_once_and_still_redacts_numbers() -> None:
+    """config.toml's output chain: a word goes out with its own token (e-mail, which would hold
+    every newest word one token, is left out of its pii kinds), a phone number is still redacted."""
+    from pathlib import Path
+
+    from llmd.config import load_config
+    from llmd.filters import Filters
+
+    cfg = load_config(Path(__file__).resolve().parents[2] / "config.toml")
+
+    async def never(model: str, text: str, timeout: float) -> str:
+        raise AssertionError("no classifier on output")
+
+    def window() -> OutputWindow:
+        w = Filters(cfg, never).output_window(cfg.models[0], cfg.tenants[0])
+        assert w is not None
+        return w
+    assert feed_all(window(), ["Hello", ",", " world", "."], False)[0] == ["Hello", ",", " world", "."]
+    out, hit = feed_all(window(), ["Call", " +1", " 415", " 555", " 0134", " now"])
+    assert hit is None and "".join(out) == "Call [REDACTED:phone] now", out
