@@ -38,7 +38,7 @@ def serve(config_path: str, host: str | None, port: int | None) -> None:
         cfg.server.host = host
     if port is not None:
         cfg.server.port = port
-    from llmd.gateway import create_app
+    from llmd.gateway import PROTOCOL, create_app
     from llmd.node import build_node
     from llmd.telemetry import configure_logging, log
 
@@ -57,7 +57,8 @@ def serve(config_path: str, host: str | None, port: int | None) -> None:
     app = create_app(node)
     log.info("serving", host=cfg.server.host, port=cfg.server.port, config=str(cfg.path),
              models=[m.name for m in cfg.models])
-    app.run(host=cfg.server.host, port=cfg.server.port, single_process=True, access_log=False, motd=False)
+    app.run(host=cfg.server.host, port=cfg.server.port, single_process=True, access_log=False, motd=False,
+            protocol=PROTOCOL)
 
 
 @main.group()

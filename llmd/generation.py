@@ -63,7 +63,10 @@ def sampling(req: ChatRequest | CompletionRequest, max_tokens: int, structured: 
 def for_choice(s: Sampling, j: int) -> Sampling:
     """The j-th of n choices: a seeded request gives each choice its own seed (the same
     seed would give n copies of one sample)."""
-    return s if j == 0 or s.seed is None else replace(s, seed=s.seed + j)
+    if j == 0 or s.seed is None:
+        return s
+    # Kept within int64 (a seed near its top would overflow it), as the engine needs.
+    return replace(s, seed=(s.seed + j + 2**63) % 2**64 - 2**63)
 
 
 def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:

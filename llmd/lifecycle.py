@@ -35,6 +35,8 @@ class Settler(Protocol):
 
     def settle(self, ticket: Ticket, actual_tokens: int) -> None: ...
 
+    def refused(self, tenant: str) -> None: ...
+
 
 def classify(exc: BaseException) -> tuple[str, int, str | None]:
     """(status, http status, error code) of a request that ended with `exc`."""
@@ -150,6 +152,8 @@ class Lifecycle:
         rec = life.record
         if life.ticket is not None:
             self._admission.settle(life.ticket, rec.prompt_tokens + rec.output_tokens)
+        elif rec.tenant is not None and 400 <= rec.http_status < 499:
+            self._admission.refused(rec.tenant)  # refused after auth: it spends the tenant's request rate
         price = self.ledger.prices.get(rec.model or "") if rec.tenant is not None else None
         if price is not None:
             rec.cost = price.cost(rec.prompt_tokens, rec.output_tokens, rec.price_multiplier)

@@ -24,6 +24,7 @@ from llmd.lifecycle import Lifecycle
 from llmd.metering import Ledger, Price
 from llmd.metrics import Metrics
 from llmd.policy.admission import AdmissionController
+from llmd.prompt_pool import PromptPool
 from llmd.registry.registry import Registry
 from llmd.registry.store import RegistryStore
 from llmd.runtime import build_runtime
@@ -68,6 +69,7 @@ class Node:
         await self.registry.stop()
         await self.ledger.stop()
         await self.batches.stop()
+        self.service.pool.close()
 
     @property
     def ready(self) -> bool:
@@ -86,7 +88,8 @@ def build_node(config: Config, store: WeightStore | None = None, ledger: Ledger 
     metrics = Metrics(registry)
     lifecycle = Lifecycle(ledger, admission, metrics.observe)
     filters = Filters(config, Guard(lambda model: service.route(model).backend))
-    service = Service(config.server.node, registry, admission, filters, degraders(config.models))
+    service = Service(config.server.node, registry, admission, filters, degraders(config.models),
+                      PromptPool(config.server.prompt_workers))
     runs = IdempotentRuns(IdempotencyStore(db.with_suffix(".idempotency.db")), lifecycle, config.server.resume_grace_s)
     batches = BatchStore(db.with_suffix(".batches.db"), config.batch.data_dir or _files_dir(db))
     runner = BatchRunner(batches, config, lifecycle, service)

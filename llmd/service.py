@@ -30,11 +30,12 @@ from llmd.errors import (
 )
 from llmd.filters import ContentFiltered, Filters, screen_prompt
 from llmd.lifecycle import RequestLife
-from llmd.limits import output_budget
+from llmd.limits import check_prompt_bytes, output_budget
 from llmd.policy import admission
 from llmd.policy.classes import CLASSES, INTERACTIVE
 from llmd.policy.degradation import Degrader
 from llmd.policy.queue import QueuedRequest
+from llmd.prompt_pool import PromptPool
 from llmd.protocol import ChatRequest, CompletionRequest
 from llmd.registry.registry import Registry
 from llmd.registry.routing import RoutingError, parse_model
@@ -55,8 +56,9 @@ def degraders(models: list[ModelConfig]) -> dict[str, Degrader]:
 
 class Service:
     def __init__(self, node: str, registry: Registry, admission: admission.AdmissionController, filters: Filters,
-                 degraders: dict[str, Degrader]) -> None:
+                 degraders: dict[str, Degrader], pool: PromptPool) -> None:
         self.node = node
+        self.pool = pool  # rendering, tokenizing, screening: off the event loop
         self.registry = registry
         self.admission = admission
         self.filters = filters
@@ -82,23 +84,24 @@ class Service:
 
     async def admit(self, life: RequestLife, req: ChatRequest | CompletionRequest, who: Principal,
                     deadline_s: float, asked_class: str | None = None, conversation: str | None = None) -> Job:
-        """Screen the prompt, then `prepare`: a blocked prompt never costs engine time."""
+        """Check the prompt's size, screen it, then `prepare`: a blocked prompt never costs engine time."""
         if who.tenant is None:
             raise APIError(403, "admin keys cannot run generations; use a tenant's key", "permission_error",
                            "tenant_required")
         life.identify(who)
         await self._screen(life.record, req, who.tenant)
-        return self.prepare(life, req, who.tenant, deadline_s, asked_class, conversation)
+        return await self.prepare(life, req, who.tenant, deadline_s, asked_class, conversation)
 
     async def _screen(self, record: RequestRecord, req: ChatRequest | CompletionRequest, tenant: TenantConfig) -> None:
         rt = self.route(req.model, tenant)
         record.model = rt.cfg.name
+        check_prompt_bytes(rt.cfg, req)  # before any work that grows with the prompt
         chain = self.filters.input_chain(rt.cfg, tenant)
         if not chain:
             return
-        text = generation.screened_text(req, rt.backend)
         t0 = time.monotonic()
-        hit, notes = await screen_prompt(chain, text)
+        text = await self.pool.run(generation.screened_text, req, rt.backend)
+        hit, notes = await screen_prompt(chain, text, self.pool.run)
         record.screened, record.screen_s = ",".join(notes), round(time.monotonic() - t0, 6)
         if hit is not None:
             record.filter, record.decision = hit.label, f"filtered:{hit.label}"
@@ -114,20 +117,14 @@ class Service:
                            "permission_error", "class_not_allowed", "priority_class")
         return klass
 
-    def prepare(self, life: RequestLife, req: ChatRequest | CompletionRequest, tenant: TenantConfig,
-                deadline_s: float, asked_class: str | None = None, conversation: str | None = None) -> Job:
+    async def prepare(self, life: RequestLife, req: ChatRequest | CompletionRequest, tenant: TenantConfig,
+                      deadline_s: float, asked_class: str | None = None, conversation: str | None = None) -> Job:
         record = life.record
-        # Routed once, here: from now on the request touches only this version's engine.
-        rt = self.route(req.model, tenant, conversation or req.user)
-        klass = self.priority_class(tenant, asked_class or req.priority_class)
-        record.priority_class = klass
-        cap: int | None = None
-        if klass == INTERACTIVE and rt.cfg.name in self.degraders:
-            rt, cap = self._degrade(rt, tenant, record, conversation or req.user)
+        rt, klass, cap = self._place(record, req, tenant, asked_class, conversation)
         backend = rt.backend
         record.model, record.version, record.deadline_s = rt.cfg.name, backend.version, deadline_s
         tools, structured, tool_defs = plan_tools(req, rt.cfg) if isinstance(req, ChatRequest) else (None, None, None)
-        prompts = generation.prompts(req, backend, tool_defs)
+        prompts = await self.pool.run(generation.prompts, req, backend, tool_defs)
         record.prompt_tokens = sum(p.num_tokens for p, _ in prompts)
         longest = max(p.num_tokens for p, _ in prompts)
         param = "messages" if isinstance(req, ChatRequest) else "prompt"
@@ -138,10 +135,7 @@ class Service:
         readers = _tool_readers(backend, tools, tool_defs, prompts[0][0], req.n)
         if readers and readers[0].keep_special_tokens:
             sampling = replace(sampling, skip_special_tokens=False)
-        try:
-            backend.check(sampling)
-        except PromptError as e:
-            raise bad_request(str(e), _sampling_param(req), "invalid_request") from None
+        await self.pool.run(_check, backend, sampling, req)  # a grammar compiles here
         deadline = record.t_arrival + deadline_s
         life.admit(self._admit(record, rt, tenant, klass, record.prompt_tokens + len(prompts) * req.n * max_tokens,
                                deadline))
@@ -156,6 +150,18 @@ class Service:
             headers[DEGRADED_HEADER] = record.degraded
         echo_logprobs = sampling.prompt_logprobs is not None
         return Job(life, rt, choices, deadline, headers, tools, echo_logprobs)
+
+    def _place(self, record: RequestRecord, req: ChatRequest | CompletionRequest, tenant: TenantConfig,
+               asked_class: str | None, conversation: str | None) -> tuple[ModelRuntime, str, int | None]:
+        """The version that serves it (routed once, here: from now on the request touches only
+        this version's engine), its priority class, and a degradation's cap on max_tokens."""
+        rt = self.route(req.model, tenant, conversation or req.user)
+        klass = self.priority_class(tenant, asked_class or req.priority_class)
+        record.priority_class = klass
+        cap: int | None = None
+        if klass == INTERACTIVE and rt.cfg.name in self.degraders:
+            rt, cap = self._degrade(rt, tenant, record, conversation or req.user)
+        return rt, klass, cap
 
     def _admit(self, record: RequestRecord, rt: ModelRuntime, tenant: TenantConfig, klass: str, cost: int,
                deadline: float) -> admission.Ticket:
@@ -222,6 +228,14 @@ def _tool_readers(backend: Backend, mode: ToolMode | None, defs: list[dict[str, 
         return [backend.tool_reader(defs or [], prompt) for _ in range(n)]
     except PromptError as e:
         raise bad_request(str(e), "tools") from None
+
+
+def _check(backend: Backend, sampling: Sampling, req: ChatRequest | CompletionRequest) -> None:
+    """What the engine would refuse, as a 400 now rather than after a wait (on a pool thread)."""
+    try:
+        backend.check(sampling)
+    except PromptError as e:
+        raise bad_request(str(e), e.param or _sampling_param(req), "invalid_request") from None
 
 
 def _sampling_param(req: ChatRequest | CompletionRequest) -> str | None:

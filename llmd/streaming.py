@@ -26,6 +26,15 @@ from llmd.runtime import Choice, Job
 
 DONE = "[DONE]"
 Emit = Callable[[str], Awaitable[None]]
+# How long a stream's terminal events may take to leave once its run is over (deadline, error):
+# a reader that stopped reading would otherwise hold the request, its quota and its connection
+# until the server's response timeout.
+TAIL_S = 1.0
+
+
+class ReaderStalled(Exception):
+    """The client stopped reading: the stream's last events could not be written within TAIL_S.
+    The caller drops the connection; the request already has its outcome."""
 
 
 def dumps(obj: Any) -> str:
@@ -179,9 +188,13 @@ async def pump(job: Job, req: ChatRequest | CompletionRequest, emit: Emit) -> No
     # Tokens were already delivered: end the stream with a terminal error event.
     job.life.fail(err)
     job.record.finish_reason = job.record.finish_reason or "error"
-    with contextlib.suppress(Exception):
-        await emit(dumps(err.body()))
-    await emit(DONE)
+    try:
+        async with asyncio.timeout(TAIL_S):
+            with contextlib.suppress(Exception):
+                await emit(dumps(err.body()))
+            await emit(DONE)
+    except TimeoutError:
+        raise ReaderStalled from None
 
 
 async def _stream(job: Job, req: ChatRequest | CompletionRequest, shape: _Shape, emit: Emit) -> None:

@@ -163,7 +163,7 @@ async def start_inprocess(cfg: Any, name: str, store: Any = None, port: int | No
     Built by llmd's own wiring point (`llmd.node.build_node`), as `llmd serve` is. The
     request path reaches the ledger through `node.lifecycle.ledger` on every request, so
     bench/metering.py can swap in stand-ins between rounds."""
-    from llmd.gateway import create_app
+    from llmd.gateway import PROTOCOL, create_app
     from llmd.node import build_node
 
     port = port or free_port()
@@ -172,7 +172,8 @@ async def start_inprocess(cfg: Any, name: str, store: Any = None, port: int | No
     app = create_app(node, name=name, load_models=False)
     app.config.MOTD = False
     app.config.TOUCHUP = False  # touchup recompiles methods per app; breaks with many apps per process
-    server = await app.create_server(host="127.0.0.1", port=port, return_asyncio_server=True, access_log=False)
+    server = await app.create_server(host="127.0.0.1", port=port, return_asyncio_server=True, access_log=False,
+                                     protocol=PROTOCOL)
     assert server is not None
     await server.startup()
     await server.before_start()

@@ -23,7 +23,20 @@ class EngineDead(BackendError):
 
 
 class PromptError(ValueError):
-    """The prompt cannot be rendered or tokenized (bad template input, too long for the tokenizer)."""
+    """The prompt cannot be rendered or tokenized (bad template input, too long for the tokenizer),
+    or the engine would refuse the sampling; `param` names the request field where it is known."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def check_top_k(top_k: int | None, vocab: int) -> None:
+    """top_k is -1 or 0 (off) or at most the vocabulary: a larger one means nothing to the
+    sampler (vLLM clamps it), so it is a client's mistake, refused by name."""
+    if top_k is not None and top_k > vocab:
+        raise PromptError(f"top_k must be -1 or 0 (off) or at most the model's vocabulary size ({vocab}); "
+                          f"got {top_k}", "top_k")
 
 
 @dataclass(frozen=True)

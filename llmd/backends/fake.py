@@ -31,6 +31,7 @@ from llmd.backends.base import (
     StepRecord,
     TokenLogprob,
     ToolReader,
+    check_top_k,
     now,
 )
 from llmd.backends.fake_outputs import entry, instance, prompt_entries
@@ -160,6 +161,7 @@ class FakeBackend:
 
     def check(self, sampling: Sampling) -> None:
         n = self.tokenizer.n_vocab
+        check_top_k(sampling.top_k, n)
         if sampling.logit_bias and any(not 0 <= t < n for t in sampling.logit_bias):
             raise PromptError(f"logit_bias has token ids outside the vocabulary (0..{n - 1})")
         schema = sampling.structured.json_schema if sampling.structured else None

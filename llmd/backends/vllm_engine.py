@@ -25,6 +25,7 @@ from llmd.backends.base import (
     StepRecord,
     TokenLogprob,
     ToolReader,
+    check_top_k,
     now,
 )
 from llmd.config import EngineConfig
@@ -207,6 +208,7 @@ class VllmBackend:
         engine = self._engine
         if engine is None:
             raise BackendError(f"model {self.model_name} is not loaded")
+        check_top_k(sampling.top_k, len(self._renderer().tokenizer))
         try:
             _params(sampling).verify(engine.model_config, engine.vllm_config.speculative_config,
                                      engine.vllm_config.structured_outputs_config, engine.tokenizer)

@@ -37,6 +37,18 @@ class ServerConfig(_Strict):
     node: str = Field(default_factory=socket.gethostname)
     # How long an idempotent run waits for a reader to reconnect before it is cancelled.
     resume_grace_s: Annotated[float, Field(ge=0)] = 10.0
+    # Hostile clients (docs/architecture.md, "Connections"): connections open at once (one more
+    # is answered 503 and closed, after idle keep-alive ones are reclaimed); a request's header
+    # must arrive whole within header_timeout_s of its first byte (of the connection, for the
+    # first request), its body within body_timeout_s plus one second per body_min_rate bytes
+    # received, however it is trickled.
+    max_connections: Annotated[int, Field(gt=0)] = 4096
+    header_timeout_s: Annotated[float, Field(gt=0)] = 10.0
+    body_timeout_s: Annotated[float, Field(gt=0)] = 30.0
+    body_min_rate: Annotated[int, Field(gt=0)] = 16384
+    # Threads that render, tokenize and screen prompts (and compile structured-output grammars)
+    # off the event loop, so one huge prompt cannot stall every other stream.
+    prompt_workers: Annotated[int, Field(gt=0, le=64)] = 2
 
     @model_validator(mode="after")
     def _deadlines(self) -> ServerConfig:
@@ -77,6 +89,7 @@ def _known_class(name: str) -> str:
 
 PriorityClass = Annotated[str, AfterValidator(_known_class)]  # a name from llmd.policy.classes
 KEY_HASH = r"^sha256:[0-9a-f]{64}$"
+PROMPT_BYTES_PER_TOKEN = 8  # the default max_prompt_bytes per token of a model's prompt limit
 
 
 class SchedulingConfig(_Strict):
@@ -234,6 +247,9 @@ class ModelConfig(_Strict):
     version: str | None = None
     backend: Literal["vllm", "fake"] = "vllm"
     max_prompt_tokens: Annotated[int, Field(gt=0)] | None = None
+    # Checked before anything tokenizes a prompt (each prompt's UTF-8 bytes); default 8 bytes
+    # per token of the prompt limit, more than any real text needs per token.
+    max_prompt_bytes: Annotated[int, Field(gt=0)] | None = None
     max_output_tokens: Annotated[int, Field(gt=0)] = 1024
     default_max_tokens: Annotated[int, Field(gt=0)] = 256
     output_tokens_policy: Literal["reject", "clamp"] = "reject"
@@ -261,6 +277,10 @@ class ModelConfig(_Strict):
     @property
     def prompt_limit(self) -> int:
         return self.max_prompt_tokens or self.engine.max_model_len - 1
+
+    @property
+    def prompt_byte_limit(self) -> int:
+        return self.max_prompt_bytes or PROMPT_BYTES_PER_TOKEN * self.prompt_limit
 
     @property
     def seats(self) -> int:

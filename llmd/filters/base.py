@@ -37,7 +37,9 @@ class InputFilter(Protocol):
     name: str
 
     async def check_prompt(self, text: str) -> Match | None:
-        """The first rule the prompt breaks, or None."""
+        """The first rule the prompt breaks, or None. Awaited on the event loop: a filter whose
+        work grows with the prompt (regexes, folding) adds a plain, thread-safe `screen(text) ->
+        Match | None`, which the chain runs on a prompt-pool thread instead (the built-ins do)."""
         ...
 
 

@@ -66,9 +66,13 @@ class Blocklist:
                 out.append(Match(self.name, rule, self.action, start, end, "[REDACTED]"))
         return out
 
-    async def check_prompt(self, text: str) -> Match | None:
+    def screen(self, text: str) -> Match | None:
+        """check_prompt as a plain call: the chain runs it on a prompt-pool thread (pure, thread-safe)."""
         found = self._matches(text, True)
         return found[0] if found else None
+
+    async def check_prompt(self, text: str) -> Match | None:
+        return self.screen(text)
 
     def scan(self, text: str, final: bool) -> list[Match]:
         return self._matches(text, final)
@@ -158,9 +162,13 @@ class PII:
         first = min((s for s in starts if s is not None), default=None)
         return 0 if first is None else len(text) - first
 
-    async def check_prompt(self, text: str) -> Match | None:
+    def screen(self, text: str) -> Match | None:
+        """check_prompt as a plain call: the chain runs it on a prompt-pool thread (pure, thread-safe)."""
         found = self.scan(text, True)
         return found[0] if found else None
+
+    async def check_prompt(self, text: str) -> Match | None:
+        return self.screen(text)
 
 
 class Degenerate:

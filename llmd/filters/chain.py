@@ -14,8 +14,9 @@ enough for its longest match (and, for the loop detector, its period).
 from __future__ import annotations
 
 import importlib
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from llmd.config import Config, ConfigError, FilterSpec, ModelConfig, TenantConfig
 from llmd.filters.base import InputFilter, Match, OutputFilter
@@ -74,17 +75,27 @@ class Filters:
         return OutputWindow(chain, model.filters.holdback_tokens) if chain else None
 
 
-async def screen_prompt(chain: Sequence[InputFilter], text: str) -> tuple[Match | None, list[str]]:
+async def screen_prompt(chain: Sequence[InputFilter], text: str,
+                        offload: Offload | None = None) -> tuple[Match | None, list[str]]:
     """The first match, and a note per filter consulted for the request record: its name,
-    with `!<error>` where it could not decide and its fail policy applied."""
+    with `!<error>` where it could not decide and its fail policy applied. A filter with a
+    plain `screen(text)` (the CPU-bound built-ins) runs it through `offload` (a thread of the
+    prompt pool), so a long prompt does not hold the event loop; others are awaited here."""
     notes: list[str] = []
     for f in chain:
-        m = await f.check_prompt(text)
+        screen = getattr(f, "screen", None)
+        m = await offload(screen, text) if offload is not None and callable(screen) else await f.check_prompt(text)
         err = getattr(f, "last_error", None)
         notes.append(f"{f.name}!{err}" if err else f.name)
         if m is not None:
             return m, notes
     return None, notes
+
+
+class Offload(Protocol):
+    """Runs a plain function off the event loop (llmd.prompt_pool.PromptPool.run)."""
+
+    def __call__(self, fn: Callable[[str], Match | None], text: str, /) -> Awaitable[Match | None]: ...
 
 
 @dataclass

@@ -3,6 +3,6 @@
 Only this package imports sanic; everything it serves comes from a `Node` (llmd/node.py).
 """
 
-from llmd.gateway.app import create_app
+from llmd.gateway.app import PROTOCOL, create_app
 
-__all__ = ["create_app"]
+__all__ = ["PROTOCOL", "create_app"]

@@ -16,11 +16,13 @@ from sanic.response import BaseHTTPResponse
 
 from llmd.auth import Authenticator, Principal, require_admin
 from llmd.gateway import batches, generate, node_routes, registry
+from llmd.gateway.connections import ConnectionGuard, GuardedProtocol
 from llmd.gateway.errors import OpenAIErrorHandler
 from llmd.gateway.types import App
 from llmd.node import Node
 
 _CLIENT_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
+PROTOCOL = GuardedProtocol  # what every server of this app must be started with (`protocol=`)
 
 
 def create_app(node: Node, name: str = "llmd", load_models: bool = True) -> App:
@@ -32,6 +34,9 @@ def create_app(node: Node, name: str = "llmd", load_models: bool = True) -> App:
     app.config.REQUEST_TIMEOUT = 60
     app.config.NOISY_EXCEPTIONS = False
     app.ctx.node = node
+    # Served with GuardedProtocol (PROTOCOL): a cap on connections, total-time limits on reading.
+    app.ctx.connections = ConnectionGuard(srv.max_connections, srv.header_timeout_s, srv.body_timeout_s,
+                                          srv.body_min_rate)
     auth = Authenticator(config)
     # Open mode with no admin keys is a single user on loopback: the admin views are theirs.
     admin_open = config.open_mode and not config.auth.admin_keys
@@ -73,6 +78,7 @@ def _run_node(app: App, node: Node, load_models: bool) -> None:
     @app.before_server_start
     async def _open(app: App) -> None:
         await node.open()
+        app.ctx.connections.start()
 
     if load_models:
         # Load in the background so /health answers (and /ready says 503) while engines start.
@@ -82,4 +88,5 @@ def _run_node(app: App, node: Node, load_models: bool) -> None:
 
     @app.before_server_stop
     async def _close(app: App) -> None:
+        await app.ctx.connections.stop()
         await node.close()

@@ -10,8 +10,10 @@ A request with an Idempotency-Key hands its life to an idempotent run and only r
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
+from typing import Any
 
 from sanic import Request
 from sanic.response import HTTPResponse
@@ -20,7 +22,7 @@ from sanic.response import json as json_response
 from llmd import protocol, streaming
 from llmd.auth import Principal
 from llmd.batch import objects as batch_objects
-from llmd.errors import AdmissionRefused, APIError
+from llmd.errors import AdmissionRefused, APIError, refusal_error
 from llmd.gateway.types import App, Authenticate
 from llmd.idempotency import Admit, LiveRun, request_hash
 from llmd.lifecycle import RequestLife
@@ -68,6 +70,8 @@ async def _generate(request: Request, node: Node, principal: Authenticate,
     async with node.lifecycle.request(rec) as life:
         who = principal(request)
         life.identify(who)
+        if who.tenant is not None and (refusal := node.admission.gate(who.tenant)) is not None:
+            raise refusal_error(refusal)  # before parsing: refused requests spent the rate too
         req = protocol.parse(cls, request.body)
         rec.stream = req.stream
         deadline_s = deadline_seconds(node.config.server, request.headers.get(DEADLINE_HEADER))
@@ -107,10 +111,18 @@ async def _stream_inline(request: Request, job: Job, req: Request_) -> None:
                                              headers=_headers(request, job) | {"Cache-Control": "no-cache"})
         await response.send(_frame(None, payload))
 
-    await streaming.pump(job, req, emit)
-    if response is not None:
-        with contextlib.suppress(Exception):
-            await response.eof()  # type: ignore[no-untyped-call]  # sanic leaves it unannotated
+    try:
+        await streaming.pump(job, req, emit)
+        if response is not None:
+            async with asyncio.timeout(streaming.TAIL_S):
+                with contextlib.suppress(Exception):
+                    await response.eof()  # type: ignore[no-untyped-call]  # sanic leaves it unannotated
+    except (streaming.ReaderStalled, TimeoutError):
+        # The client stopped reading: drop the connection now (the request has its outcome), or
+        # the stalled write would hold it, and the request's quota, until the response timeout.
+        transport: Any = request.transport
+        if transport is not None:
+            transport.abort()
 
 
 def _admission(node: Node, req: Request_, who: Principal, deadline_s: float, klass: str | None,

@@ -222,6 +222,25 @@ class AdmissionController:
         self._open.add(ticket.serial)
         return ticket
 
+    def gate(self, tenant: TenantLimits) -> Refusal | None:
+        """Before any work on a request (parsing, tokenizing): a tenant with no request left in
+        its requests_per_minute is refused at once. With `refused`, a tenant sending requests
+        that are refused (400s) spends its rate on them, not the server's time."""
+        r = self._state_for(tenant).requests
+        if r is not None and (wait := r.seconds_until(1)) > 0:
+            return self._refuse(
+                tenant, "requests_per_minute", "tenant_limit",
+                f"Rate limit reached for tenant {tenant.name!r}: {int(r.capacity)} requests per minute "
+                f"(refused requests count too); retry after {whole_seconds(wait)}s.", retry_after_s=wait)
+        return None
+
+    def refused(self, tenant: str) -> None:
+        """A request of this tenant was refused after it was authenticated (a 4xx; an admitted
+        request took its one already): it counts against requests_per_minute, down to empty."""
+        st = self._state.get(tenant)
+        if st is not None and st.requests is not None:
+            st.requests.adjust(-min(1.0, max(0.0, st.requests.level)))
+
     def settle(self, ticket: Ticket, actual_tokens: int) -> None:
         """Release the slot and reconcile the bucket by reserved - actual. The caller settles
         each ticket once; a second settle (or a ticket not from here) changes nothing."""

@@ -18,6 +18,11 @@ MAX_N = 16  # choices per request (each one a sequence in the engine)
 MAX_PROMPTS = 64  # prompts in one completions request
 MAX_STOP = 16
 MAX_TOP_LOGPROBS = 20
+# vLLM's own server bounds `seed` to int64 (its engine keeps it in a torch.long; a larger one
+# fails inside the engine after admission); top_k is stored as int32 there, and a model's
+# vocabulary is far smaller (each backend refuses a top_k above its own vocabulary).
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+MAX_TOP_K = 2**31 - 1
 
 
 class _Body(BaseModel):
@@ -147,7 +152,7 @@ class _Common(_Body):
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
     n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
     stop: str | Annotated[list[str], Field(max_length=MAX_STOP)] | None = None
-    seed: int | None = None
+    seed: Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)] | None = None
     user: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -158,7 +163,7 @@ class _Common(_Body):
     metadata: dict[str, str] | None = None
     # vLLM extensions that its own clients (`vllm bench serve`, guidellm, lm-eval) send.
     repetition_penalty: Annotated[float, Field(gt=0.0, le=2.0)] | None = None
-    top_k: Annotated[int, Field(ge=-1)] | None = None
+    top_k: Annotated[int, Field(ge=-1, le=MAX_TOP_K)] | None = None  # -1 or 0: off
     min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
     min_tokens: Annotated[int, Field(ge=0)] | None = None
     ignore_eos: bool = False
@@ -285,6 +290,12 @@ _WHY = {"best_of": "; vLLM's engine has no best_of: ask for n choices instead", 
 Parsed = TypeVar("Parsed", bound="_Common")
 
 
+def _is_neutral(value: Any, neutral: tuple[Any, ...]) -> bool:
+    """`value` is one of the neutral values, of the same JSON type: `true == 1` in Python, so a
+    plain `in` would take `best_of: true` (the strict models refuse that today; this keeps it so)."""
+    return any(type(value) is type(n) and value == n for n in neutral)
+
+
 def parse(cls: type[Parsed], raw: bytes) -> Parsed:
     """Validate a JSON body; every failure becomes a 400 that names the offending field."""
     if not raw.strip():
@@ -303,7 +314,7 @@ def parse(cls: type[Parsed], raw: bytes) -> Parsed:
             raise bad_request(f"Unrecognized request argument supplied: {param}", param, "unknown_parameter") from None
         raise bad_request(f"Invalid value for '{param}': {first['msg']}", param or None, "invalid_value") from None
     for name, neutral in _NEUTRAL.items():
-        if getattr(req, name, None) not in neutral:
+        if not _is_neutral(getattr(req, name, None), neutral):
             raise bad_request(f"'{name}' is not supported by this server (got {getattr(req, name)!r}){_WHY[name]}",
                               name, "unsupported_parameter")
     if req.stream_options is not None and not req.stream:
