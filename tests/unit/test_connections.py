@@ -146,7 +146,7 @@ async def test_a_stalled_sse_reader_frees_its_seat_and_its_request_at_the_deadli
     # 8 choices with 20 logprobs a token: about 5 KB a step, so the socket buffers (MBs on loopback) fill.
     body = json.dumps({"model": "fake", "prompt": "stall " * 50, "max_tokens": 4000, "ignore_eos": True,
                        "stream": True, "logprobs": 20, "n": 8}).encode()
-    reader, writer = await connect(live, rcvbuf=4096)
+    _reader, writer = await connect(live, rcvbuf=4096)
     writer.write(request(body, "X-Request-Timeout: 3\r\n"))
     try:
         assert await async_wait_until(lambda: live.backend().stats.running == 1 or bool(live.backend()._live), 10)
