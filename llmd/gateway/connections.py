@@ -171,6 +171,7 @@ class GuardedProtocol(HttpProtocol):
         if http is not None and task is not None:
             # As sanic's own timeouts do: the connection task ends with a 408 and closes.
             http.exception = RequestTimeout("the request was not received in time")
+            http.request_body = None  # or sanic, after the 408, reads the rest of the body: trickled
             task.cancel()
         else:
             self.abort()  # type: ignore[no-untyped-call]
