@@ -175,6 +175,10 @@ def _record(line: str) -> dict[str, Any] | None:
 
 
 def verdicts(s: Slowloris, st: Stalled) -> list[tuple[str, bool]]:
+    return slowloris_verdicts(s) + stalled_verdicts(st)
+
+
+def slowloris_verdicts(s: Slowloris) -> list[tuple[str, bool]]:
     worst = max((max(v) - s.limits[k] for k, v in s.held.items()), default=float("inf"))
     return [
         (f"every trickling socket closed within its limit (+{SEAT_SLACK_S:.0f} s for the 0.25 s check and a "
@@ -182,6 +186,11 @@ def verdicts(s: Slowloris, st: Stalled) -> list[tuple[str, bool]]:
         (f"server RSS growth under the trickle < {RSS_BUDGET_MIB:.0f} MiB ({s.rss_peak - s.rss_base:.1f} MiB)",
          s.rss_peak - s.rss_base < RSS_BUDGET_MIB),
         ("normal requests served meanwhile", bool(s.probes) and all(code == 200 for code, _ in s.probes)),
+    ]
+
+
+def stalled_verdicts(st: Stalled) -> list[tuple[str, bool]]:
+    return [
         (f"{st.n} stalled readers' seats free within deadline + {SEAT_SLACK_S:.0f} s "
          f"({report.num(st.freed_after_s, 2)} s after the last was sent, deadline {st.deadline_s:.0f} s)",
          st.freed_after_s is not None and st.freed_after_s <= st.deadline_s + SEAT_SLACK_S),

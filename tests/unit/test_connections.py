@@ -159,5 +159,23 @@ async def test_a_stalled_sse_reader_frees_its_seat_and_its_request_at_the_deadli
         writer.close()
 
 
+async def test_many_concurrent_streams_all_complete_and_leave_nothing_behind(make_server) -> None:
+    """The soak (tests/reliability/test_soak.py: 2,000 streams for ten minutes) in small: 200 at once."""
+    live = await make_server(fake_toml(max_running=200).replace("max_num_seqs = 8", "max_num_seqs = 200"))
+    body = {"model": "fake", "prompt": "soak", "max_tokens": 20, "ignore_eos": True, "stream": True}
+
+    async def one(c: httpx.AsyncClient) -> bool:
+        async with c.stream("POST", "/completions", json=body) as r:
+            text = (await r.aread()).decode()
+        return r.status_code == 200 and text.count('"text"') >= 20 and text.endswith("data: [DONE]\n\n")
+
+    limits = httpx.Limits(max_connections=200, max_keepalive_connections=200)
+    async with httpx.AsyncClient(base_url=live.base, limits=limits, timeout=60) as c:
+        done = await asyncio.gather(*(one(c) for _ in range(200)))
+    assert all(done)
+    assert not live.runtime().scheduler.running and not live.backend()._live
+    assert await async_wait_until(lambda: not _guard(live).live, timeout=10)  # the client closed them all
+
+
 def _guard(live: LiveServer):  # type: ignore[no-untyped-def]
     return live.server.app.ctx.connections
