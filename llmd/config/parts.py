@@ -108,7 +108,7 @@ class SchedulingConfig(_Strict):
     target_itl_ms: Annotated[float, Field(gt=0)] | None = None
     # The ITL controller aims at this fraction of target_itl_ms: the engine's ITL is measured
     # before our streaming path and the network, which add to what a client sees.
-    target_itl_margin: Annotated[float, Field(gt=0, le=1)] = 0.92
+    target_itl_margin: Annotated[float, Field(gt=0, le=1)] = 0.88
     # With target_itl_ms: size the seats from a step-time model fitted on the engine's own steps
     # (within a second or two of a load change), AIMD on the clients' p95 correcting it; false:
     # AIMD alone, window by window (how llmd ran before issue H).

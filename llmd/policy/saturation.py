@@ -71,7 +71,7 @@ class ITLController:
     """
 
     def __init__(self, target_ms: float, max_seats: int, min_seats: int = 1, window_s: float = 6.0,
-                 interval_s: float = 0.5, decrease: float = 0.9, margin: float = 0.92, hold_s: float = 10.0,
+                 interval_s: float = 0.5, decrease: float = 0.9, margin: float = 0.88, hold_s: float = 10.0,
                  *, clock: Clock, samples: Callable[[], Iterable[tuple[float, float]]] | None = None) -> None:
         self.samples = samples  # (wall time, gap) per token; default: the engine's own ITL
         self.target = target_ms / 1000.0 * margin
@@ -169,7 +169,7 @@ class StepModelITL(ITLController):
     Until the model has seen enough steps (a cold start), plain AIMD on the limit."""
 
     def __init__(self, target_ms: float, max_seats: int, min_seats: int = 1, window_s: float = 6.0,
-                 interval_s: float = 0.5, margin: float = 0.92, hold_s: float = 10.0, *, clock: Clock,
+                 interval_s: float = 0.5, margin: float = 0.88, hold_s: float = 10.0, *, clock: Clock,
                  steps: Callable[[], Sequence[StepSample]], model: StepTimeModel | None = None, lag_s: float = 2.0,
                  samples: Callable[[], Iterable[tuple[float, float]]] | None = None) -> None:
         super().__init__(target_ms, max_seats, min_seats, window_s, interval_s, margin=margin, hold_s=hold_s,
@@ -261,7 +261,7 @@ class SaturationDetector:
     With a target ITL and the engine's steps (`steps`), the step-time model sizes the seats."""
 
     def __init__(self, max_seats: int, kv_high: float = 0.95, target_itl_ms: float | None = None,
-                 itl_margin: float = 0.92, *, clock: Clock,
+                 itl_margin: float = 0.88, *, clock: Clock,
                  itl_samples: Callable[[], Iterable[tuple[float, float]]] | None = None,
                  steps: Callable[[], Sequence[StepSample]] | None = None) -> None:
         self.max_seats = max_seats

@@ -230,7 +230,7 @@ def test_reading_the_seat_limit_never_steps_the_model() -> None:
 def test_without_steps_the_detector_runs_plain_aimd() -> None:
     d = SaturationDetector(8, target_itl_ms=50, clock=Clock())
     assert d.itl is not None and not isinstance(d.itl, StepModelITL)
-    assert d.describe() == {"mode": "aimd", "aim_ms": pytest.approx(46.0), "client_p95_ms": None}
+    assert d.describe() == {"mode": "aimd", "aim_ms": pytest.approx(44.0), "client_p95_ms": None}
     assert SaturationDetector(8, clock=Clock(), steps=list).describe() is None
 
 
