@@ -139,6 +139,8 @@ class GuardedProtocol(HttpProtocol):
             super().connection_lost(exc)  # type: ignore[no-untyped-call]
 
     def data_received(self, data: bytes) -> None:
+        if self._refused:
+            return
         if self._reading_since is None:
             self._reading_since, self._received = monotonic(), 0
         self._received += len(data)
