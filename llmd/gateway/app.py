@@ -37,6 +37,7 @@ def create_app(node: Node, name: str = "llmd", load_models: bool = True) -> App:
     # Served with GuardedProtocol (PROTOCOL): a cap on connections, total-time limits on reading.
     app.ctx.connections = ConnectionGuard(srv.max_connections, srv.header_timeout_s, srv.body_timeout_s,
                                           srv.body_min_rate)
+    node.metrics.registry.register(app.ctx.connections)
     auth = Authenticator(config)
     # Open mode with no admin keys is a single user on loopback: the admin views are theirs.
     admin_open = config.open_mode and not config.auth.admin_keys

@@ -21,8 +21,10 @@ import asyncio
 import contextlib
 import json
 from time import monotonic
+from collections.abc import Iterable
 from typing import Any
 
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from sanic.exceptions import RequestTimeout
 from sanic.http import Stage
 from sanic.server.protocols.http_protocol import HttpProtocol
@@ -84,6 +86,16 @@ class ConnectionGuard:
         if not body:
             return self.header_timeout_s
         return self.header_timeout_s + self.body_timeout_s + received / self.body_min_rate
+
+    def collect(self) -> Iterable[Metric]:
+        """For /metrics (registered in the node's metrics registry by the app)."""
+        yield GaugeMetricFamily("llmd:connections_open", "HTTP connections open now", value=len(self.live))
+        yield CounterMetricFamily("llmd:connections_refused", "connections refused: over server.max_connections",
+                                  value=self.refused)
+        yield CounterMetricFamily("llmd:connections_reclaimed", "idle keep-alive connections closed to make room",
+                                  value=self.reclaimed)
+        yield CounterMetricFamily("llmd:requests_read_timeout", "requests cut off (408): header or body too slow",
+                                  value=self.cut)
 
     async def _watch(self) -> None:
         while True:

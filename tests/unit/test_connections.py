@@ -136,6 +136,9 @@ async def test_connections_over_the_cap_get_503_and_idle_ones_are_reclaimed(make
         for c in clients:
             await c.aclose()
     assert _guard(live).reclaimed >= 1 and _guard(live).refused == 1
+    async with httpx.AsyncClient(base_url=live.url) as h:
+        text = (await h.get("/metrics")).text
+    assert "llmd:connections_refused_total 1.0" in text and "llmd:connections_open " in text
 
 
 async def test_a_stalled_sse_reader_frees_its_seat_and_its_request_at_the_deadline(make_server, records) -> None:
