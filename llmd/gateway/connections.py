@@ -20,8 +20,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from time import monotonic
 from collections.abc import Iterable
+from time import monotonic
 from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
