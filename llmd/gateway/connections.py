@@ -29,6 +29,8 @@ from sanic.exceptions import RequestTimeout
 from sanic.http import Stage
 from sanic.server.protocols.http_protocol import HttpProtocol
 
+from llmd.telemetry import log
+
 TICK_S = 0.25  # how often open connections are checked against their limits
 ABORT_AFTER_S = 1.0  # a cut connection still open this long after its 408 is aborted
 
@@ -102,8 +104,11 @@ class ConnectionGuard:
             await asyncio.sleep(TICK_S)
             now = monotonic()
             for conn in list(self.live):
-                if conn.enforce(self, now):
-                    self.cut += 1
+                try:
+                    if conn.enforce(self, now):
+                        self.cut += 1
+                except Exception:  # one odd connection must not end the watch over all the others
+                    log.exception("connection_guard_error")
 
 
 class GuardedProtocol(HttpProtocol):
@@ -161,9 +166,13 @@ class GuardedProtocol(HttpProtocol):
     @property
     def idle(self) -> bool:
         """Between requests on a kept-alive connection: nothing is being read or answered."""
-        http = self._http
+        http = self._conn_http()
         return (self._reading_since is None and not self._handling and http is not None
                 and http.stage is Stage.IDLE and not self.recv_buffer)
+
+    def _conn_http(self) -> Any:
+        """sanic's Http for this connection; None until its connection task has set it up."""
+        return getattr(self, "_http", None)
 
     def enforce(self, guard: ConnectionGuard, now: float) -> bool:
         """Cut the request being read if it is over its time (True: it was cut now)."""
@@ -174,7 +183,7 @@ class GuardedProtocol(HttpProtocol):
         since = self._reading_since
         if since is None:
             return False
-        http = self._http
+        http = self._conn_http()
         if self._handling and not (http is not None and http.request_body):
             self._reading_since = None  # read whole: from here its deadline governs, not these limits
             return False

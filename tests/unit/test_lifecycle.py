@@ -45,9 +45,13 @@ class Ledger:
 class Settler:
     def __init__(self) -> None:
         self.settled: list[tuple[Ticket, int]] = []
+        self.refusals: list[str] = []  # tenants whose request was refused after auth (it spends their rate)
 
     def settle(self, ticket: Ticket, actual_tokens: int) -> None:
         self.settled.append((ticket, actual_tokens))
+
+    def refused(self, tenant: str) -> None:
+        self.refusals.append(tenant)
 
 
 @pytest.fixture
@@ -121,6 +125,7 @@ async def test_a_refusal_before_admission_is_logged_and_billed_without_settling(
         async with lc.request(record(model="m", idempotency_key="K")):
             raise APIError(429, "slow down", "rate_limit_error", "rate_limit_exceeded")
     assert ledger.kinds() == ["close", "record"] and settler.settled == []
+    assert settler.refusals == ["t"]  # it spends the tenant's request rate (admission's `refused`)
     assert ledger.calls[0][2]["idempotency_key"] is None  # a refused request does not use up its key
     assert observed[0]["http_status"] == 429
 
