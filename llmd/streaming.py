@@ -29,7 +29,7 @@ Emit = Callable[[str], Awaitable[None]]
 # How long a stream's terminal events may take to leave once its run is over (deadline, error):
 # a reader that stopped reading would otherwise hold the request, its quota and its connection
 # until the server's response timeout.
-TAIL_S = 1.0
+TAIL_S = 0.5
 
 
 class ReaderStalled(Exception):
