@@ -3,10 +3,14 @@ every stream must complete, the server's memory must stay flat, and the inter-to
 clients see through the gateway is reported.
 
 C streams (default 2,000) are kept in flight for --seconds (default 600): each asks for
---tokens tokens (ignore_eos) and is followed by another as soon as it ends; at the end the
-ones running finish. The fake engine takes --step-ms per step whatever the batch, so ITL
-above it is the gateway's (and this client's: both share the box). The server's RSS is
-sampled every 5 s; its growth is the least-squares slope after the warm-up (the first fifth).
+--tokens tokens (ignore_eos) and is followed by another as soon as it ends, on the same
+kept-alive connection; at the end the ones running finish. The client reads the streams over
+raw sockets (uvloop; httpx cost about as much CPU per chunk as the server, and one httpx
+process fell seconds behind 2,000 streams on this shared box, which is what its ITL then
+measured). The fake engine takes --step-ms per step whatever the batch (with 25% more seats
+than streams, so none waits for one), so ITL above it is the gateway's and this client's
+(both share the box). The server's RSS is sampled every 5 s; its growth is the least-squares
+slope after the warm-up (the first fifth).
 
     .venv/bin/python bench/soak.py                  # writes docs/benchmarks.md, "## Soak (bench/soak.py)"
     .venv/bin/python bench/soak.py --streams 200 --seconds 60 --no-write
@@ -16,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import resource
 import sys
 import tempfile
@@ -25,8 +30,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root: `bench` and `llmd`
-
-import httpx
 
 from bench.lib import report, stats
 from bench.lib.hostile_clients import RssSampler, slope_mib_per_min
@@ -89,57 +92,69 @@ def raise_fd_limit(need: int) -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (min(need, hard), hard))
 
 
-async def one_stream(c: httpx.AsyncClient, body: dict[str, object], out: Soak) -> None:
+def _request(port: int, body: bytes) -> bytes:
+    return (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n").encode() + body
+
+
+async def one_stream(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, req: bytes, out: Soak) -> bool:
+    """One stream on a kept-alive connection, read chunk by chunk; False: the connection is unusable."""
     out.started += 1
-    t_send = time.monotonic()
-    last: float | None = None
-    done = errored = False
-    try:
-        async with c.stream("POST", "/v1/completions", json=body) as r:
-            if r.status_code != 200:
-                out.fail(f"http {r.status_code}")
-                await r.aread()
-                return
-            async for raw in r.aiter_raw():
-                now = time.monotonic()
-                if b'"text"' in raw:
-                    if last is None:
-                        out.ttft.append(now - t_send)
-                    else:
-                        out.gaps.append(now - last)
-                    last = now
-                errored = errored or b'"error"' in raw
-                done = done or b"[DONE]" in raw
-    except httpx.HTTPError as e:
-        out.fail(type(e).__name__)
-        return
+    t_send = last = time.monotonic()
+    first, done, errored = True, False, False
+    writer.write(req)
+    head = await reader.readuntil(b"\r\n\r\n")
+    status = head.split(b" ", 2)[1].decode()
+    if status != "200" or b"chunked" not in head.lower():
+        out.fail(f"http {status}")
+        return False  # its body is not read: a fresh connection for the next one
+    while size := int((await reader.readuntil(b"\r\n"))[:-2], 16):
+        data = await reader.readexactly(size + 2)
+        now = time.monotonic()
+        if b'"text"' in data:
+            (out.ttft if first else out.gaps).append(now - (t_send if first else last))
+            first, last = False, now
+        errored = errored or b'"error"' in data
+        done = done or b"[DONE]" in data
+    await reader.readuntil(b"\r\n")
     if errored or not done:
         out.fail("error event" if errored else "no [DONE]")
     else:
         out.completed += 1
+    return True
 
 
-async def worker(c: httpx.AsyncClient, i: int, tokens: int, end: float, out: Soak) -> None:
-    n = 0
+async def worker(port: int, i: int, tokens: int, end: float, out: Soak) -> None:
+    n, conn = 0, None
     while time.monotonic() < end:
-        body = {"model": "fake", "prompt": f"soak {i} {n}", "max_tokens": tokens, "ignore_eos": True,
-                "stream": True}
-        await one_stream(c, body, out)
+        body = json.dumps({"model": "fake", "prompt": f"soak {i} {n}", "max_tokens": tokens, "ignore_eos": True,
+                           "stream": True}).encode()
         n += 1
+        try:
+            conn = conn or await asyncio.open_connection("127.0.0.1", port)
+            if not await one_stream(*conn, _request(port, body), out):
+                conn[1].close()
+                conn = None
+        except (OSError, asyncio.IncompleteReadError, ValueError) as e:
+            out.fail(type(e).__name__)
+            if conn is not None:
+                conn[1].close()
+            conn = None
+    if conn is not None:
+        conn[1].close()
 
 
 async def soak(srv: ServerProcess, streams: int, seconds: float, tokens: int, ramp_s: float = 20.0) -> Soak:
     out = Soak(streams, seconds)
-    limits = httpx.Limits(max_connections=streams + 16, max_keepalive_connections=streams + 16)
+    port = int(srv.url.rsplit(":", 1)[1])
     sampler = RssSampler(srv.proc.pid, every_s=5.0).start()
     t0 = time.monotonic()
-    async with httpx.AsyncClient(base_url=srv.url, limits=limits, timeout=httpx.Timeout(120, pool=None)) as c:
-        tasks = []
-        for i in range(streams):
-            tasks.append(asyncio.ensure_future(worker(c, i, tokens, t0 + seconds, out)))
-            if i % 50 == 49:
-                await asyncio.sleep(ramp_s * 50 / streams)
-        await asyncio.gather(*tasks)
+    tasks = []
+    for i in range(streams):
+        tasks.append(asyncio.ensure_future(worker(port, i, tokens, t0 + seconds, out)))
+        if i % 50 == 49:
+            await asyncio.sleep(ramp_s * 50 / streams)
+    await asyncio.gather(*tasks)
     await sampler.stop()
     out.rss, out.took = sampler.samples, time.monotonic() - t0
     return out
@@ -156,9 +171,10 @@ def section(args: argparse.Namespace, s: Soak) -> list[str]:
     g = s.gaps
     rss = [m for _, m in s.rss]
     return [SECTION, "", report.stamp(s.took), "",
-            f"`llmd serve` on the fake backend (step {args.step_ms} ms whatever the batch, {args.streams} seats); "
-            f"{args.streams} concurrent streams of {args.tokens} tokens for {args.seconds:.0f} s, each followed by "
-            "another (httpx, one process, on the same 2-core box as the server).", "",
+            f"`llmd serve` on the fake backend (step {args.step_ms} ms whatever the batch, "
+            f"{args.streams + args.streams // 4} seats); {args.streams} concurrent streams of {args.tokens} tokens "
+            f"for {args.seconds:.0f} s, each followed by another on its connection (raw sockets, one uvloop "
+            "process, on the same shared 2-core box as the server).", "",
             *report.table(["streams", "completed", "failed", "tokens/s", "ITL p50 ms", "ITL p90 ms", "ITL p99 ms",
                            "ITL max ms", "TTFT p50 ms", "TTFT p99 ms"],
                           [[s.started, s.completed, s.failed or 0, report.num((len(g) + len(s.ttft)) / s.took, 0),
@@ -175,7 +191,7 @@ def section(args: argparse.Namespace, s: Soak) -> list[str]:
 
 def serve(args: argparse.Namespace, tmp: Path) -> ServerProcess:
     raise_fd_limit(2 * args.streams + 1024)
-    toml = TOML.replace("STEP", str(args.step_ms)).replace("SEATS", str(args.streams))
+    toml = TOML.replace("STEP", str(args.step_ms)).replace("SEATS", str(args.streams + args.streams // 4))
     return start_server_process(toml, tmp, ready_timeout=60)
 
 
@@ -197,11 +213,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--streams", type=int, default=2000)
     p.add_argument("--seconds", type=float, default=600)
-    p.add_argument("--tokens", type=int, default=128)
-    p.add_argument("--step-ms", type=float, default=250.0, help="the fake engine's step time")
+    p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--step-ms", type=float, default=500.0, help="the fake engine's step time")
     p.add_argument("--no-write", dest="write", action="store_false")
     return p.parse_args(argv)
 
 
 if __name__ == "__main__":
-    sys.exit(asyncio.run(main_async(parse_args())))
+    import uvloop
+
+    sys.exit(uvloop.run(main_async(parse_args())))
