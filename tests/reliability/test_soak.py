@@ -1,6 +1,7 @@
 """The issue's soak: 2,000 concurrent streams through a real `llmd serve` (fake backend) for
 ten minutes (LLMD_SOAK_S to change it): every stream completes and the server's RSS stays
-flat (< 1 MiB/min after the warm-up); the ITL clients saw is printed. bench/soak.py runs the
+flat (< 1 MiB/min after the warm-up; a run under about five minutes is all warm-up and
+checks completion only); the ITL clients saw is printed. bench/soak.py runs the
 same and writes the figures to docs/benchmarks.md."""
 
 from __future__ import annotations
