@@ -43,6 +43,7 @@ def tenant(name: str, key_hash: str) -> str:
 
 
 def serve_refusal(tmp_path: Path, toml: str, host: str) -> str:
+    """`llmd serve`'s start-up error (without the rule under test it would serve: the timeout fails it)."""
     cfg = tmp_path / "config.toml"
     cfg.write_text(f'[server]\ndb_path = "{tmp_path / "llmd.db"}"\n{toml}')
     r = CliRunner().invoke(main, ["serve", "--config", str(cfg), "--host", host, "--port", str(free_port())])
@@ -51,22 +52,26 @@ def serve_refusal(tmp_path: Path, toml: str, host: str) -> str:
     return r.output
 
 
+@pytest.mark.timeout(60)
 def test_open_mode_on_a_non_loopback_address_is_refused(tmp_path: Path) -> None:
     out = serve_refusal(tmp_path, MODEL, non_loopback_ip())
     assert "tenants:" in out and "open mode" in out and "loopback" in out
 
 
+@pytest.mark.timeout(60)
 def test_the_demo_key_on_a_non_loopback_address_is_refused(tmp_path: Path) -> None:
     toml = "allow_plaintext = true\n" + MODEL + tenant("demo", DEMO_HASH)
     out = serve_refusal(tmp_path, toml, non_loopback_ip())
     assert "tenants[0].keys" in out and "sk-llmd-demo-change-me" in out
 
 
+@pytest.mark.timeout(60)
 def test_plaintext_on_a_non_loopback_address_is_refused(tmp_path: Path) -> None:
     out = serve_refusal(tmp_path, MODEL + tenant("a", hash_key(generate_key())), non_loopback_ip())
     assert "server.tls" in out and "allow_plaintext" in out
 
 
+@pytest.mark.timeout(60)
 def test_tls_files_are_checked_at_start(tmp_path: Path) -> None:
     missing = tmp_path / "nope.pem"
     toml = f'[server.tls]\ncert_file = "{missing}"\nkey_file = "{missing}"\n' + MODEL
