@@ -31,8 +31,8 @@ def _load(ctx: ssl.SSLContext, tls: TLSConfig, path: Path | str) -> None:
         ctx.load_cert_chain(tls.cert_file, tls.key_file)
     except ssl.SSLError as e:
         raise ConfigError(f"{path}: invalid configuration\n  server.tls.cert_file, server.tls.key_file: "
-                          f"{tls.cert_file}, {tls.key_file}: not a PEM certificate chain and its private key "
-                          f"({e.reason or e})") from None
+                          f"{tls.cert_file}, {tls.key_file}: not a PEM certificate chain with its matching private "
+                          f"key ({e.reason or e})") from None
 
 
 class ServerTLS:

@@ -37,7 +37,7 @@ output_per_mtok = {price}
 [[filters]]
 name = "words"
 type = "blocklist"
-words = ["forbidden"]
+words = ["{word}"]
 """
 
 
@@ -80,42 +80,51 @@ def works(url: str, key: str) -> bool:
     return True
 
 
+def post(url: str, key: str, prompt: str = "hi", max_tokens: int = 2) -> httpx.Response:
+    return httpx.post(url + "/v1/completions", json={"model": "fake", "prompt": prompt, "max_tokens": max_tokens},
+                      headers={"Authorization": f"Bearer {key}"}, timeout=30)
+
+
 def test_reload_swaps_tenants_keys_quotas_filters_and_prices(server) -> None:
     cfg, url, start = server
     port = int(url.rsplit(":", 1)[1])
     ka, ka2, kb = generate_key(), generate_key(), generate_key()
-    head = BASE.format(port=port, db=cfg.parent / "llmd.db", price=0.0)
-    start(head + tenant("a", [ka], "tokens_per_minute = 10000\n"))
-    assert works(url, ka) and not works(url, kb)
-    # v2: a's first key removed and a second one issued, a new tenant b with its own quota,
-    # a blocklist for a, and a price.
-    head2 = BASE.format(port=port, db=cfg.parent / "llmd.db", price=1e6)
-    cfg.write_text(head2 + tenant("a", [ka2], 'output_filters = ["words"]\ninput_filters = ["words"]\n')
-                   + tenant("b", [kb], "tokens_per_minute = 20000\n"))
-    r = llmd_reload(cfg)
-    assert r.returncode == 0 and "reloaded" in r.stdout, r.stdout + r.stderr
+    a_filters = 'input_filters = ["words"]\n'
+
+    def config(price: float, word: str) -> str:
+        return BASE.format(port=port, db=cfg.parent / "llmd.db", price=price, word=word)
+
+    start(config(0.0, "alpha") + tenant("a", [ka, ka2], a_filters + "tokens_per_minute = 10000\n"))
+    assert works(url, ka) and works(url, ka2) and not works(url, kb)
+    r = post(url, ka2, "a forbidden word")
+    assert r.status_code == 200 and r.headers["x-ratelimit-limit-tokens"] == "10000"
+    # v2: key ka removed, tenant b new, a's quota raised, the blocklist's words changed, a price set.
+    v2 = config(1e6, "forbidden") + tenant("a", [ka2], a_filters + "tokens_per_minute = 30000\n") \
+        + tenant("b", [kb], "tokens_per_minute = 20000\n")
+    cfg.write_text(v2)
+    done = llmd_reload(cfg)
+    assert done.returncode == 0 and "reloaded" in done.stdout, done.stdout + done.stderr
     assert not works(url, ka) and works(url, ka2) and works(url, kb)
-    h = httpx.post(url + "/v1/completions", json={"model": "fake", "prompt": "hi", "max_tokens": 3},
-                   headers={"Authorization": f"Bearer {kb}"}, timeout=30)
-    assert h.status_code == 200 and h.headers["x-ratelimit-limit-tokens"] == "20000"
-    h = httpx.post(url + "/v1/completions", json={"model": "fake", "prompt": "a forbidden word"},
-                   headers={"Authorization": f"Bearer {ka2}"}, timeout=30)
-    assert h.status_code == 400 and h.json()["error"]["code"] == "content_filter"
+    assert post(url, ka2).headers["x-ratelimit-limit-tokens"] == "30000"
+    assert post(url, kb, max_tokens=3).headers["x-ratelimit-limit-tokens"] == "20000"
+    r = post(url, ka2, "a forbidden word")
+    assert r.status_code == 400 and r.json()["error"]["code"] == "content_filter"
     rows = httpx.get(url + "/v1/usage?rows=1", headers={"Authorization": f"Bearer {kb}"}, timeout=30).json()["data"]
-    assert sorted(round(r["cost"], 6) for r in rows) == [2.0, 3.0]  # 1 per output token, after the reload
-    # v3 does not validate: refused whole, named, and the v2 keys still work.
-    cfg.write_text(head2 + tenant("a", [ka], "weight = -1\n") + tenant("b", [kb]))
-    r = llmd_reload(cfg)
-    assert r.returncode != 0 and "tenants[0].weight" in r.stderr and str(cfg) in r.stderr, r.stderr
-    assert "unchanged" in r.stderr
+    assert sorted(round(x["cost"], 6) for x in rows) == [2.0, 3.0]  # 1 per output token: the new price
+    # v3 does not validate: refused whole, named, and v2 stays in force.
+    cfg.write_text(config(0.0, "alpha") + tenant("a", [ka], "weight = -1\n") + tenant("b", [kb]))
+    refused = llmd_reload(cfg)
+    assert refused.returncode != 0 and "tenants[0].weight" in refused.stderr, refused.stderr
+    assert str(cfg) in refused.stderr and "unchanged" in refused.stderr and "Traceback" not in refused.stderr
     assert works(url, ka2) and works(url, kb) and not works(url, ka)
+    assert post(url, ka2, "a forbidden word").status_code == 400
     log = (cfg.parent / "server.log").read_text()
     assert "config_reloaded" in log and "config_reload_refused" in log and "tenants[0].weight" in log
 
 
 def test_reload_without_a_server_says_so(tmp_path: Path) -> None:
     cfg = tmp_path / "config.toml"
-    cfg.write_text(BASE.format(port=1, db=tmp_path / "llmd.db", price=0))
+    cfg.write_text(BASE.format(port=1, db=tmp_path / "llmd.db", price=0, word="x"))
     r = llmd_reload(cfg)
     assert r.returncode != 0 and "llmd.pid" in r.stderr and "Traceback" not in r.stderr
 
