@@ -7,6 +7,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
+import tomllib
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -20,7 +21,7 @@ from llmd.config import Config, ConfigError
 from llmd.node import build_node
 from llmd.policy.admission import AdmissionController
 from llmd.reload import merge
-from tests.conftest import REPO, free_port
+from tests.conftest import REPO, fake_toml, free_port
 
 BASE = """
 [server]
@@ -182,3 +183,14 @@ def test_admission_takes_new_limits_and_keeps_what_was_used() -> None:
     lowered = Config.model_validate({"models": MODELS, "tenants": [{"name": "t", "tokens_per_minute": 20}]}).tenants
     ac.reconfigure(lowered)
     assert ac.limits(lowered[0]).tokens_remaining == 20  # capped at the new capacity
+
+
+async def test_reload_reaches_the_fair_queues(make_server) -> None:
+    key = generate_key()
+    live = await make_server(fake_toml() + tenant("a", [key], "weight = 1.0\n"))
+    before = live.runtime()
+    notes = live.node.reload(Config.model_validate(tomllib.loads(fake_toml() + tenant("a", [key], "weight = 4.0\n")
+                                                                  + tenant("b", [generate_key()], "weight = 2.0\n"))))
+    # The test server's port and db_path are not in this file: a note says [server] waits for a restart.
+    assert notes == ["[server] changes apply at the next start"] and live.runtime() is before
+    assert [c.fairness.weights for c in before.queue.classes.values()] == [{"a": 4.0, "b": 2.0}] * 2
