@@ -185,3 +185,10 @@ async def test_without_a_metrics_key_metrics_stay_open(make_server) -> None:
     async with httpx.AsyncClient(base_url=live.url) as h:
         assert (await h.get("/metrics")).status_code == 200
         assert "models" in (await h.get("/ready")).json()
+
+
+def test_keys_new_prints_a_metrics_key_line() -> None:
+    res = CliRunner().invoke(main, ["keys", "new", "prometheus", "--metrics"])
+    assert res.exit_code == 0, res.output
+    key = res.stdout.strip()
+    assert f'metrics_keys = ["{hash_key(key)}"]' in res.stderr and "[auth]" in res.stderr
