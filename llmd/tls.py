@@ -23,12 +23,17 @@ def _context() -> ssl.SSLContext:
 def _load(ctx: ssl.SSLContext, tls: TLSConfig, path: Path | str) -> None:
     for key, file in (("cert_file", tls.cert_file), ("key_file", tls.key_file)):
         try:
-            file.read_bytes()
+            text = file.read_bytes()
         except OSError as e:
             raise ConfigError(f"{path}: invalid configuration\n  server.tls.{key}: {file}: "
                               f"{e.strerror or e}") from None
+        if key == "key_file" and b"ENCRYPTED" in text:  # OpenSSL would prompt on the terminal for it
+            raise ConfigError(f"{path}: invalid configuration\n  server.tls.key_file: {file}: the key is encrypted "
+                              "with a passphrase, which a server cannot type; store it decrypted, readable only "
+                              "by llmd's user (`openssl pkey -in KEY -out KEY.plain`)")
     try:
-        ctx.load_cert_chain(tls.cert_file, tls.key_file)
+        # No password: an encrypted key that slipped past the check fails rather than prompts.
+        ctx.load_cert_chain(tls.cert_file, tls.key_file, password=lambda: b"")
     except ssl.SSLError as e:
         raise ConfigError(f"{path}: invalid configuration\n  server.tls.cert_file, server.tls.key_file: "
                           f"{tls.cert_file}, {tls.key_file}: not a PEM certificate chain with its matching private "
@@ -53,5 +58,5 @@ class ServerTLS:
 
     def apply(self, tls: TLSConfig) -> None:
         """Load a checked pair into the live context: the next handshake presents it."""
-        self.context.load_cert_chain(tls.cert_file, tls.key_file)
+        self.context.load_cert_chain(tls.cert_file, tls.key_file, password=lambda: b"")
         self.config = tls

@@ -23,7 +23,7 @@ from bench.lib.servers import spawn, stop, wait_ready
 from llmd.auth import generate_key, hash_key
 from llmd.reload import Report
 from tests.conftest import free_port
-from tests.unit.test_exposure import non_loopback_ip
+from tests.unit.test_exposure import MODEL, non_loopback_ip, serve_refusal
 
 TOML = """
 [server]
@@ -153,3 +153,18 @@ def test_a_renewed_certificate_is_served_after_sighup(tmp_path: Path) -> None:
         assert srv.proc.poll() is None and srv.pid() == pid  # type: ignore[attr-defined]
         logged = [json.loads(x) for x in (tmp_path / "server.log").read_text().splitlines() if "config_reload" in x]
         assert [x["event"] for x in logged] == ["config_reloaded", "config_reload_refused"]
+
+
+@pytest.mark.timeout(60)
+def test_an_encrypted_key_is_refused_at_start_not_prompted_for(tmp_path: Path) -> None:
+    from cryptography.hazmat.primitives import serialization
+
+    leaf = trustme.CA().issue_cert("127.0.0.1")
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    cert.write_bytes(b"".join(b.bytes() for b in leaf.cert_chain_pems))
+    pkey = serialization.load_pem_private_key(leaf.private_key_pem.bytes(), None)
+    key.write_bytes(pkey.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                       serialization.BestAvailableEncryption(b"secret")))
+    toml = f'[server.tls]\ncert_file = "{cert}"\nkey_file = "{key}"\n' + MODEL
+    out = serve_refusal(tmp_path, toml, "127.0.0.1")
+    assert "server.tls.key_file" in out and str(key) in out and "passphrase" in out
