@@ -24,6 +24,21 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+class TLSConfig(_Strict):
+    """`[server.tls]`: the certificate chain and private key (PEM files), checked at start and
+    read again on SIGHUP (`llmd reload`), so a renewed certificate needs no restart."""
+
+    cert_file: Path
+    key_file: Path
+
+    @field_validator("cert_file", "key_file")
+    @classmethod
+    def _readable(cls, p: Path) -> Path:
+        if not p.is_file():
+            raise ValueError(f"{p}: no such file")
+        return p
+
+
 class ServerConfig(_Strict):
     host: str = "127.0.0.1"
     port: Annotated[int, Field(ge=0, le=65535)] = 8000
@@ -37,6 +52,10 @@ class ServerConfig(_Strict):
     node: str = Field(default_factory=socket.gethostname)
     # How long an idempotent run waits for a reader to reconnect before it is cancelled.
     resume_grace_s: Annotated[float, Field(ge=0)] = 10.0
+    # HTTPS; without it a non-loopback host is refused unless allow_plaintext says a proxy in
+    # front terminates TLS (docs/deploy.md).
+    tls: TLSConfig | None = None
+    allow_plaintext: bool = False
 
     @model_validator(mode="after")
     def _deadlines(self) -> ServerConfig:
@@ -299,3 +318,6 @@ class TenantConfig(_Strict):
 
 class AuthConfig(_Strict):
     admin_keys: list[Annotated[str, Field(pattern=KEY_HASH)]] = Field(default_factory=list)
+    # Set: /metrics needs one of these keys (or an admin key), and /ready answers only its status
+    # without one: tenant names and costs are business data.
+    metrics_keys: list[Annotated[str, Field(pattern=KEY_HASH)]] = Field(default_factory=list)

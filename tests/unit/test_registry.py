@@ -252,7 +252,8 @@ async def test_malformed_admin_requests_get_clear_errors(make_server, tmp_path: 
     live = await make_server(toml(tmp_path, v1), ws)
     async with admin(live) as h:
         cases = [
-            (h.post("/admin/models/m/versions", content=b"{not json"), 400, "invalid_json"),
+            (h.post("/admin/models/m/versions", content=b"{not json", headers={"content-type": "application/json"}),
+             400, "invalid_json"),
             (h.post("/admin/models/m/versions", json={}), 400, None),
             (h.post("/admin/models/m/versions", json={"version": v2, "cpu_threads_bind": 3}), 400, None),
             (h.put("/admin/models/m/split", json={"weights": []}), 400, None),
