@@ -69,6 +69,14 @@ class RequestLife:
         return self.ticket is not None
 
     @property
+    def used_key(self) -> bool:
+        """Whether the request used up its Idempotency-Key (its outcome is kept for replay): it
+        was admitted and ran. One refused, cancelled, or failed before its first token (a 504
+        dropped from the queue, a 503 engine dead) did not run: a retry with the key runs anew."""
+        r = self.record
+        return self.admitted and r.status != "cancelled" and (r.http_status < 500 or r.t_first_token is not None)
+
+    @property
     def live(self) -> bool:
         """Still this owner's to end (not ended, handed off or dropped)."""
         return self._state == "live"
@@ -115,12 +123,21 @@ class RequestLife:
             self._state = "ended"
             self.owner.ended(self)
 
+    async def finish(self) -> None:
+        """End now and wait until the ledger row's close is committed: called before a response's
+        final event or body is sent, so a client that received a whole response is billed even
+        if the server dies the next moment (a crash before this leaves the row to recovery)."""
+        self.end()
+        if self.owner.commit_first:
+            await self.owner.ledger.flush()
+
 
 class Lifecycle:
     """Opens request lives and ends them: quota, log line, metrics, ledger, exactly once."""
 
     def __init__(self, ledger: Ledger, admission: Settler, observe: Callable[[dict[str, Any]], None]) -> None:
         self.ledger = ledger
+        self.commit_first = True  # RequestLife.finish waits for the commit (off: bench/metering.py's baseline)
         self._admission = admission
         self._observe = observe
 
@@ -163,6 +180,7 @@ class Lifecycle:
             model=rec.model, version=rec.version, prompt_tokens=rec.prompt_tokens,
             cached_tokens=rec.cached_prompt_tokens, output_tokens=rec.output_tokens, t_arrival=rec.ts,
             t_first_token=first, t_end=time.time(), priority_class=rec.priority_class,
-            # A request refused before it ran does not consume its idempotency key.
+            # The key of every admitted request (it bills once per key only while the idempotency
+            # store keeps its outcome: `used_key`), none for one refused before admission.
             idempotency_key=rec.idempotency_key if life.admitted else None, cost_multiplier=rec.price_multiplier)
         self.ledger.record_request(d)

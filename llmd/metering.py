@@ -64,6 +64,11 @@ MIGRATIONS: list[str] = [
     """DROP INDEX usage_idempotency;
     CREATE UNIQUE INDEX usage_idempotency ON usage(tenant, idempotency_key)
         WHERE idempotency_key IS NOT NULL AND status != 'cancelled';""",
+    # 5: a key bills once while its outcome is kept for replay (the idempotency store, `server.
+    #    idempotency_ttl_s`); reused after that, it is a new request that must bill its own run.
+    #    Unique here, the second close failed and left that row open and unbilled.
+    """DROP INDEX usage_idempotency;
+    CREATE INDEX usage_idempotency ON usage(tenant, idempotency_key) WHERE idempotency_key IS NOT NULL;""",
 ]
 SCHEMA_VERSION = len(MIGRATIONS)
 BATCH_WINDOW_S = 0.1  # longest a queued op waits (bench/metering.py: fewer round trips)
@@ -73,8 +78,7 @@ _ALIASES = {"cached_tokens": "cached_prompt_tokens", "queue_s": "queue_time_s", 
 _LOG_KEYS = tuple(_ALIASES.get(c, c) for c in REQUEST_COLS)  # as_log() names, in column order
 _TS = REQUEST_COLS.index("ts")
 # Within a batch ops apply by kind in this order (stable within a kind): each kind is one
-# statement, and a request's open < progress < close order is kept. (An idempotency key is
-# written only by close, so a cancelled run's freed key can be reused in the same batch.)
+# statement, and a request's open < progress < close order is kept.
 _ORDER = ("open", "progress", "close", "record")
 WRITER_RESTARTS = 3  # a batch is resent to a fresh writer process this many times
 

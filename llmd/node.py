@@ -87,7 +87,8 @@ def build_node(config: Config, store: WeightStore | None = None, ledger: Ledger 
     lifecycle = Lifecycle(ledger, admission, metrics.observe)
     filters = Filters(config, Guard(lambda model: service.route(model).backend))
     service = Service(config.server.node, registry, admission, filters, degraders(config.models))
-    runs = IdempotentRuns(IdempotencyStore(db.with_suffix(".idempotency.db")), lifecycle, config.server.resume_grace_s)
+    runs = IdempotentRuns(IdempotencyStore(db.with_suffix(".idempotency.db"), config.server.idempotency_ttl_s),
+                          lifecycle, config.server.resume_grace_s)
     batches = BatchStore(db.with_suffix(".batches.db"), config.batch.data_dir or _files_dir(db))
     runner = BatchRunner(batches, config, lifecycle, service)
     return Node(config, ledger, registry, admission, metrics, lifecycle, service, runs, batches, runner)

@@ -72,8 +72,10 @@ async def complete(job: Job, req: ChatRequest | CompletionRequest) -> dict[str, 
     except TimeoutError:
         raise dispatch.deadline_error(job) from None
     obj = "chat.completion" if shape.chat else "text_completion"
-    return responses.body(shape.rid, obj, shape.model, shape.created, [o.body_choice() for o in outs],
+    body = responses.body(shape.rid, obj, shape.model, shape.created, [o.body_choice() for o in outs],
                           shape.usage())
+    await job.life.finish()  # billed (committed) before the body leaves
+    return body
 
 
 async def _all(runs: Any) -> None:
@@ -181,6 +183,7 @@ async def pump(job: Job, req: ChatRequest | CompletionRequest, emit: Emit) -> No
     job.record.finish_reason = job.record.finish_reason or "error"
     with contextlib.suppress(Exception):
         await emit(dumps(err.body()))
+    await job.life.finish()
     await emit(DONE)
 
 
@@ -199,4 +202,5 @@ async def _stream(job: Job, req: ChatRequest | CompletionRequest, shape: _Shape,
         await emit(f'{shape._head}],"usage":{dumps(shape.usage())}}}')
     if stopped is not None:
         await emit(dumps(stopped.body()))
+    await job.life.finish()  # billed (committed) before the final event leaves
     await emit(DONE)

@@ -37,6 +37,9 @@ class ServerConfig(_Strict):
     node: str = Field(default_factory=socket.gethostname)
     # How long an idempotent run waits for a reader to reconnect before it is cancelled.
     resume_grace_s: Annotated[float, Field(ge=0)] = 10.0
+    # How long a finished idempotent run's outcome is kept for replay (OpenAI and Stripe: 24 h);
+    # the same key after that is a new request, run and billed again.
+    idempotency_ttl_s: Annotated[float, Field(gt=0)] = 24 * 3600.0
 
     @model_validator(mode="after")
     def _deadlines(self) -> ServerConfig:
