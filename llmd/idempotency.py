@@ -84,6 +84,9 @@ class LiveRun:
         self.events.append(payload)
         self._changed.set()
 
+    async def append_async(self, payload: str) -> None:
+        self.append(payload)
+
     def finish(self, outcome: Outcome) -> None:
         if outcome.events and not self.events:
             self.events = list(outcome.events)  # a stored stream being replayed
@@ -144,6 +147,12 @@ class IdempotencyStore:
             "CREATE TABLE IF NOT EXISTS idempotency (tenant TEXT NOT NULL, key TEXT NOT NULL,"
             " request_hash TEXT NOT NULL,"
             " outcome TEXT NOT NULL, created_at REAL NOT NULL, PRIMARY KEY (tenant, key))")
+        async with self._db.execute("PRAGMA table_info(idempotency)") as cur:
+            cols = {row[1] for row in await cur.fetchall()}
+        if "request_id" not in cols:  # a store from before the ledger read its finals
+            await self._db.execute("ALTER TABLE idempotency ADD COLUMN request_id TEXT")
+            await self._db.execute("ALTER TABLE idempotency ADD COLUMN final TEXT")
+        await self._db.execute("CREATE INDEX IF NOT EXISTS idempotency_request ON idempotency(request_id)")
         await self.purge()
         self._purger = asyncio.get_running_loop().create_task(self._purge_every(), name="idempotency-purge")
 
@@ -183,13 +192,31 @@ class IdempotencyStore:
             row = await cur.fetchone()
         return (row[0], Outcome.from_json(row[1])) if row else None
 
-    async def save(self, key: tuple[str, str], req_hash: str, outcome: Outcome) -> None:
+    async def save(self, key: tuple[str, str], req_hash: str, outcome: Outcome, request_id: str | None = None,
+                   final: tuple[str, int, int, int] | None = None) -> None:
+        """Keep `outcome`, with the ledger close it comes with (`RequestLife.final`)."""
         assert self._db is not None
         await self._db.execute(
-            "INSERT OR REPLACE INTO idempotency (tenant, key, request_hash, outcome, created_at)"
-            " VALUES (?, ?, ?, ?, ?)",
-            (key[0], key[1], req_hash, outcome.to_json(), time.time()))
+            "INSERT OR REPLACE INTO idempotency (tenant, key, request_hash, outcome, created_at, request_id, final)"
+            " VALUES (?, ?, ?, ?, ?, ?, ?)",
+            (key[0], key[1], req_hash, outcome.to_json(), time.time(), request_id,
+             json.dumps(final) if final is not None else None))
         await self._db.commit()
+
+    async def finals(self, request_ids: list[str]) -> dict[str, tuple[str, int, int, int]]:
+        """The final numbers stored with these requests' outcomes: the ledger's crash recovery
+        closes a row with them when the outcome was kept but the close not yet committed."""
+        assert self._db is not None
+        out: dict[str, tuple[str, int, int, int]] = {}
+        for i in range(0, len(request_ids), 500):
+            part = request_ids[i:i + 500]
+            async with self._db.execute(
+                    f"SELECT request_id, final FROM idempotency WHERE final IS NOT NULL AND request_id IN "
+                    f"({','.join('?' * len(part))})", part) as cur:
+                for rid, final in await cur.fetchall():
+                    status, p, c, o = json.loads(final)
+                    out[rid] = (str(status), int(p), int(c), int(o))
+        return out
 
 
 def conflict() -> APIError:
@@ -275,23 +302,24 @@ class IdempotentRuns:
             return
         run.kept = True
         with contextlib.suppress(Exception):
-            await self.store.save(run.key, run.req_hash, outcome)
+            await self.store.save(run.key, run.req_hash, outcome, life.record.request_id, life.final())
 
     async def _generate(self, life: RequestLife, run: LiveRun, req: ChatRequest | CompletionRequest,
                         job: Job) -> Outcome:
-        """The outcome is stored before its readers see its end (the body, or `[DONE]`), after
-        the ledger's commit (`RequestLife.finish`): a client that got a whole response and
-        retries replays it, even across a crash, and is not billed again."""
+        """The outcome is stored, then the ledger's close committed (`RequestLife.finish`), then
+        its readers see its end (the body, or `[DONE]`): a client that got a whole response and
+        retries replays it, even across a crash, and is billed once; a crash between the two
+        commits is closed by the next start with the outcome's numbers (`IdempotencyStore.finals`)."""
         run.headers = dict(job.headers)
         if not req.stream:
             outcome = Outcome(200, run.headers, await streaming.complete(job, req))
             await self._keep(life, run, outcome)
+            await life.finish()
             return outcome
 
-        async def emit(payload: str) -> None:
-            if payload == streaming.DONE:
-                await self._keep(life, run, Outcome(200, run.headers, None, [*run.events, payload]))
-            run.append(payload)
+        async def keep_stream() -> None:
+            await self._keep(life, run, Outcome(200, run.headers, None, [*run.events, streaming.DONE]))
 
-        await streaming.pump(job, req, emit)
+        life.before_commit = keep_stream  # pump finishes the life before it emits [DONE]
+        await streaming.pump(job, req, run.append_async)
         return Outcome(200, run.headers, None, list(run.events))

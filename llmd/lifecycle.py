@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -61,6 +61,8 @@ class RequestLife:
     owner: Lifecycle
     ticket: Ticket | None = None  # the admission reservation, once admitted
     last_progress: float = 0.0
+    # Awaited by `finish` before the ledger's commit: an idempotent run stores its outcome there.
+    before_commit: Callable[[], Awaitable[None]] | None = None
     _outcome: bool = False  # an outcome was recorded; later ones are ignored
     _state: str = "live"  # live | handed_off | dropped | ended
 
@@ -111,7 +113,7 @@ class RequestLife:
         """Give the life to a new owner (who must run it in `Lifecycle.own`); this owner leaves it."""
         assert self._state == "live", self._state
         self._state = "handed_off"
-        return RequestLife(self.record, self.owner, self.ticket, self.last_progress, self._outcome)
+        return RequestLife(self.record, self.owner, self.ticket, self.last_progress, _outcome=self._outcome)
 
     def drop(self) -> None:
         """Leave no trace: no log line, no ledger row (the request was not really one)."""
@@ -123,10 +125,18 @@ class RequestLife:
             self._state = "ended"
             self.owner.ended(self)
 
+    def final(self) -> tuple[str, int, int, int]:
+        """(ledger status, prompt, cached, output tokens): what its close will say, kept with an
+        idempotent outcome so that crash recovery closes the row with them."""
+        r = self.record
+        return LEDGER_STATUS.get(r.status, r.status), r.prompt_tokens, r.cached_prompt_tokens, r.output_tokens
+
     async def finish(self) -> None:
         """End now and wait until the ledger row's close is committed: called before a response's
         final event or body is sent, so a client that received a whole response is billed even
         if the server dies the next moment (a crash before this leaves the row to recovery)."""
+        if self.live and self.before_commit is not None:
+            await self.before_commit()
         self.end()
         if self.owner.commit_first:
             await self.owner.ledger.flush()

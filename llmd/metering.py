@@ -20,6 +20,7 @@ import asyncio
 import datetime as dt
 import sqlite3
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -81,6 +82,9 @@ _TS = REQUEST_COLS.index("ts")
 # statement, and a request's open < progress < close order is kept.
 _ORDER = ("open", "progress", "close", "record")
 WRITER_RESTARTS = 3  # a batch is resent to a fresh writer process this many times
+# Request id -> (status, prompt, cached, output tokens) known elsewhere for rows a crash left
+# open: an idempotent run's outcome is stored with them just before its close is committed.
+Finals = Callable[[list[str]], Awaitable[dict[str, tuple[str, int, int, int]]]]
 
 
 @dataclass
@@ -113,15 +117,16 @@ class Ledger:
         self._stopping = False
 
     # -- lifecycle -------------------------------------------------------------------------
-    async def start(self) -> int:
-        """Open, migrate, close rows a crash left open as `interrupted`, start the writer
-        process; returns how many rows were interrupted."""
+    async def start(self, finals: Finals | None = None) -> int:
+        """Open, migrate, close rows a crash left open (as `interrupted` with the tokens last
+        saved, or with their final numbers where `finals` knows them), start the writer
+        process; returns how many rows were closed so."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
         async with aiosqlite.connect(self.path, isolation_level=None) as db:
             await db.execute("PRAGMA journal_mode=WAL")
             await db.execute("PRAGMA busy_timeout=5000")
             await self._migrate(db)
-            interrupted = await self._recover(db)
+            interrupted = await self._recover(db, finals)
         self._ro = await aiosqlite.connect(self.path)
         self._ro.row_factory = aiosqlite.Row
         await self._ro.execute("PRAGMA query_only=ON")
@@ -160,15 +165,19 @@ class Ledger:
                 raise
             log.info("usage_schema_migrated", version=v)
 
-    async def _recover(self, db: aiosqlite.Connection) -> int:
+    async def _recover(self, db: aiosqlite.Connection, finals: Finals | None) -> int:
         now = time.time()
-        async with db.execute("SELECT request_id, model, prompt_tokens, output_tokens, cost_multiplier "
-                              "FROM usage WHERE status = 'open'") as cur:
-            rows = await cur.fetchall()
-        params = [(self._price(m).cost(p, o, k), now, rid) for rid, m, p, o, k in rows]
+        async with db.execute("SELECT request_id, model, prompt_tokens, cached_tokens, output_tokens, "
+                              "cost_multiplier FROM usage WHERE status = 'open'") as cur:
+            rows = list(await cur.fetchall())
+        known = await finals([r[0] for r in rows]) if finals is not None and rows else {}
+        params = []
+        for rid, m, saved_p, saved_c, saved_o, k in rows:
+            status, p, c, o = known.get(rid) or ("interrupted", saved_p, saved_c, saved_o)
+            params.append((status, p, c, o, self._price(m).cost(p, o, k), now, rid))
         await db.execute("BEGIN")
-        await db.executemany("UPDATE usage SET status = 'interrupted', cost = ?, closed_at = ? "
-                             "WHERE request_id = ? AND status = 'open'", params)
+        await db.executemany("UPDATE usage SET status = ?, prompt_tokens = ?, cached_tokens = ?, output_tokens = ?, "
+                             "cost = ?, closed_at = ? WHERE request_id = ? AND status = 'open'", params)
         await db.execute("COMMIT")
         return len(params)
 

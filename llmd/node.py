@@ -1,8 +1,9 @@
 """The one wiring point: every collaborator of a node is built here, and each is handed
 only the narrow things it uses (the ledger, the registry, the lifecycle), never the node.
 
-`build_node` constructs; `Node.open` opens the stores (the ledger first, so rows a crash
-left open are closed as `interrupted` before anything runs) and resumes unfinished
+`build_node` constructs; `Node.open` opens the stores (the idempotency store, then the
+ledger, so rows a crash left open are closed, as `interrupted` or with the numbers an
+idempotent outcome kept, before anything runs) and resumes unfinished
 batches; `Node.load` loads the models; `Node.close` stops it all in the reverse order.
 """
 
@@ -48,10 +49,10 @@ class Node:
     batch_runner: BatchRunner
 
     async def open(self) -> None:
-        recovered = await self.ledger.start()
+        await self.runs.store.start()  # first: the ledger's recovery reads the finals kept with outcomes
+        recovered = await self.ledger.start(self.runs.store.finals)
         if recovered:
             log.warning("ledger_recovered", interrupted_rows=recovered)
-        await self.runs.store.start()
         await self.registry.store.start()
         await self.batches.start()
         await self.batch_runner.start()  # unfinished batches resume (their items wait for the models)

@@ -55,7 +55,8 @@ class _Shape:
 
 
 async def complete(job: Job, req: ChatRequest | CompletionRequest) -> dict[str, Any]:
-    """The non-streaming response body; raises APIError (deadline, engine failure)."""
+    """The non-streaming response body; raises APIError (deadline, engine failure). The caller
+    sends it only after `job.life.finish()` (the usage committed first)."""
     shape = _Shape(job, req)
     outs = [ChoiceOutput(job, c, shape.chat) for c in job.choices]
 
@@ -72,10 +73,8 @@ async def complete(job: Job, req: ChatRequest | CompletionRequest) -> dict[str, 
     except TimeoutError:
         raise dispatch.deadline_error(job) from None
     obj = "chat.completion" if shape.chat else "text_completion"
-    body = responses.body(shape.rid, obj, shape.model, shape.created, [o.body_choice() for o in outs],
+    return responses.body(shape.rid, obj, shape.model, shape.created, [o.body_choice() for o in outs],
                           shape.usage())
-    await job.life.finish()  # billed (committed) before the body leaves
-    return body
 
 
 async def _all(runs: Any) -> None:

@@ -81,6 +81,7 @@ async def _generate(request: Request, node: Node, principal: Authenticate,
         job = await node.service.admit(life, req, who, deadline_s, klass, conversation)
         if not req.stream:
             body = await streaming.complete(job, req)
+            await life.finish()  # billed (committed) before the body leaves
             return json_response(body, headers=_headers(request, job))
         await _stream_inline(request, job, req)
         return None

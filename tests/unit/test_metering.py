@@ -141,6 +141,40 @@ async def test_crash_recovery(tmp_path: Path) -> None:
     assert _count(path) == 20
 
 
+async def test_recovery_closes_with_the_finals_an_idempotent_outcome_kept(tmp_path: Path) -> None:
+    """An idempotent run stores its outcome (with its final numbers) just before its close is
+    committed: a crash between the two is closed by the next start with those numbers."""
+    path = tmp_path / "llmd.db"
+    led = Ledger(path, "node-a", PRICES)
+    await led.start()
+    for rid in ("kept", "lost"):
+        _open(led, rid)
+        led.progress(rid, output_tokens=3, cached_tokens=0)
+    await led.flush()
+    led._task.cancel()  # the process dies before the closes
+    with pytest.raises(asyncio.CancelledError):
+        await led._task
+    led._proc.kill()
+    asked: list[list[str]] = []
+
+    async def finals(ids: list[str]) -> dict[str, tuple[str, int, int, int]]:
+        asked.append(sorted(ids))
+        return {"kept": ("ok", 100, 7, 40)}
+
+    led2 = Ledger(path, "node-a", PRICES)
+    assert await led2.start(finals) == 2
+    try:
+        rows = {r["request_id"]: r for r in await led2.rows(limit=10)}
+    finally:
+        await led2.stop()
+        await led._ro.close()
+    assert asked == [["kept", "lost"]]
+    kept, lost = rows["kept"], rows["lost"]
+    assert (kept["status"], kept["output_tokens"], kept["cached_tokens"]) == ("ok", 40, 7)
+    assert kept["cost"] == pytest.approx((100 + 40 * 2.0) / 1e6)
+    assert (lost["status"], lost["output_tokens"]) == ("interrupted", 3)
+
+
 async def test_reopening_an_interrupted_row_bills_the_rerun_once(tmp_path: Path) -> None:
     """A Batch API item interrupted by a crash runs again under the same id: its open reopens
     the `interrupted` row (not a second row) and its close bills that run; any other row
