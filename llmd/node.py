@@ -90,7 +90,9 @@ def build_node(config: Config, store: WeightStore | None = None, ledger: Ledger 
     service = Service(config.server.node, registry, admission, filters, degraders(config.models))
     runs = IdempotentRuns(IdempotencyStore(db.with_suffix(".idempotency.db"), config.server.idempotency_ttl_s),
                           lifecycle, config.server.resume_grace_s)
-    batches = BatchStore(db.with_suffix(".batches.db"), config.batch.data_dir or _files_dir(db))
+    ttl = config.batch.file_ttl_days
+    batches = BatchStore(db.with_suffix(".batches.db"), config.batch.data_dir or _files_dir(db),
+                         ttl * 86400 if ttl is not None else None)
     runner = BatchRunner(batches, config, lifecycle, service)
     return Node(config, ledger, registry, admission, metrics, lifecycle, service, runs, batches, runner)
 
