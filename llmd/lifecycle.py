@@ -6,6 +6,8 @@ and runs inside it. The first outcome recorded wins (a stream's terminal error, 
 stop, a stop that interrupts a batch item); an exception that escapes the block is the
 outcome otherwise. On leaving the block the life ends once: the tenant's quota is settled
 with what the request used, the record is logged and counted, the ledger row is closed.
+A response's last event or body is sent only after `finish()`: the life ends early and its
+close is committed first, so whatever a client received whole is billed.
 A life is either ended by its owner, handed to a new owner (an idempotent run's task), or
 dropped without a trace (a retry that attaches to, or replays, a run that already exists;
 a batch item refused before admission, which will be retried).

@@ -6,8 +6,10 @@ takes everything queued at once (a swap, no per-op work on the serving loop) and
 a writer process (llmd/ledger_writer.py, which says why a process) that
 commits it as ONE transaction (WAL, synchronous=NORMAL). A request's row is opened at
 admission, updated with progress about once a second, and closed (an UPSERT, so requests
-refused before admission get a row too). After a crash the next start() closes every row
-still open as `interrupted` with the tokens last recorded, so at most one progress
+refused before admission get a row too). A request's close is committed before its response
+ends (`RequestLife.finish` waits on `flush()`). After a crash the next start() closes every
+row still open: with the final numbers an idempotent run stored with its outcome just before
+(`Finals`), else as `interrupted` with the tokens last recorded, so at most one progress
 interval of output goes unbilled and nothing is billed twice.
 
 All times are wall-clock epoch seconds (time.time()); RequestRecord keeps monotonic times
