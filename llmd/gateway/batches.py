@@ -86,10 +86,10 @@ def _file_routes(app: App, sc: _Scope) -> None:
     @app.get("/v1/files/<file_id:str>/content")
     async def file_content(request: Request, file_id: str) -> ResponseStream:
         f = await sc.file_or_404(sc.tenant_of(request), file_id)
-        try:  # streamed from disk in chunks, never read whole
-            return await file_stream(sc.store.file_path(f["id"]), mime_type="application/jsonl")
-        except OSError:
-            raise not_found(f"the content of {file_id} is gone", "file_not_found", "file_id") from None
+        path = sc.store.file_path(f["id"])
+        if not path.is_file():  # the response streams it later: a missing file must be a 404 now
+            raise not_found(f"the content of {file_id} is gone", "file_not_found", "file_id")
+        return await file_stream(path, mime_type="application/jsonl")  # in chunks, never read whole
 
     @app.delete("/v1/files/<file_id:str>")
     async def delete_file(request: Request, file_id: str) -> HTTPResponse:
