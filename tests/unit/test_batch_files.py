@@ -119,3 +119,22 @@ async def test_files_expire_and_are_purged_while_serving(make_server, monkeypatc
         await a.files.create(file=("x.jsonl", line("a", "b").encode()), purpose="batch",
                              expires_after={"anchor": "created_at", "seconds": 60})
     assert e.value.body["param"] == "expires_after.seconds"
+
+
+async def test_malformed_uploads_are_400s_and_leave_nothing_on_disk(make_server) -> None:
+    live = await make_server(toml(max_file_bytes=2000))
+    ct = {"Authorization": f"Bearer {KEY_A}", "Content-Type": "multipart/form-data; boundary=B"}
+    async with httpx.AsyncClient(base_url=live.base, timeout=30) as h:
+        no_file = b'--B\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nbatch\r\n--B--\r\n'
+        r = await h.post("/files", content=no_file, headers=ct)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "file"
+        blank = (b'--B\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nbatch\r\n--B\r\nContent-Disposition: '
+                 b'form-data; name="file"; filename="e.jsonl"\r\n\r\n \n \r\n--B--\r\n')
+        r = await h.post("/files", content=blank, headers=ct)
+        assert r.status_code == 400 and r.json()["error"]["code"] == "empty_file"
+        r = await h.post("/files", content=b"--B\r\nno headers at all\x00", headers=ct)
+        assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+        big = blank.replace(b" \n ", b"x" * 5000)
+        r = await h.post("/files", content=big, headers=ct)
+        assert r.status_code == 413 and r.json()["error"]["code"] == "file_too_large"
+    assert not list(live.node.batches.dir.iterdir())  # nothing staged, nothing kept
