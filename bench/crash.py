@@ -262,9 +262,9 @@ def report_lines(args: argparse.Namespace, f: Figures) -> list[str]:
         f"- verdict: {report.verdict(f.ok())} (0 open rows after each restart, 0 duplicates, every whole response "
         "billed as its usage said).", "",
         ("Why it holds: a request's usage close is committed before its final event or body leaves the server "
-         "(`RequestLife.finish`), and an idempotent run's outcome is stored before its readers see the end; "
-         "rows a crash leaves open are closed as `interrupted` with the tokens last saved (about once a second) "
-         "when the server starts again."), "",
+         "(`RequestLife.finish`), and an idempotent run's outcome (with its final numbers) is stored just before "
+         "that commit; rows a crash leaves open are closed when the server starts again, with those numbers where "
+         "an outcome was stored, else as `interrupted` with the tokens last saved (about once a second)."), "",
     ]
 
 
