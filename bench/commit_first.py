@@ -19,6 +19,7 @@ streams of 128 tokens.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import tempfile
 import time
@@ -80,6 +81,8 @@ def report_lines(args: argparse.Namespace, res: list[dict[str, Any]]) -> list[st
          "discarded warm-up pair."), "",
         *report.table(["workload", "on req/s", "off req/s", "throughput on vs off (mean ± s.e.)",
                        "latency per request, on / off"], rows), "",
+        (f"- Load average (1 min) at the end: {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs; the box is shared, "
+         "so compare `on` with `off` of the same rows, not these rates with other sections."),
         ("- One request at a time pays a whole commit round trip (the batching window ends at once when a close "
          "is waited for); with many in flight, requests finishing together share one commit, so throughput "
          "moves by about the noise of this shared box."), "",
