@@ -325,7 +325,8 @@ class BatchStore(SqliteStore):
                 ids[kind] = None
                 continue
             fid = f"file-{batch.id.removeprefix('batch_')}-{kind}"
-            size = await asyncio.to_thread(self._write, fid, [("\n".join(lines) + "\n").encode("utf-8")])
+            # line by line: no second, joined copy of a large result file in memory
+            size = await asyncio.to_thread(self._write, fid, (f"{x}\n".encode() for x in lines))
             ids[kind] = fid
             rows.append((fid, batch.tenant, "batch_output", f"{batch.id}_{kind}.jsonl", size, now, self.expiry(now)))
         async with self._tx():
