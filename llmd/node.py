@@ -1,8 +1,9 @@
 """The one wiring point: every collaborator of a node is built here, and each is handed
 only the narrow things it uses (the ledger, the registry, the lifecycle), never the node.
 
-`build_node` constructs; `Node.open` opens the stores (the ledger first, so rows a crash
-left open are closed as `interrupted` before anything runs) and resumes unfinished
+`build_node` constructs; `Node.open` opens the stores (the idempotency store, then the
+ledger, so rows a crash left open are closed, as `interrupted` or with the numbers an
+idempotent outcome kept, before anything runs) and resumes unfinished
 batches; `Node.load` loads the models; `Node.close` stops it all in the reverse order.
 `Node.reload` is the one point where a re-read config reaches the collaborators that read
 tenants, keys, quotas, filters and prices (llmd/reload.py says what it leaves alone).
@@ -53,10 +54,10 @@ class Node:
     auth: Authenticator
 
     async def open(self) -> None:
-        recovered = await self.ledger.start()
+        await self.runs.store.start()  # first: the ledger's recovery reads the finals kept with outcomes
+        recovered = await self.ledger.start(self.runs.store.finals)
         if recovered:
             log.warning("ledger_recovered", interrupted_rows=recovered)
-        await self.runs.store.start()
         await self.registry.store.start()
         await self.batches.start()
         await self.batch_runner.start()  # unfinished batches resume (their items wait for the models)
@@ -112,8 +113,11 @@ def build_node(config: Config, store: WeightStore | None = None, ledger: Ledger 
     lifecycle = Lifecycle(ledger, admission, metrics.observe)
     filters = Filters(config, Guard(lambda model: service.route(model).backend))
     service = Service(config.server.node, registry, admission, filters, degraders(config.models))
-    runs = IdempotentRuns(IdempotencyStore(db.with_suffix(".idempotency.db")), lifecycle, config.server.resume_grace_s)
-    batches = BatchStore(db.with_suffix(".batches.db"), config.batch.data_dir or _files_dir(db))
+    runs = IdempotentRuns(IdempotencyStore(db.with_suffix(".idempotency.db"), config.server.idempotency_ttl_s),
+                          lifecycle, config.server.resume_grace_s)
+    ttl = config.batch.file_ttl_days
+    batches = BatchStore(db.with_suffix(".batches.db"), config.batch.data_dir or _files_dir(db),
+                         ttl * 86400 if ttl is not None else None)
     runner = BatchRunner(batches, config, lifecycle, service)
     node = Node(config, ledger, registry, admission, metrics, lifecycle, service, runs, batches, runner,
                 Authenticator(config))

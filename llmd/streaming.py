@@ -55,7 +55,8 @@ class _Shape:
 
 
 async def complete(job: Job, req: ChatRequest | CompletionRequest) -> dict[str, Any]:
-    """The non-streaming response body; raises APIError (deadline, engine failure)."""
+    """The non-streaming response body; raises APIError (deadline, engine failure). The caller
+    sends it only after `job.life.finish()` (the usage committed first)."""
     shape = _Shape(job, req)
     outs = [ChoiceOutput(job, c, shape.chat) for c in job.choices]
 
@@ -181,6 +182,7 @@ async def pump(job: Job, req: ChatRequest | CompletionRequest, emit: Emit) -> No
     job.record.finish_reason = job.record.finish_reason or "error"
     with contextlib.suppress(Exception):
         await emit(dumps(err.body()))
+    await job.life.finish()
     await emit(DONE)
 
 
@@ -199,4 +201,5 @@ async def _stream(job: Job, req: ChatRequest | CompletionRequest, shape: _Shape,
         await emit(f'{shape._head}],"usage":{dumps(shape.usage())}}}')
     if stopped is not None:
         await emit(dumps(stopped.body()))
+    await job.life.finish()  # billed (committed) before the final event leaves
     await emit(DONE)

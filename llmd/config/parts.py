@@ -56,6 +56,9 @@ class ServerConfig(_Strict):
     # front terminates TLS (docs/deploy.md).
     tls: TLSConfig | None = None
     allow_plaintext: bool = False
+    # How long a finished idempotent run's outcome is kept for replay (OpenAI and Stripe: 24 h);
+    # the same key after that is a new request, run and billed again.
+    idempotency_ttl_s: Annotated[float, Field(gt=0)] = 24 * 3600.0
 
     @model_validator(mode="after")
     def _deadlines(self) -> ServerConfig:
@@ -173,6 +176,11 @@ class BatchConfig(_Strict):
     # so the engine stays full when interactive traffic stops, without flooding the queue.
     max_in_flight: Annotated[int, Field(ge=0)] = 0
     completion_windows: list[str] = Field(default_factory=lambda: ["24h"])
+    # Bytes of files (uploads and batch results) a tenant may keep; unset: no limit.
+    max_bytes_per_tenant: Annotated[int, Field(gt=0)] | None = None
+    # Files are deleted this long after they were made (OpenAI's batch files: 30 days), unless an
+    # upload says otherwise (`expires_after`); unset: kept until deleted. Purged while serving.
+    file_ttl_days: Annotated[float, Field(gt=0)] | None = 30.0
 
     @field_validator("completion_windows")
     @classmethod
