@@ -1,7 +1,7 @@
 """GET /openapi.json: every route the app serves is in it and every path in it is a route,
 request bodies are the pydantic models' own schemas, the document is valid OpenAPI 3.1, and a
-few hundred schemathesis cases from it get no 5xx and only OpenAI error bodies (the long run:
-tests/reliability/test_fuzz.py, bench/fuzz.py)."""
+few hundred schemathesis cases from it get no 5xx, only OpenAI error bodies, and only answers
+the document describes (the long run: tests/reliability/test_fuzz.py, bench/fuzz.py)."""
 
 from __future__ import annotations
 
@@ -83,5 +83,6 @@ async def test_a_few_hundred_fuzzed_cases_get_no_5xx_and_only_openai_errors(live
     assert result.cases >= 300
     assert not result.failures, "\n\n".join(result.failures[:5])
     assert result.server_errors == 0, result.summary()
+    assert not result.drift, "answers the document does not describe:\n" + "\n\n".join(result.drift[:5])
     assert len(result.per_op) == len(OPERATIONS)
     assert await asyncio.to_thread(fuzz.ready, live.url)
