@@ -2,8 +2,9 @@
 
 Each operation of the document gets Hypothesis-generated requests, valid by the schema
 (positive) and not (negative), sent over real HTTP with a key drawn from `keys` (a tenant's,
-an admin's, none, a wrong one) and, half the time, the configured model's name in place of
-the generated one so that generation runs deeper than "no such model". The only verdicts
+an admin's, none, a wrong one) and, half the time, names and ids that exist (the model, its
+version, a file, a batch) in place of the generated ones, so that cases run deeper than "no
+such thing". The only verdicts
 are llmd's rules for bad input: never a 5xx, never a dropped connection, and every error an
 OpenAI-style JSON body. Shared by tests/unit/test_openapi.py (a few hundred cases),
 tests/reliability/test_fuzz.py and bench/fuzz.py (10,000 and more).
@@ -95,13 +96,13 @@ def _verdict(status: int, ctype: str, text: str) -> str | None:
     return None
 
 
-def _send(case: Any, base_url: str, session: requests.Session, key: str, model: str | None,
+def _send(case: Any, base_url: str, session: requests.Session, key: str, known: dict[str, str] | None,
           result: FuzzResult) -> None:
-    if model is not None:
-        if isinstance(case.body, dict) and "model" in case.body:
-            case.body["model"] = model
-        if case.path_parameters and "name" in case.path_parameters:
-            case.path_parameters["name"] = model
+    if known is not None:  # real names and ids in place of generated ones: deeper than "no such thing"
+        if isinstance(case.body, dict):
+            case.body.update({k: v for k, v in known.items() if k in case.body})
+        if case.path_parameters:
+            case.path_parameters.update({k: v for k, v in known.items() if k in case.path_parameters})
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     label = f"{case.operation.method.upper()} {case.operation.path}"
     result.cases += 1
@@ -134,16 +135,30 @@ def _conforms(case: Any, resp: Any, label: str, headers: dict[str, str], result:
 
 
 def _run_operation(op: Any, mode: Any, base_url: str, session: requests.Session, examples: int, seed: int,
-                   keys: Sequence[str], model: str, result: FuzzResult) -> None:
+                   keys: Sequence[str], known: dict[str, str], result: FuzzResult) -> None:
     keys = keys_for(op.definition.raw.get("x-llmd-access", "caller"), keys)
     @settings(max_examples=examples, deadline=None, database=None, phases=[Phase.generate],
               suppress_health_check=list(HealthCheck), derandomize=False)
-    @given(case=op.as_strategy(generation_mode=mode), key=st.sampled_from(keys), real_model=st.booleans())
-    def one(case: Any, key: str, real_model: bool) -> None:
-        _send(case, base_url, session, key, model if real_model else None, result)
+    @given(case=op.as_strategy(generation_mode=mode), key=st.sampled_from(keys), real=st.booleans())
+    def one(case: Any, key: str, real: bool) -> None:
+        _send(case, base_url, session, key, known if real else None, result)
 
     with contextlib.suppress(Unsatisfiable):  # an operation with no input to get wrong has no negative cases
         hyp_seed(seed)(one)()  # reproducible: the same seed draws the same cases
+
+
+def _known(base_url: str, session: requests.Session, model: str) -> dict[str, str]:
+    """A file, a batch of it and the model's version, made or read as the tenant: ids that exist."""
+    auth = {"Authorization": f"Bearer {TENANT_KEY}"}
+    line = json.dumps({"custom_id": "1", "method": "POST", "url": "/v1/chat/completions",
+                       "body": {"model": model, "messages": [{"role": "user", "content": "hi"}]}})
+    f = session.post(base_url + "/v1/files", headers=auth, files={"file": ("in.jsonl", line.encode())},
+                     data={"purpose": "batch"}, timeout=30).json()
+    b = session.post(base_url + "/v1/batches", headers=auth, timeout=30, json={
+        "input_file_id": f["id"], "endpoint": "/v1/chat/completions", "completion_window": "24h"}).json()
+    version = session.get(base_url + "/ready", timeout=30).json()["models"][model]["version"]
+    return {"model": model, "name": model, "file_id": f["id"], "input_file_id": f["id"], "batch_id": b["id"],
+            "version": version}
 
 
 def fuzz(base_url: str, cases: int, seed: int = 0, keys: Sequence[str] = KEYS, model: str = "fake") -> FuzzResult:
@@ -161,11 +176,12 @@ def fuzz(base_url: str, cases: int, seed: int = 0, keys: Sequence[str] = KEYS, m
     result = FuzzResult()
     per_op = max(1, math.ceil(cases / (len(ops) * len(modes))))
     with requests.Session() as session:
+        known = _known(base_url, session, model)
         rnd = 0
         while result.cases < cases and rnd < 50:
             for op in ops:
                 for mode in modes:
-                    _run_operation(op, mode, base_url, session, per_op, seed + rnd, keys, model, result)
+                    _run_operation(op, mode, base_url, session, per_op, seed + rnd, keys, known, result)
             rnd += 1
     return result
 
