@@ -57,9 +57,9 @@ def report_lines(args: argparse.Namespace, r: fuzz.FuzzResult, seconds: float, r
         "",
         f"Answers the document does not describe (status, content type or body shape): {len(r.drift)}.",
         "",
-        *report.verdict_lines([(f"{r.cases} cases (>= 10,000): 0 responses 5xx ({r.server_errors}), 0 dropped "
-                                f"connections or errors without an OpenAI error body ({len(r.failures)})",
-                                ok and r.cases >= 10000),
+        *report.verdict_lines([(f"{r.cases} cases (>= 10,000): 0 responses 5xx ({r.server_errors}); 0 failures "
+                                f"of any kind, 5xx, dropped connections and errors without an OpenAI error body "
+                                f"together ({len(r.failures)})", ok and r.cases >= 10000),
                                ("server still ready afterwards", ready)]),
     ]
 

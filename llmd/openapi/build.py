@@ -31,11 +31,9 @@ open mode (no tenants configured) the generation, file and batch routes need non
 
 def _schemas() -> JSON:
     """Request models (pydantic's own JSON schemas, their sub-models hoisted) and the hand-written shapes."""
-    tops, defs = models_json_schema([(ChatRequest, "validation"), (CompletionRequest, "validation")],
-                                    ref_template=_REF)
-    out: JSON = dict(defs.get("$defs", {}))
-    for (model, _), schema in tops.items():
-        out[model.__name__] = out.pop(model.__name__, None) or schema
+    _, defs = models_json_schema([(ChatRequest, "validation"), (CompletionRequest, "validation")],
+                                 ref_template=_REF)
+    out: JSON = defs["$defs"]  # the two models themselves and every model they use, by class name
     return out | RESPONSES | BODIES
 
 
