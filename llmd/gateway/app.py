@@ -15,7 +15,7 @@ from sanic import Request, Sanic
 from sanic.response import BaseHTTPResponse
 
 from llmd.auth import Principal, require_admin
-from llmd.gateway import batches, generate, node_routes, registry
+from llmd.gateway import batches, generate, node_routes, openapi, registry
 from llmd.gateway.errors import OpenAIErrorHandler
 from llmd.gateway.guards import add_guards
 from llmd.gateway.types import App
@@ -50,6 +50,7 @@ def create_app(node: Node, name: str = "llmd", load_models: bool = True) -> App:
     node_routes.add_routes(app, node, principal, admin)
     batches.add_routes(app, node.batches, node.batch_runner, config.batch, principal)
     registry.add_routes(app, node.registry, admin)
+    openapi.add_routes(app)
     return app
 
 
