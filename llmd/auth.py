@@ -86,6 +86,8 @@ class Authenticator:
         self._entries: list[tuple[str, TenantConfig | None]] = [
             (h, None) for h in config.auth.admin_keys
         ] + [(h, t) for t in config.tenants for h in t.keys]
+        # Who may read /metrics and /ready's details: a metrics key or an admin key; anyone if unset.
+        self._metrics = [*config.auth.metrics_keys, *config.auth.admin_keys] if config.auth.metrics_keys else None
 
     def _lookup(self, key: str) -> Principal | None:
         digest = hash_key(key)
@@ -94,6 +96,23 @@ class Authenticator:
             if hmac.compare_digest(stored.encode("ascii"), digest.encode("ascii")):
                 found = Principal(tenant=tenant, is_admin=tenant is None, key_id=key_id(stored))
         return found
+
+    def metrics_access(self, authorization: str | None) -> APIError | None:
+        """None if this caller may read the node's business data (tenant names, costs, load
+        errors), or why not: with `[auth] metrics_keys` set, that takes one of them or an admin key."""
+        if self._metrics is None:
+            return None
+        key = _bearer_token(authorization)
+        if key is None:
+            return _missing()
+        digest = hash_key(key).encode("ascii")
+        found = False
+        for stored in self._metrics:  # every entry, always: no early exit
+            found |= hmac.compare_digest(stored.encode("ascii"), digest)
+        if found:
+            return None
+        return APIError(403, "This endpoint needs a metrics key ([auth] metrics_keys) or an admin key.",
+                        "permission_error", "metrics_key_required")
 
     def authenticate(self, authorization: str | None) -> Principal:
         """The caller's Principal, or APIError 401 (missing/malformed header, unknown key)."""

@@ -38,9 +38,12 @@ def serve(config_path: str, host: str | None, port: int | None) -> None:
         cfg.server.host = host
     if port is not None:
         cfg.server.port = port
+    from llmd.exposure import check_exposure
     from llmd.gateway import PROTOCOL, create_app
+    from llmd.gateway.control import add_controls
     from llmd.node import build_node
     from llmd.telemetry import configure_logging, log
+    from llmd.tls import ServerTLS
 
     configure_logging(cfg.server.log_level)
     store = WeightStore()
@@ -51,14 +54,38 @@ def serve(config_path: str, host: str | None, port: int | None) -> None:
             except StoreError as e:
                 raise click.ClickException(f"{cfg.path}: models[{cfg.models.index(m)}].source: {e}") from None
     try:
+        check_exposure(cfg, cfg.server.host, "--host" if host else "server.host")
+        tls = ServerTLS(cfg.server.tls, cfg.path) if cfg.server.tls is not None else None
         node = build_node(cfg, store)
-    except ConfigError as e:  # what only the backends can check (a tool parser's name)
+    except ConfigError as e:  # the bind's rules, the TLS files, what only the backends can check
         raise click.ClickException(str(e)) from None
     app = create_app(node)
+    add_controls(app, node, tls)  # SIGHUP / `llmd reload`
     log.info("serving", host=cfg.server.host, port=cfg.server.port, config=str(cfg.path),
-             models=[m.name for m in cfg.models])
+             models=[m.name for m in cfg.models], tls=tls is not None)
     app.run(host=cfg.server.host, port=cfg.server.port, single_process=True, access_log=False, motd=False,
-            protocol=PROTOCOL)
+            ssl=tls.context if tls is not None else None, protocol=PROTOCOL)
+
+
+@main.command()
+@click.option("--config", "config_path", envvar="LLMD_CONFIG", default="config.toml", show_default=True,
+              type=click.Path(dir_okay=False), help="The server's config file (or $LLMD_CONFIG): finds its pid file.")
+@click.option("--pid-file", "pid_path", default=None, type=click.Path(dir_okay=False, path_type=Path),
+              help="The server's pid file (default: next to server.db_path, `llmd.pid`).")
+@click.option("--timeout", default=30.0, show_default=True, help="Seconds to wait for the server's answer.")
+def reload(config_path: str, pid_path: Path | None, timeout: float) -> None:
+    """Make the running server re-read its config file (SIGHUP): tenants, keys, quotas, filters,
+    prices and the TLS files, all at once; a file it refuses leaves the config in force (exit 1).
+    Models, engines, [server] and [batch] change only at a restart."""
+    from llmd.reload import ReloadError, locate, request_reload
+
+    try:
+        report = request_reload(pid_path or locate(config_path), timeout)
+    except ReloadError as e:
+        raise click.ClickException(str(e)) from None
+    click.echo(f"reloaded {report.config} (server pid {report.pid})")
+    for note in report.notes:
+        click.echo(f"  note: {note}", err=True)
 
 
 @main.group()
@@ -148,7 +175,8 @@ def keys() -> None:
 @keys.command("new")
 @click.argument("tenant")
 @click.option("--admin", is_flag=True, help="An admin key (for [auth] admin_keys); TENANT is then just a label.")
-def keys_new(tenant: str, admin: bool) -> None:
+@click.option("--metrics", is_flag=True, help="A metrics key (for [auth] metrics_keys); TENANT is then just a label.")
+def keys_new(tenant: str, admin: bool, metrics: bool) -> None:
     """Print a fresh key for TENANT (once: it is not stored) and its config.toml line (stderr)."""
     from pydantic import ValidationError
 
@@ -166,6 +194,8 @@ def keys_new(tenant: str, admin: bool) -> None:
                " (append to the list if there is one already):", err=True)
     if admin:
         click.echo(f'admin_keys = ["{h}"]   # under [auth] (admin key for {tenant})', err=True)
+    elif metrics:
+        click.echo(f'metrics_keys = ["{h}"]   # under [auth] (metrics key for {tenant})', err=True)
     else:
         click.echo(f'keys = ["{h}"]   # in [[tenants]] name = "{tenant}"', err=True)
 

@@ -3,11 +3,13 @@
 A request with a key runs in its own task (a LiveRun) that records every SSE
 payload it produces; the HTTP handlers are only its readers. A retry while it
 runs attaches and follows the same payloads (from `Last-Event-ID` on); a retry
-after it finished replays the stored outcome from SQLite, kept 24 hours; the
+after it finished replays the stored outcome from SQLite, kept 24 hours
+(`server.idempotency_ttl_s`; expired ones are purged while serving); the
 same key with another body is a 409. When every reader has gone, the run gets a
 short grace period for a reconnect before it is cancelled (and its engine
-request aborted). Outcomes of runs that never executed (refused, cancelled) are
-not kept, so a retry of those runs for real. No HTTP here: `IdempotentRuns.open`
+request aborted). Outcomes of runs that never executed (refused, cancelled, dropped
+from the queue at their deadline, engine dead before the first token) are not kept,
+so a retry of those runs for real. No HTTP here: `IdempotentRuns.open`
 gives the gateway a LiveRun to read, whichever of the three it is.
 """
 
@@ -35,6 +37,7 @@ from llmd.runtime import Job
 log = structlog.get_logger("llmd.idempotency")
 
 TTL_S = 24 * 3600.0
+PURGE_EVERY_S = 600.0  # expired outcomes are deleted this often while serving (at most the TTL)
 
 
 @dataclass
@@ -69,6 +72,7 @@ class LiveRun:
         self.outcome: Outcome | None = None
         self.task: asyncio.Task[None] | None = None
         self.readers = 0
+        self.kept = False  # the outcome is stored for replay
         self._changed = asyncio.Event()
         self._grace: asyncio.TimerHandle | None = None
 
@@ -79,6 +83,9 @@ class LiveRun:
     def append(self, payload: str) -> None:
         self.events.append(payload)
         self._changed.set()
+
+    async def append_async(self, payload: str) -> None:
+        self.append(payload)
 
     def finish(self, outcome: Outcome) -> None:
         if outcome.events and not self.events:
@@ -130,6 +137,7 @@ class IdempotencyStore:
         self.path = path
         self.ttl_s = ttl_s
         self._db: aiosqlite.Connection | None = None
+        self._purger: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -139,13 +147,41 @@ class IdempotencyStore:
             "CREATE TABLE IF NOT EXISTS idempotency (tenant TEXT NOT NULL, key TEXT NOT NULL,"
             " request_hash TEXT NOT NULL,"
             " outcome TEXT NOT NULL, created_at REAL NOT NULL, PRIMARY KEY (tenant, key))")
-        await self._db.execute("DELETE FROM idempotency WHERE created_at < ?", (time.time() - self.ttl_s,))
-        await self._db.commit()
+        async with self._db.execute("PRAGMA table_info(idempotency)") as cur:
+            cols = {row[1] for row in await cur.fetchall()}
+        if "request_id" not in cols:  # a store from before the ledger read its finals
+            await self._db.execute("ALTER TABLE idempotency ADD COLUMN request_id TEXT")
+            await self._db.execute("ALTER TABLE idempotency ADD COLUMN final TEXT")
+        await self._db.execute("CREATE INDEX IF NOT EXISTS idempotency_request ON idempotency(request_id)")
+        await self.purge()
+        self._purger = asyncio.get_running_loop().create_task(self._purge_every(), name="idempotency-purge")
 
     async def stop(self) -> None:
+        if self._purger is not None:
+            self._purger.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._purger
+            self._purger = None
         if self._db is not None:
             await self._db.close()
             self._db = None
+
+    async def purge(self) -> int:
+        """Delete the outcomes past their TTL (lookups ignore them already); how many went."""
+        assert self._db is not None
+        cur = await self._db.execute("DELETE FROM idempotency WHERE created_at < ?", (time.time() - self.ttl_s,))
+        await self._db.commit()
+        return cur.rowcount
+
+    async def _purge_every(self) -> None:
+        """While serving: a node up for weeks keeps only a TTL's worth of outcomes on disk."""
+        while True:
+            await asyncio.sleep(min(self.ttl_s, PURGE_EVERY_S))
+            try:
+                if n := await self.purge():
+                    log.info("idempotency_purged", outcomes=n)
+            except Exception:  # a busy or failing disk: the next round tries again
+                log.exception("idempotency_purge_failed")
 
     async def lookup(self, key: tuple[str, str]) -> tuple[str, Outcome] | None:
         assert self._db is not None
@@ -156,13 +192,31 @@ class IdempotencyStore:
             row = await cur.fetchone()
         return (row[0], Outcome.from_json(row[1])) if row else None
 
-    async def save(self, key: tuple[str, str], req_hash: str, outcome: Outcome) -> None:
+    async def save(self, key: tuple[str, str], req_hash: str, outcome: Outcome, request_id: str | None = None,
+                   final: tuple[str, int, int, int] | None = None) -> None:
+        """Keep `outcome`, with the ledger close it comes with (`RequestLife.final`)."""
         assert self._db is not None
         await self._db.execute(
-            "INSERT OR REPLACE INTO idempotency (tenant, key, request_hash, outcome, created_at)"
-            " VALUES (?, ?, ?, ?, ?)",
-            (key[0], key[1], req_hash, outcome.to_json(), time.time()))
+            "INSERT OR REPLACE INTO idempotency (tenant, key, request_hash, outcome, created_at, request_id, final)"
+            " VALUES (?, ?, ?, ?, ?, ?, ?)",
+            (key[0], key[1], req_hash, outcome.to_json(), time.time(), request_id,
+             json.dumps(final) if final is not None else None))
         await self._db.commit()
+
+    async def finals(self, request_ids: list[str]) -> dict[str, tuple[str, int, int, int]]:
+        """The final numbers stored with these requests' outcomes: the ledger's crash recovery
+        closes a row with them when the outcome was kept but the close not yet committed."""
+        assert self._db is not None
+        out: dict[str, tuple[str, int, int, int]] = {}
+        for i in range(0, len(request_ids), 500):
+            part = request_ids[i:i + 500]
+            async with self._db.execute(
+                    f"SELECT request_id, final FROM idempotency WHERE final IS NOT NULL AND request_id IN "
+                    f"({','.join('?' * len(part))})", part) as cur:
+                for rid, final in await cur.fetchall():
+                    status, p, c, o = json.loads(final)
+                    out[rid] = (str(status), int(p), int(c), int(o))
+        return out
 
 
 def conflict() -> APIError:
@@ -226,7 +280,7 @@ class IdempotentRuns:
         outcome: Outcome | None = None
         try:
             async with self.lifecycle.own(life):
-                outcome = await _generate(run, req, await admit(life))
+                outcome = await self._generate(life, run, req, await admit(life))
         except APIError as e:
             outcome = Outcome(e.status, dict(e.headers), e.body(), list(run.events) if run.events else None)
         except asyncio.CancelledError:
@@ -236,21 +290,36 @@ class IdempotentRuns:
             log.exception("idempotent_run_failed", request_id=life.record.request_id)
             outcome = Outcome(500, {}, APIError(500, "internal server error", "server_error", "internal_error").body())
         finally:
-            # Kept only for a run that ran: a refused one leaves its key free, a cancelled one too.
-            if life.admitted and life.record.status != "cancelled" and outcome is not None:
-                with contextlib.suppress(Exception):
-                    await self.store.save(run.key, run.req_hash, outcome)
+            if outcome is not None:
+                await self._keep(life, run, outcome)
             self.live.pop(run.key, None)
             run.finish(outcome or Outcome(500, {}, None))
 
+    async def _keep(self, life: RequestLife, run: LiveRun, outcome: Outcome) -> None:
+        """Store the outcome for replay, once, and only for a run that ran (`RequestLife.used_key`):
+        a refused, cancelled or never-run one leaves its key free."""
+        if run.kept or not life.used_key:
+            return
+        run.kept = True
+        with contextlib.suppress(Exception):
+            await self.store.save(run.key, run.req_hash, outcome, life.record.request_id, life.final())
 
-async def _generate(run: LiveRun, req: ChatRequest | CompletionRequest, job: Job) -> Outcome:
-    run.headers = dict(job.headers)
-    if not req.stream:
-        return Outcome(200, run.headers, await streaming.complete(job, req))
+    async def _generate(self, life: RequestLife, run: LiveRun, req: ChatRequest | CompletionRequest,
+                        job: Job) -> Outcome:
+        """The outcome is stored, then the ledger's close committed (`RequestLife.finish`), then
+        its readers see its end (the body, or `[DONE]`): a client that got a whole response and
+        retries replays it, even across a crash, and is billed once; a crash between the two
+        commits is closed by the next start with the outcome's numbers (`IdempotencyStore.finals`)."""
+        run.headers = dict(job.headers)
+        if not req.stream:
+            outcome = Outcome(200, run.headers, await streaming.complete(job, req))
+            await self._keep(life, run, outcome)
+            await life.finish()
+            return outcome
 
-    async def emit(payload: str) -> None:
-        run.append(payload)
+        async def keep_stream() -> None:
+            await self._keep(life, run, Outcome(200, run.headers, None, [*run.events, streaming.DONE]))
 
-    await streaming.pump(job, req, emit)
-    return Outcome(200, run.headers, None, list(run.events))
+        life.before_commit = keep_stream  # pump finishes the life before it emits [DONE]
+        await streaming.pump(job, req, run.append_async)
+        return Outcome(200, run.headers, None, list(run.events))

@@ -6,6 +6,8 @@ and runs inside it. The first outcome recorded wins (a stream's terminal error, 
 stop, a stop that interrupts a batch item); an exception that escapes the block is the
 outcome otherwise. On leaving the block the life ends once: the tenant's quota is settled
 with what the request used, the record is logged and counted, the ledger row is closed.
+A response's last event or body is sent only after `finish()`: the life ends early and its
+close is committed first, so whatever a client received whole is billed.
 A life is either ended by its owner, handed to a new owner (an idempotent run's task), or
 dropped without a trace (a retry that attaches to, or replays, a run that already exists;
 a batch item refused before admission, which will be retried).
@@ -16,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -63,12 +65,22 @@ class RequestLife:
     owner: Lifecycle
     ticket: Ticket | None = None  # the admission reservation, once admitted
     last_progress: float = 0.0
+    # Awaited by `finish` before the ledger's commit: an idempotent run stores its outcome there.
+    before_commit: Callable[[], Awaitable[None]] | None = None
     _outcome: bool = False  # an outcome was recorded; later ones are ignored
     _state: str = "live"  # live | handed_off | dropped | ended
 
     @property
     def admitted(self) -> bool:
         return self.ticket is not None
+
+    @property
+    def used_key(self) -> bool:
+        """Whether the request used up its Idempotency-Key (its outcome is kept for replay): it
+        was admitted and ran. One refused, cancelled, or failed before its first token (a 504
+        dropped from the queue, a 503 engine dead) did not run: a retry with the key runs anew."""
+        r = self.record
+        return self.admitted and r.status != "cancelled" and (r.http_status < 500 or r.t_first_token is not None)
 
     @property
     def live(self) -> bool:
@@ -105,7 +117,7 @@ class RequestLife:
         """Give the life to a new owner (who must run it in `Lifecycle.own`); this owner leaves it."""
         assert self._state == "live", self._state
         self._state = "handed_off"
-        return RequestLife(self.record, self.owner, self.ticket, self.last_progress, self._outcome)
+        return RequestLife(self.record, self.owner, self.ticket, self.last_progress, _outcome=self._outcome)
 
     def drop(self) -> None:
         """Leave no trace: no log line, no ledger row (the request was not really one)."""
@@ -117,12 +129,29 @@ class RequestLife:
             self._state = "ended"
             self.owner.ended(self)
 
+    def final(self) -> tuple[str, int, int, int]:
+        """(ledger status, prompt, cached, output tokens): what its close will say, kept with an
+        idempotent outcome so that crash recovery closes the row with them."""
+        r = self.record
+        return LEDGER_STATUS.get(r.status, r.status), r.prompt_tokens, r.cached_prompt_tokens, r.output_tokens
+
+    async def finish(self) -> None:
+        """End now and wait until the ledger row's close is committed: called before a response's
+        final event or body is sent, so a client that received a whole response is billed even
+        if the server dies the next moment (a crash before this leaves the row to recovery)."""
+        if self.live and self.before_commit is not None:
+            await self.before_commit()
+        self.end()
+        if self.owner.commit_first:
+            await self.owner.ledger.flush()
+
 
 class Lifecycle:
     """Opens request lives and ends them: quota, log line, metrics, ledger, exactly once."""
 
     def __init__(self, ledger: Ledger, admission: Settler, observe: Callable[[dict[str, Any]], None]) -> None:
         self.ledger = ledger
+        self.commit_first = True  # RequestLife.finish waits for the commit (off: bench/metering.py's baseline)
         self._admission = admission
         self._observe = observe
 
@@ -167,6 +196,7 @@ class Lifecycle:
             model=rec.model, version=rec.version, prompt_tokens=rec.prompt_tokens,
             cached_tokens=rec.cached_prompt_tokens, output_tokens=rec.output_tokens, t_arrival=rec.ts,
             t_first_token=first, t_end=time.time(), priority_class=rec.priority_class,
-            # A request refused before it ran does not consume its idempotency key.
+            # The key of every admitted request (it bills once per key only while the idempotency
+            # store keeps its outcome: `used_key`), none for one refused before admission.
             idempotency_key=rec.idempotency_key if life.admitted else None, cost_multiplier=rec.price_multiplier)
         self.ledger.record_request(d)

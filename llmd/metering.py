@@ -6,8 +6,10 @@ takes everything queued at once (a swap, no per-op work on the serving loop) and
 a writer process (llmd/ledger_writer.py, which says why a process) that
 commits it as ONE transaction (WAL, synchronous=NORMAL). A request's row is opened at
 admission, updated with progress about once a second, and closed (an UPSERT, so requests
-refused before admission get a row too). After a crash the next start() closes every row
-still open as `interrupted` with the tokens last recorded, so at most one progress
+refused before admission get a row too). A request's close is committed before its response
+ends (`RequestLife.finish` waits on `flush()`). After a crash the next start() closes every
+row still open: with the final numbers an idempotent run stored with its outcome just before
+(`Finals`), else as `interrupted` with the tokens last recorded, so at most one progress
 interval of output goes unbilled and nothing is billed twice.
 
 All times are wall-clock epoch seconds (time.time()); RequestRecord keeps monotonic times
@@ -20,6 +22,7 @@ import asyncio
 import datetime as dt
 import sqlite3
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -64,6 +67,11 @@ MIGRATIONS: list[str] = [
     """DROP INDEX usage_idempotency;
     CREATE UNIQUE INDEX usage_idempotency ON usage(tenant, idempotency_key)
         WHERE idempotency_key IS NOT NULL AND status != 'cancelled';""",
+    # 5: a key bills once while its outcome is kept for replay (the idempotency store, `server.
+    #    idempotency_ttl_s`); reused after that, it is a new request that must bill its own run.
+    #    Unique here, the second close failed and left that row open and unbilled.
+    """DROP INDEX usage_idempotency;
+    CREATE INDEX usage_idempotency ON usage(tenant, idempotency_key) WHERE idempotency_key IS NOT NULL;""",
 ]
 SCHEMA_VERSION = len(MIGRATIONS)
 BATCH_WINDOW_S = 0.1  # longest a queued op waits (bench/metering.py: fewer round trips)
@@ -73,10 +81,12 @@ _ALIASES = {"cached_tokens": "cached_prompt_tokens", "queue_s": "queue_time_s", 
 _LOG_KEYS = tuple(_ALIASES.get(c, c) for c in REQUEST_COLS)  # as_log() names, in column order
 _TS = REQUEST_COLS.index("ts")
 # Within a batch ops apply by kind in this order (stable within a kind): each kind is one
-# statement, and a request's open < progress < close order is kept. (An idempotency key is
-# written only by close, so a cancelled run's freed key can be reused in the same batch.)
+# statement, and a request's open < progress < close order is kept.
 _ORDER = ("open", "progress", "close", "record")
 WRITER_RESTARTS = 3  # a batch is resent to a fresh writer process this many times
+# Request id -> (status, prompt, cached, output tokens) known elsewhere for rows a crash left
+# open: an idempotent run's outcome is stored with them just before its close is committed.
+Finals = Callable[[list[str]], Awaitable[dict[str, tuple[str, int, int, int]]]]
 
 
 @dataclass
@@ -109,15 +119,16 @@ class Ledger:
         self._stopping = False
 
     # -- lifecycle -------------------------------------------------------------------------
-    async def start(self) -> int:
-        """Open, migrate, close rows a crash left open as `interrupted`, start the writer
-        process; returns how many rows were interrupted."""
+    async def start(self, finals: Finals | None = None) -> int:
+        """Open, migrate, close rows a crash left open (as `interrupted` with the tokens last
+        saved, or with their final numbers where `finals` knows them), start the writer
+        process; returns how many rows were closed so."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
         async with aiosqlite.connect(self.path, isolation_level=None) as db:
             await db.execute("PRAGMA journal_mode=WAL")
             await db.execute("PRAGMA busy_timeout=5000")
             await self._migrate(db)
-            interrupted = await self._recover(db)
+            interrupted = await self._recover(db, finals)
         self._ro = await aiosqlite.connect(self.path)
         self._ro.row_factory = aiosqlite.Row
         await self._ro.execute("PRAGMA query_only=ON")
@@ -156,15 +167,19 @@ class Ledger:
                 raise
             log.info("usage_schema_migrated", version=v)
 
-    async def _recover(self, db: aiosqlite.Connection) -> int:
+    async def _recover(self, db: aiosqlite.Connection, finals: Finals | None) -> int:
         now = time.time()
-        async with db.execute("SELECT request_id, model, prompt_tokens, output_tokens, cost_multiplier "
-                              "FROM usage WHERE status = 'open'") as cur:
-            rows = await cur.fetchall()
-        params = [(self._price(m).cost(p, o, k), now, rid) for rid, m, p, o, k in rows]
+        async with db.execute("SELECT request_id, model, prompt_tokens, cached_tokens, output_tokens, "
+                              "cost_multiplier FROM usage WHERE status = 'open'") as cur:
+            rows = list(await cur.fetchall())
+        known = await finals([r[0] for r in rows]) if finals is not None and rows else {}
+        params = []
+        for rid, m, saved_p, saved_c, saved_o, k in rows:
+            status, p, c, o = known.get(rid) or ("interrupted", saved_p, saved_c, saved_o)
+            params.append((status, p, c, o, self._price(m).cost(p, o, k), now, rid))
         await db.execute("BEGIN")
-        await db.executemany("UPDATE usage SET status = 'interrupted', cost = ?, closed_at = ? "
-                             "WHERE request_id = ? AND status = 'open'", params)
+        await db.executemany("UPDATE usage SET status = ?, prompt_tokens = ?, cached_tokens = ?, output_tokens = ?, "
+                             "cost = ?, closed_at = ? WHERE request_id = ? AND status = 'open'", params)
         await db.execute("COMMIT")
         return len(params)
 

@@ -1,22 +1,26 @@
 """The one wiring point: every collaborator of a node is built here, and each is handed
 only the narrow things it uses (the ledger, the registry, the lifecycle), never the node.
 
-`build_node` constructs; `Node.open` opens the stores (the ledger first, so rows a crash
-left open are closed as `interrupted` before anything runs) and resumes unfinished
+`build_node` constructs; `Node.open` opens the stores (the idempotency store, then the
+ledger, so rows a crash left open are closed, as `interrupted` or with the numbers an
+idempotent outcome kept, before anything runs) and resumes unfinished
 batches; `Node.load` loads the models; `Node.close` stops it all in the reverse order.
+`Node.reload` is the one point where a re-read config reaches the collaborators that read
+tenants, keys, quotas, filters and prices (llmd/reload.py says what it leaves alone).
 """
 
 from __future__ import annotations
 
-import functools
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from llmd.auth import Authenticator
 from llmd.backends import unknown_tool_parser
 from llmd.batch.runner import BatchRunner
 from llmd.batch.store import BatchStore
 from llmd.config import Config, ConfigError
+from llmd.exposure import check_exposure
 from llmd.filters import Filters
 from llmd.filters.guard import Guard
 from llmd.idempotency import IdempotencyStore, IdempotentRuns
@@ -27,9 +31,10 @@ from llmd.policy.admission import AdmissionController
 from llmd.prompt_pool import PromptPool
 from llmd.registry.registry import Registry
 from llmd.registry.store import RegistryStore
+from llmd.reload import database, merge
 from llmd.runtime import build_runtime
 from llmd.service import Service, degraders
-from llmd.store import WeightStore, home
+from llmd.store import WeightStore
 from llmd.telemetry import log
 
 
@@ -47,12 +52,13 @@ class Node:
     runs: IdempotentRuns
     batches: BatchStore
     batch_runner: BatchRunner
+    auth: Authenticator
 
     async def open(self) -> None:
-        recovered = await self.ledger.start()
+        await self.runs.store.start()  # first: the ledger's recovery reads the finals kept with outcomes
+        recovered = await self.ledger.start(self.runs.store.finals)
         if recovered:
             log.warning("ledger_recovered", interrupted_rows=recovered)
-        await self.runs.store.start()
         await self.registry.store.start()
         await self.batches.start()
         await self.batch_runner.start()  # unfinished batches resume (their items wait for the models)
@@ -75,25 +81,54 @@ class Node:
     def ready(self) -> bool:
         return self.registry.ready
 
+    def reload(self, new: Config) -> list[str]:
+        """Run `new`'s tenants, keys, quotas, filters and prices from now on; returns notes on what
+        the file changes that a reload does not apply. Everything that can fail is built first
+        (raising ConfigError, the config in force untouched); the swap itself has no await, so
+        every request sees the old config or the new one, never a mix. Requests already
+        admitted finish under the config they were admitted with."""
+        config, notes = merge(self.config, new)
+        check_exposure(config, config.server.host)
+        filters = Filters(config, self.service.filters.ask)
+        auth = Authenticator(config)
+        prices = _prices(config)
+        self.config, self.auth, self.service.filters = config, auth, filters
+        self.ledger.prices = self.lifecycle.ledger.prices = prices  # the same ledger, unless a bench swapped one in
+        self.admission.reconfigure(config.tenants)
+        for versions in self.registry.runtimes.values():
+            for rt in versions.values():
+                rt.set_tenants(config.tenants)
+        self.batch_runner.config = config
+        return notes
+
 
 def build_node(config: Config, store: WeightStore | None = None, ledger: Ledger | None = None) -> Node:
     """Everything a node runs, wired. `ledger` replaces the SQLite ledger (benchmarks' stand-ins)."""
     _check_tool_parsers(config)
-    db = config.server.db_path or home() / "llmd.db"
-    prices = {m.name: Price(m.pricing.input_per_mtok, m.pricing.output_per_mtok) for m in config.models}
-    ledger = ledger or Ledger(db, config.server.node, prices)
+    db = database(config)
+    ledger = ledger or Ledger(db, config.server.node, _prices(config))
+    # Versions loaded later (the registry) get the tenants in force then: after a reload, the new ones.
     registry = Registry(config.models, RegistryStore(db.with_suffix(".registry.db")), store or WeightStore(),
-                        functools.partial(build_runtime, tenants=config.tenants))
+                        lambda cfg, backend: build_runtime(cfg, backend, node.config.tenants))
     admission = AdmissionController(config.tenants, time.monotonic)
     metrics = Metrics(registry)
     lifecycle = Lifecycle(ledger, admission, metrics.observe)
     filters = Filters(config, Guard(lambda model: service.route(model).backend))
     service = Service(config.server.node, registry, admission, filters, degraders(config.models),
                       PromptPool(config.server.prompt_workers))
-    runs = IdempotentRuns(IdempotencyStore(db.with_suffix(".idempotency.db")), lifecycle, config.server.resume_grace_s)
-    batches = BatchStore(db.with_suffix(".batches.db"), config.batch.data_dir or _files_dir(db))
+    runs = IdempotentRuns(IdempotencyStore(db.with_suffix(".idempotency.db"), config.server.idempotency_ttl_s),
+                          lifecycle, config.server.resume_grace_s)
+    ttl = config.batch.file_ttl_days
+    batches = BatchStore(db.with_suffix(".batches.db"), config.batch.data_dir or _files_dir(db),
+                         ttl * 86400 if ttl is not None else None)
     runner = BatchRunner(batches, config, lifecycle, service)
-    return Node(config, ledger, registry, admission, metrics, lifecycle, service, runs, batches, runner)
+    node = Node(config, ledger, registry, admission, metrics, lifecycle, service, runs, batches, runner,
+                Authenticator(config))
+    return node
+
+
+def _prices(config: Config) -> dict[str, Price]:
+    return {m.name: Price(m.pricing.input_per_mtok, m.pricing.output_per_mtok) for m in config.models}
 
 
 def _check_tool_parsers(config: Config) -> None:

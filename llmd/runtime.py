@@ -18,7 +18,7 @@ from llmd.config import ModelConfig, TenantConfig
 from llmd.filters import OutputWindow
 from llmd.lifecycle import RequestLife
 from llmd.policy.classes import ModelQueue
-from llmd.policy.fairness import FAIRNESS
+from llmd.policy.fairness import FAIRNESS, VTCFairness
 from llmd.policy.preemption import preemption_rules
 from llmd.policy.queue import QueuedRequest
 from llmd.policy.saturation import SaturationDetector, ThroughputEstimate
@@ -32,7 +32,7 @@ class ModelRuntime:
     """One served version: its started engine, its queue, and the scheduler between them."""
 
     def __init__(self, cfg: ModelConfig, backend: Backend, queue: ModelQueue, scheduler: Scheduler,
-                 gaps: deque[tuple[float, float]]) -> None:
+                 gaps: deque[tuple[float, float]], ordering: dict[str, str] | None = None) -> None:
         self.cfg = cfg
         self.backend = backend
         self.queue = queue
@@ -40,6 +40,7 @@ class ModelRuntime:
         # (wall time, seconds) per token between a request's tokens as they reach the gateway:
         # what the ITL controller steers on.
         self.gaps = gaps
+        self._ordering = ordering if ordering is not None else {}  # what the queue reads per tenant
 
     @property
     def version(self) -> str:
@@ -58,6 +59,16 @@ class ModelRuntime:
     def in_flight(self) -> int:
         return len(self.scheduler.running) + len(self.queue)
 
+    def set_tenants(self, tenants: list[TenantConfig]) -> None:
+        """The tenants' weights and orderings after a config reload: the fair queues charge by the
+        new weights from now on (the counters so far stay); an ordering applies from the tenant's
+        next queue (once what it has queued now has left)."""
+        self._ordering.clear()
+        self._ordering.update({t.name: t.ordering for t in tenants})
+        for c in self.queue.classes.values():
+            if isinstance(c.fairness, VTCFairness):
+                c.fairness.weights = {t.name: t.weight for t in tenants}
+
     async def stop(self) -> None:
         await self.scheduler.stop()
         await self.backend.stop()
@@ -67,7 +78,7 @@ def build_runtime(cfg: ModelConfig, backend: Backend, tenants: list[TenantConfig
     """The queue and scheduler for a started engine, with the tenants' weights and orderings."""
     sc = cfg.scheduling
     weights = {t.name: t.weight for t in tenants}
-    ordering = {t.name: t.ordering for t in tenants}
+    ordering: dict[str, str] = {t.name: t.ordering for t in tenants}
     if sc.fairness == "vtc":
         queue = ModelQueue(lambda: FAIRNESS["vtc"](weights, sc.w_in, sc.w_out), lambda t: ordering.get(t, "fifo"))
     else:
@@ -89,7 +100,7 @@ def build_runtime(cfg: ModelConfig, backend: Backend, tenants: list[TenantConfig
                          interactive_quiet_s=sc.interactive_quiet_s)
     scheduler = Scheduler(core)
     scheduler.start()
-    return ModelRuntime(cfg, backend, queue, scheduler, gaps)
+    return ModelRuntime(cfg, backend, queue, scheduler, gaps, ordering)
 
 
 @dataclass(eq=False)

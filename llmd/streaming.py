@@ -64,7 +64,8 @@ class _Shape:
 
 
 async def complete(job: Job, req: ChatRequest | CompletionRequest) -> dict[str, Any]:
-    """The non-streaming response body; raises APIError (deadline, engine failure)."""
+    """The non-streaming response body; raises APIError (deadline, engine failure). The caller
+    sends it only after `job.life.finish()` (the usage committed first)."""
     shape = _Shape(job, req)
     outs = [ChoiceOutput(job, c, shape.chat) for c in job.choices]
 
@@ -188,10 +189,18 @@ async def pump(job: Job, req: ChatRequest | CompletionRequest, emit: Emit) -> No
     # Tokens were already delivered: end the stream with a terminal error event.
     job.life.fail(err)
     job.record.finish_reason = job.record.finish_reason or "error"
+    stalled = False
     try:
         async with asyncio.timeout(TAIL_S):
             with contextlib.suppress(Exception):
                 await emit(dumps(err.body()))
+    except TimeoutError:
+        stalled = True
+    await job.life.finish()  # billed (committed) before the final event leaves; never cut by TAIL_S
+    if stalled:
+        raise ReaderStalled
+    try:
+        async with asyncio.timeout(TAIL_S):
             await emit(DONE)
     except TimeoutError:
         raise ReaderStalled from None
@@ -212,4 +221,5 @@ async def _stream(job: Job, req: ChatRequest | CompletionRequest, shape: _Shape,
         await emit(f'{shape._head}],"usage":{dumps(shape.usage())}}}')
     if stopped is not None:
         await emit(dumps(stopped.body()))
+    await job.life.finish()  # billed (committed) before the final event leaves
     await emit(DONE)

@@ -16,6 +16,7 @@ import re
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -191,14 +192,16 @@ def spawn(argv: list[str], log: Path, env_extra: dict[str, str] | None = None) -
         return subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True)
 
 
-def wait_ready(proc: subprocess.Popen[bytes], url: str, timeout: float, log: Path, interval: float = 0.5) -> None:
-    """Poll `url` until it answers 200; raise (with the log's tail) if the process exits or time runs out."""
+def wait_ready(proc: subprocess.Popen[bytes], url: str, timeout: float, log: Path, interval: float = 0.5,
+               context: ssl.SSLContext | None = None) -> None:
+    """Poll `url` until it answers 200 (https: trusting `context`); raise (with the log's tail)
+    if the process exits or time runs out."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"server exited with {proc.returncode}; log {log}:\n{tail(log)}")
         try:
-            with urllib.request.urlopen(url, timeout=2) as r:
+            with urllib.request.urlopen(url, timeout=2, context=context) as r:
                 if r.status == 200:
                     return
         except OSError:  # refused, or HTTPError (503 while models load)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from llmd import protocol
@@ -44,41 +45,52 @@ class LineError:
         return {"code": self.code, "message": self.message, "param": self.param, "line": self.line}
 
 
-def parse_file(data: bytes, endpoint: str, max_requests: int, max_line_bytes: int
+def parse_file(path: Path, endpoint: str, max_requests: int, max_line_bytes: int
                ) -> tuple[list[Item], list[LineError], str | None]:
-    """Every item, every bad line, and the one model the batch uses (all lines must agree)."""
+    """Every item, every bad line, and the one model the batch uses (all lines must agree).
+    The file is read line by line (blocking: run it in a thread), never whole."""
     cls = ENDPOINTS[endpoint]
     items: list[Item] = []
     errors: list[LineError] = []
     seen: set[str] = set()
     model: str | None = None
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError:
-        return [], [LineError(0, "invalid_file", "the file is not UTF-8 text")], None
-    lines = [(n, raw) for n, raw in enumerate(text.split("\n"), 1) if raw.strip()]
-    if not lines:
+    count = 0
+    with path.open("rb") as f:
+        for n, raw_bytes in enumerate(f, 1):
+            try:
+                raw = raw_bytes.decode("utf-8").rstrip("\n")
+            except UnicodeDecodeError:
+                return [], [LineError(n, "invalid_file", "the file is not UTF-8 text")], None
+            if not raw.strip():
+                continue
+            count += 1
+            if count > max_requests:
+                return [], [LineError(0, "too_many_requests", f"the file has more than {max_requests} requests, "
+                                      f"the most a batch may have")], None
+            err, item, line_model = _line(n, raw, endpoint, cls, max_line_bytes)
+            if err is None and item is not None:
+                err = _conflict(n, item, line_model, seen, model)
+            if err is not None:
+                errors.append(err)
+                continue
+            assert item is not None
+            seen.add(item.custom_id)
+            model = model or line_model
+            items.append(item)
+    if not count:
         return [], [LineError(0, "empty_file", "the input file has no requests")], None
-    if len(lines) > max_requests:
-        return [], [LineError(0, "too_many_requests", f"the file has {len(lines)} requests; "
-                              f"a batch may have at most {max_requests}")], None
-    for n, raw in lines:
-        err, item, line_model = _line(n, raw, endpoint, cls, max_line_bytes)
-        if err is None and item is not None:
-            if item.custom_id in seen:
-                err = LineError(n, "duplicate_custom_id", f"custom_id {item.custom_id!r} is used by an "
-                                "earlier line; every request in a batch needs its own", "custom_id")
-            elif model is not None and line_model != model:
-                err = LineError(n, "mismatched_model", f"every request in a batch must use the same model; "
-                                f"this line uses {line_model!r}, earlier lines {model!r}", "body.model")
-        if err is not None:
-            errors.append(err)
-            continue
-        assert item is not None
-        seen.add(item.custom_id)
-        model = model or line_model
-        items.append(item)
     return items, errors, model
+
+
+def _conflict(n: int, item: Item, line_model: str | None, seen: set[str], model: str | None) -> LineError | None:
+    """A good line that disagrees with the lines before it (its custom_id, its model)."""
+    if item.custom_id in seen:
+        return LineError(n, "duplicate_custom_id", f"custom_id {item.custom_id!r} is used by an "
+                         "earlier line; every request in a batch needs its own", "custom_id")
+    if model is not None and line_model != model:
+        return LineError(n, "mismatched_model", f"every request in a batch must use the same model; "
+                         f"this line uses {line_model!r}, earlier lines {model!r}", "body.model")
+    return None
 
 
 def _line(n: int, raw: str, endpoint: str, cls: type[ChatRequest] | type[CompletionRequest],

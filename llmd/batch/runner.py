@@ -94,14 +94,14 @@ class BatchRunner:
             self._cancel.pop(batch_id, None)
 
     async def _validate(self, b: Batch) -> None:
-        try:
-            data = await asyncio.to_thread(self.store.file_path(b.input_file_id).read_bytes)
+        try:  # read line by line from disk, in a thread
+            items, errors, model = await asyncio.to_thread(
+                parse_file, self.store.file_path(b.input_file_id), b.endpoint, self.cfg.max_requests,
+                self.cfg.max_line_bytes)
         except OSError:
             await self._fail(b, [{"code": "file_not_found", "message": f"input file {b.input_file_id} is gone",
                                   "param": "input_file_id", "line": None}])
             return
-        items, errors, model = await asyncio.to_thread(
-            parse_file, data, b.endpoint, self.cfg.max_requests, self.cfg.max_line_bytes)
         who = principal_for(self.config, b.tenant, b.key_id)
         if not errors and model is not None and not self._may_use(who, parse_model(model)[0]):
             errors = [_model_error(items[0].line, model)]

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import aiosqlite
+import structlog
 
 from llmd.batch.lines import Item
 from llmd.sqlite import SqliteStore
@@ -31,7 +32,8 @@ from llmd.sqlite import SqliteStore
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS files (
     id TEXT PRIMARY KEY, tenant TEXT NOT NULL, purpose TEXT NOT NULL, filename TEXT NOT NULL,
-    bytes INTEGER NOT NULL, created_at INTEGER NOT NULL, deleted INTEGER NOT NULL DEFAULT 0);
+    bytes INTEGER NOT NULL, created_at INTEGER NOT NULL, deleted INTEGER NOT NULL DEFAULT 0,
+    expires_at INTEGER);
 CREATE INDEX IF NOT EXISTS files_tenant ON files(tenant, created_at);
 CREATE TABLE IF NOT EXISTS batches (
     id TEXT PRIMARY KEY, tenant TEXT NOT NULL, key_id TEXT, endpoint TEXT NOT NULL,
@@ -47,7 +49,9 @@ CREATE TABLE IF NOT EXISTS items (
     input_tokens INTEGER NOT NULL DEFAULT 0, cached_tokens INTEGER NOT NULL DEFAULT 0,
     output_tokens INTEGER NOT NULL DEFAULT 0, PRIMARY KEY (batch_id, line));
 """
+log = structlog.get_logger("llmd.batch")
 UNFINISHED = ("validating", "in_progress", "finalizing", "cancelling")
+PURGE_EVERY_S = 600.0  # expired files are deleted this often while serving
 TIMESTAMP = {"in_progress": "in_progress_at", "finalizing": "finalizing_at", "completed": "completed_at",
              "failed": "failed_at", "expired": "expired_at", "cancelling": "cancelling_at",
              "cancelled": "cancelled_at"}
@@ -80,17 +84,32 @@ def window_seconds(window: str) -> int:
 class BatchStore(SqliteStore):
     SCHEMA = SCHEMA
 
-    def __init__(self, db_path: Path, files_dir: Path) -> None:
+    def __init__(self, db_path: Path, files_dir: Path, file_ttl_s: float | None = None) -> None:
         super().__init__(db_path)
         self.dir = Path(files_dir)
+        self.file_ttl_s = file_ttl_s  # a file's default life (None: until deleted)
         # One connection serves every coroutine: a transaction must not take in another's writes.
         self._lock = asyncio.Lock()
+        self._purger: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
         await super().start()  # synced: a stored result is never lost
+        async with self.db.execute("PRAGMA table_info(files)") as cur:
+            if "expires_at" not in {r[1] for r in await cur.fetchall()}:  # a store from before expiry
+                await self.db.execute("ALTER TABLE files ADD COLUMN expires_at INTEGER")
         for p in self.dir.glob("*.tmp"):  # a file whose row was never committed
             p.unlink(missing_ok=True)
+        await self.purge_expired()
+        self._purger = asyncio.get_running_loop().create_task(self._purge_every(), name="batch-files-purge")
+
+    async def stop(self) -> None:
+        if self._purger is not None:
+            self._purger.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._purger
+            self._purger = None
+        await super().stop()
 
     # -- files ---------------------------------------------------------------------------
     def file_path(self, file_id: str) -> Path:
@@ -108,16 +127,72 @@ class BatchStore(SqliteStore):
         os.replace(tmp, self.file_path(file_id))
         return size
 
+    def expiry(self, now: int, seconds: int | None = None) -> int | None:
+        """When a file made `now` expires: after `seconds` if given, else the store's TTL."""
+        ttl = seconds if seconds is not None else self.file_ttl_s
+        return now + int(ttl) if ttl is not None else None
+
     async def add_file(self, tenant: str, purpose: str, filename: str, data: bytes,
                        file_id: str | None = None) -> dict[str, Any]:
-        file_id = file_id or f"file-{uuid.uuid4().hex[:24]}"
+        file_id = file_id or new_file_id()
         size = await asyncio.to_thread(self._write, file_id, [data])
         now = int(time.time())
+        row = (file_id, tenant, purpose, filename, size, now, self.expiry(now))
         async with self._lock:
-            await self.db.execute("INSERT OR REPLACE INTO files (id, tenant, purpose, filename, bytes, created_at) "
-                                  "VALUES (?, ?, ?, ?, ?, ?)", (file_id, tenant, purpose, filename, size, now))
-        return {"id": file_id, "tenant": tenant, "purpose": purpose, "filename": filename, "bytes": size,
-                "created_at": now}
+            await self.db.execute("INSERT OR REPLACE INTO files (id, tenant, purpose, filename, bytes, created_at, "
+                                  "expires_at) VALUES (?, ?, ?, ?, ?, ?, ?)", row)
+        return dict(zip(FILE_COLS, row, strict=True))
+
+    def staging(self, file_id: str) -> Path:
+        """Where an upload is written as it arrives; `commit_upload` makes it a file."""
+        return self.dir / f"{file_id}.tmp"
+
+    async def used_bytes(self, tenant: str) -> int:
+        async with self.db.execute("SELECT COALESCE(SUM(bytes), 0) FROM files WHERE tenant = ? AND deleted = 0",
+                                   (tenant,)) as cur:
+            row = await cur.fetchone()
+        return int(row[0]) if row else 0
+
+    async def commit_upload(self, tenant: str, purpose: str, filename: str, file_id: str, size: int,
+                            expires_after_s: int | None, quota: int | None) -> dict[str, Any] | None:
+        """The staged upload synced and renamed, then its row committed; None (and the upload
+        gone) if it would take the tenant over `quota` bytes (checked here, under the lock,
+        so concurrent uploads cannot together pass it)."""
+        tmp = self.staging(file_id)
+        await asyncio.to_thread(_sync, tmp)
+        now = int(time.time())
+        row = (file_id, tenant, purpose, filename, size, now, self.expiry(now, expires_after_s))
+        async with self._lock:
+            if quota is not None and await self.used_bytes(tenant) + size > quota:
+                tmp.unlink(missing_ok=True)
+                return None
+            os.replace(tmp, self.file_path(file_id))
+            await self.db.execute("INSERT INTO files (id, tenant, purpose, filename, bytes, created_at, expires_at) "
+                                  "VALUES (?, ?, ?, ?, ?, ?, ?)", row)
+        return dict(zip(FILE_COLS, row, strict=True))
+
+    async def purge_expired(self) -> int:
+        """Delete the files past their `expires_at` (not a running batch's input); how many."""
+        now = int(time.time())
+        q = ",".join("?" * len(UNFINISHED))
+        async with self._lock:
+            async with self.db.execute(
+                    "SELECT id FROM files WHERE deleted = 0 AND expires_at IS NOT NULL AND expires_at <= ? AND id "
+                    f"NOT IN (SELECT input_file_id FROM batches WHERE status IN ({q}))", (now, *UNFINISHED)) as cur:
+                ids = [r[0] for r in await cur.fetchall()]
+            await self.db.executemany("UPDATE files SET deleted = 1 WHERE id = ?", [(i,) for i in ids])
+        for i in ids:
+            self.file_path(i).unlink(missing_ok=True)
+        return len(ids)
+
+    async def _purge_every(self) -> None:
+        while True:
+            await asyncio.sleep(PURGE_EVERY_S)
+            try:
+                if n := await self.purge_expired():
+                    log.info("batch_files_expired", files=n)
+            except Exception:  # a busy or failing disk: the next round tries again
+                log.exception("batch_files_purge_failed")
 
     async def get_file(self, tenant: str, file_id: str) -> dict[str, Any] | None:
         async with self.db.execute("SELECT * FROM files WHERE id = ? AND tenant = ? AND deleted = 0",
@@ -250,12 +325,13 @@ class BatchStore(SqliteStore):
                 ids[kind] = None
                 continue
             fid = f"file-{batch.id.removeprefix('batch_')}-{kind}"
-            size = await asyncio.to_thread(self._write, fid, [("\n".join(lines) + "\n").encode("utf-8")])
+            # line by line: no second, joined copy of a large result file in memory
+            size = await asyncio.to_thread(self._write, fid, (f"{x}\n".encode() for x in lines))
             ids[kind] = fid
-            rows.append((fid, batch.tenant, "batch_output", f"{batch.id}_{kind}.jsonl", size, now))
+            rows.append((fid, batch.tenant, "batch_output", f"{batch.id}_{kind}.jsonl", size, now, self.expiry(now)))
         async with self._tx():
             await self.db.executemany("INSERT OR REPLACE INTO files (id, tenant, purpose, filename, bytes, "
-                                      "created_at) VALUES (?, ?, ?, ?, ?, ?)", rows)
+                                      "created_at, expires_at) VALUES (?, ?, ?, ?, ?, ?, ?)", rows)
             await self.set_status(batch.id, status, output_file_id=ids.get("output"), error_file_id=ids.get("errors"))
 
 
@@ -276,6 +352,16 @@ class BatchStore(SqliteStore):
 
 
 _in_tx: contextvars.ContextVar[bool] = contextvars.ContextVar("batch_store_in_tx")
+FILE_COLS = ("id", "tenant", "purpose", "filename", "bytes", "created_at", "expires_at")
+
+
+def new_file_id() -> str:
+    return f"file-{uuid.uuid4().hex[:24]}"
+
+
+def _sync(path: Path) -> None:
+    with open(path, "rb+") as f:
+        os.fsync(f.fileno())
 
 
 def _batch(r: aiosqlite.Row) -> Batch:

@@ -24,11 +24,13 @@ from llmd.config.parts import (
     SchedulingConfig,
     ServerConfig,
     TenantConfig,
+    TLSConfig,
 )
 from llmd.config.root import Config, load_config
 
 __all__ = [
     "DEFAULT_CONFIG_ENV", "KEY_HASH", "PII_KINDS", "AuthConfig", "BatchConfig", "Config", "ConfigError",
     "DegradationConfig", "EngineConfig", "FakeEngineConfig", "FilterSpec", "FilteringConfig", "ModelConfig",
-    "PIIKind", "PricingConfig", "PriorityClass", "SchedulingConfig", "ServerConfig", "TenantConfig", "load_config",
+    "PIIKind", "PricingConfig", "PriorityClass", "SchedulingConfig", "ServerConfig", "TLSConfig", "TenantConfig",
+    "load_config",
 ]

@@ -24,6 +24,21 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+class TLSConfig(_Strict):
+    """`[server.tls]`: the certificate chain and private key (PEM files), checked at start and
+    read again on SIGHUP (`llmd reload`), so a renewed certificate needs no restart."""
+
+    cert_file: Path
+    key_file: Path
+
+    @field_validator("cert_file", "key_file")
+    @classmethod
+    def _readable(cls, p: Path) -> Path:
+        if not p.is_file():
+            raise ValueError(f"{p}: no such file")
+        return p
+
+
 class ServerConfig(_Strict):
     host: str = "127.0.0.1"
     port: Annotated[int, Field(ge=0, le=65535)] = 8000
@@ -37,6 +52,13 @@ class ServerConfig(_Strict):
     node: str = Field(default_factory=socket.gethostname)
     # How long an idempotent run waits for a reader to reconnect before it is cancelled.
     resume_grace_s: Annotated[float, Field(ge=0)] = 10.0
+    # HTTPS; without it a non-loopback host is refused unless allow_plaintext says a proxy in
+    # front terminates TLS (docs/deploy.md).
+    tls: TLSConfig | None = None
+    allow_plaintext: bool = False
+    # How long a finished idempotent run's outcome is kept for replay (OpenAI and Stripe: 24 h);
+    # the same key after that is a new request, run and billed again.
+    idempotency_ttl_s: Annotated[float, Field(gt=0)] = 24 * 3600.0
     # Hostile clients (docs/architecture.md, "Connections"): connections open at once (one more
     # is answered 503 and closed, after idle keep-alive ones are reclaimed); a request's header
     # must arrive whole within header_timeout_s of its first byte (of the connection, for the
@@ -167,6 +189,11 @@ class BatchConfig(_Strict):
     # so the engine stays full when interactive traffic stops, without flooding the queue.
     max_in_flight: Annotated[int, Field(ge=0)] = 0
     completion_windows: list[str] = Field(default_factory=lambda: ["24h"])
+    # Bytes of files (uploads and batch results) a tenant may keep; unset: no limit.
+    max_bytes_per_tenant: Annotated[int, Field(gt=0)] | None = None
+    # Files are deleted this long after they were made (OpenAI's batch files: 30 days), unless an
+    # upload says otherwise (`expires_after`); unset: kept until deleted. Purged while serving.
+    file_ttl_days: Annotated[float, Field(gt=0)] | None = 30.0
 
     @field_validator("completion_windows")
     @classmethod
@@ -319,3 +346,6 @@ class TenantConfig(_Strict):
 
 class AuthConfig(_Strict):
     admin_keys: list[Annotated[str, Field(pattern=KEY_HASH)]] = Field(default_factory=list)
+    # Set: /metrics needs one of these keys (or an admin key), and /ready answers only its status
+    # without one: tenant names and costs are business data.
+    metrics_keys: list[Annotated[str, Field(pattern=KEY_HASH)]] = Field(default_factory=list)

@@ -18,7 +18,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from llmd.config import Config, ConfigError, FilterSpec, ModelConfig, TenantConfig
+from llmd.config import Config, ConfigError, FilteringConfig, FilterSpec, ModelConfig, TenantConfig
 from llmd.filters.base import InputFilter, Match, OutputFilter
 from llmd.filters.builtin import PII, Ask, Blocklist, Classifier, Degenerate
 
@@ -50,7 +50,11 @@ class Filters:
     """Every configured filter, built once; chains per (model, tenant)."""
 
     def __init__(self, config: Config, ask: Ask) -> None:
+        self.ask = ask
         self.by_name = {s.name: build(s, ask) for s in config.filters}
+        # Each model's filter lists as this config has them: a reload replaces them without
+        # touching the served versions' own configs.
+        self.models = {m.name: m.filters for m in config.models}
         uses: list[tuple[str, type[InputFilter] | type[OutputFilter], str]]
         uses = [(n, InputFilter, "prompts") for m in config.models for n in m.filters.input]
         uses += [(n, OutputFilter, "output") for m in config.models for n in m.filters.output]
@@ -61,18 +65,23 @@ class Filters:
                 raise ConfigError(f"{config.path or 'config'}: filter {name!r} cannot screen {what}")
 
     def input_chain(self, model: ModelConfig, tenant: TenantConfig | None) -> list[InputFilter]:
-        names = [*model.filters.input, *(tenant.input_filters if tenant else [])]
-        return [f for n in dict.fromkeys(names) if isinstance(f := self.by_name[n], InputFilter)]
+        names = [*self._of(model).input, *(tenant.input_filters if tenant else [])]
+        # .get: a request authenticated before a reload may name a filter the reload removed.
+        return [f for n in dict.fromkeys(names) if isinstance(f := self.by_name.get(n), InputFilter)]
 
     def output_window(self, model: ModelConfig, tenant: TenantConfig | None,
                       forced_length: bool = False) -> OutputWindow | None:
         """`forced_length`: the client asked for every token up to max_tokens (vLLM's ignore_eos,
         what load generators send), so filters that only guard against a degenerate generation
         (`safety = False`: the loop detector) stand aside; the safety filters still apply."""
-        names = [*model.filters.output, *(tenant.output_filters if tenant else [])]
-        chain = [f for n in dict.fromkeys(names) if isinstance(f := self.by_name[n], OutputFilter)
+        filtering = self._of(model)
+        names = [*filtering.output, *(tenant.output_filters if tenant else [])]
+        chain = [f for n in dict.fromkeys(names) if isinstance(f := self.by_name.get(n), OutputFilter)
                  and not (forced_length and not getattr(f, "safety", True))]
-        return OutputWindow(chain, model.filters.holdback_tokens) if chain else None
+        return OutputWindow(chain, filtering.holdback_tokens) if chain else None
+
+    def _of(self, model: ModelConfig) -> FilteringConfig:
+        return self.models.get(model.name, model.filters)
 
 
 async def screen_prompt(chain: Sequence[InputFilter], text: str,

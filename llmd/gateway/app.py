@@ -14,10 +14,11 @@ import uuid
 from sanic import Request, Sanic
 from sanic.response import BaseHTTPResponse
 
-from llmd.auth import Authenticator, Principal, require_admin
-from llmd.gateway import batches, generate, node_routes, registry
+from llmd.auth import Principal, require_admin
+from llmd.gateway import batches, generate, node_routes, openapi, registry
 from llmd.gateway.connections import ConnectionGuard, GuardedProtocol
 from llmd.gateway.errors import OpenAIErrorHandler
+from llmd.gateway.guards import add_guards
 from llmd.gateway.types import App
 from llmd.node import Node
 
@@ -38,23 +39,24 @@ def create_app(node: Node, name: str = "llmd", load_models: bool = True) -> App:
     app.ctx.connections = ConnectionGuard(srv.max_connections, srv.header_timeout_s, srv.body_timeout_s,
                                           srv.body_min_rate)
     node.metrics.registry.register(app.ctx.connections)
-    auth = Authenticator(config)
-    # Open mode with no admin keys is a single user on loopback: the admin views are theirs.
-    admin_open = config.open_mode and not config.auth.admin_keys
 
+    # The node's keys as of now: a reload swaps them (llmd/node.py).
     def principal(request: Request) -> Principal:
-        return auth.authenticate(request.headers.get("authorization"))
+        return node.auth.authenticate(request.headers.get("authorization"))
 
     def admin(request: Request) -> None:
-        if not admin_open:
+        # Open mode with no admin keys is a single user on loopback: the admin views are theirs.
+        if not (node.config.open_mode and not node.config.auth.admin_keys):
             require_admin(principal(request))
 
     _track_ids(app)
+    add_guards(app, node)
     _run_node(app, node, load_models)
     generate.add_routes(app, node, principal)
     node_routes.add_routes(app, node, principal, admin)
     batches.add_routes(app, node.batches, node.batch_runner, config.batch, principal)
     registry.add_routes(app, node.registry, admin)
+    openapi.add_routes(app)
     return app
 
 

@@ -4,18 +4,18 @@ exactly like one that does not exist."""
 
 from __future__ import annotations
 
-import asyncio
 from dataclasses import dataclass
 from typing import Any
 
 from sanic import Request
-from sanic.response import HTTPResponse, raw
+from sanic.response import HTTPResponse, ResponseStream, file_stream
 from sanic.response import json as json_response
 
 from llmd.batch.lines import ENDPOINTS
 from llmd.batch.objects import batch_object
 from llmd.batch.runner import BatchRunner
-from llmd.batch.store import Batch, BatchStore
+from llmd.batch.store import Batch, BatchStore, new_file_id
+from llmd.batch.upload import Upload
 from llmd.config import BatchConfig
 from llmd.errors import APIError, bad_request, not_found
 from llmd.gateway.types import App, Authenticate
@@ -65,22 +65,7 @@ def _file_routes(app: App, sc: _Scope) -> None:
         # A streamed route has no size limit of its own: set this one's before reading.
         assert request.stream is not None  # a stream=True route
         request.stream.request_max_size = sc.cfg.max_file_bytes + 64 * 1024  # + the multipart framing
-        await request.receive_body()  # type: ignore[no-untyped-call]  # sanic leaves it unannotated
-        if not (request.content_type or "").startswith("multipart/form-data"):
-            raise bad_request("upload the file as multipart/form-data with fields 'file' and 'purpose'")
-        assert request.form is not None and request.files is not None  # parsed from multipart
-        purpose = request.form.get("purpose")
-        if purpose != "batch":
-            raise bad_request(f"purpose must be 'batch' (got {purpose!r})", "purpose", "invalid_value")
-        upload = request.files.get("file")
-        if upload is None:
-            raise bad_request("Missing required parameter: 'file'", "file", "missing_required_parameter")
-        if len(upload.body) > sc.cfg.max_file_bytes:
-            raise APIError(413, f"the file is over the {sc.cfg.max_file_bytes}-byte limit", code="file_too_large",
-                           param="file")
-        if not upload.body.strip():
-            raise bad_request("the file is empty", "file", "empty_file")
-        f = await sc.store.add_file(tenant, purpose, upload.name or "upload.jsonl", upload.body)
+        f = await _receive(request, sc, tenant)
         return json_response(_file(f))
 
     @app.get("/v1/files")
@@ -99,13 +84,12 @@ def _file_routes(app: App, sc: _Scope) -> None:
         return json_response(_file(await sc.file_or_404(sc.tenant_of(request), file_id)))
 
     @app.get("/v1/files/<file_id:str>/content")
-    async def file_content(request: Request, file_id: str) -> HTTPResponse:
+    async def file_content(request: Request, file_id: str) -> ResponseStream:
         f = await sc.file_or_404(sc.tenant_of(request), file_id)
-        try:
-            data = await asyncio.to_thread(sc.store.file_path(f["id"]).read_bytes)
-        except OSError:
-            raise not_found(f"the content of {file_id} is gone", "file_not_found", "file_id") from None
-        return raw(data, content_type="application/jsonl")
+        path = sc.store.file_path(f["id"])
+        if not path.is_file():  # the response streams it later: a missing file must be a 404 now
+            raise not_found(f"the content of {file_id} is gone", "file_not_found", "file_id")
+        return await file_stream(path, mime_type="application/jsonl")  # in chunks, never read whole
 
     @app.delete("/v1/files/<file_id:str>")
     async def delete_file(request: Request, file_id: str) -> HTTPResponse:
@@ -113,6 +97,59 @@ def _file_routes(app: App, sc: _Scope) -> None:
         await sc.file_or_404(tenant, file_id)
         await sc.store.delete_file(tenant, file_id)
         return json_response({"id": file_id, "object": "file", "deleted": True})
+
+
+async def _receive(request: Request, sc: _Scope, tenant: str) -> dict[str, Any]:
+    """The upload, parsed and written to disk as it arrives (llmd/batch/upload.py), checked,
+    and committed within the tenant's storage quota; the staged file is gone on any failure."""
+    quota = sc.cfg.max_bytes_per_tenant
+    room = sc.cfg.max_file_bytes
+    if quota is not None:
+        room = min(room, quota - await sc.store.used_bytes(tenant))
+        if room <= 0:
+            raise _over_quota(quota)
+    too_big = (_over_quota(quota) if quota is not None and room < sc.cfg.max_file_bytes else
+               APIError(413, f"the file is over the {sc.cfg.max_file_bytes}-byte limit", code="file_too_large",
+                        param="file"))
+    file_id = new_file_id()
+    up = Upload(request.content_type or "", sc.store.staging(file_id), room, too_big)
+    try:
+        assert request.stream is not None
+        while (chunk := await request.stream.read()) is not None:  # type: ignore[attr-defined]  # Http1's
+            up.feed(chunk)
+        up.finish()
+        purpose = up.fields.get("purpose")
+        if purpose != "batch":
+            raise bad_request(f"purpose must be 'batch' (got {purpose!r})", "purpose", "invalid_value")
+        if up.blank:
+            raise bad_request("the file is empty", "file", "empty_file")
+        f = await sc.store.commit_upload(tenant, purpose, up.filename or "upload.jsonl", file_id, up.size,
+                                         _expires_after(up.fields), quota)
+    finally:
+        up.close()
+        sc.store.staging(file_id).unlink(missing_ok=True)
+    if f is None:
+        assert quota is not None
+        raise _over_quota(quota)
+    return f
+
+
+def _over_quota(quota: int) -> APIError:
+    return APIError(413, f"this upload would take the tenant's files over its {quota}-byte storage quota "
+                    "([batch] max_bytes_per_tenant); delete files first", code="storage_quota_exceeded", param="file")
+
+
+def _expires_after(fields: dict[str, str]) -> int | None:
+    """OpenAI's `expires_after` (anchor `created_at`, 3600 s to 30 days), as form fields."""
+    anchor, seconds = fields.get("expires_after[anchor]"), fields.get("expires_after[seconds]")
+    if anchor is None and seconds is None:
+        return None
+    if anchor != "created_at":
+        raise bad_request("expires_after[anchor] must be 'created_at'", "expires_after.anchor", "invalid_value")
+    if seconds is None or not seconds.isdigit() or not 3600 <= int(seconds) <= 2592000:
+        raise bad_request("expires_after[seconds] must be an integer from 3600 to 2592000",
+                          "expires_after.seconds", "invalid_value")
+    return int(seconds)
 
 
 def _batch_routes(app: App, sc: _Scope) -> None:
@@ -174,8 +211,8 @@ def _batch_params(body: dict[str, Any], cfg: BatchConfig) -> tuple[str, str, str
 
 def _file(f: dict[str, Any]) -> dict[str, Any]:
     return {"id": f["id"], "object": "file", "bytes": f["bytes"], "created_at": f["created_at"],
-            "filename": f["filename"], "purpose": f["purpose"], "status": "processed", "expires_at": None,
-            "status_details": None}
+            "filename": f["filename"], "purpose": f["purpose"], "status": "processed",
+            "expires_at": f.get("expires_at"), "status_details": None}
 
 
 def _page(data: list[dict[str, Any]], limit: int) -> dict[str, Any]:

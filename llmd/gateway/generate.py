@@ -85,6 +85,7 @@ async def _generate(request: Request, node: Node, principal: Authenticate,
         job = await node.service.admit(life, req, who, deadline_s, klass, conversation)
         if not req.stream:
             body = await streaming.complete(job, req)
+            await life.finish()  # billed (committed) before the body leaves
             return json_response(body, headers=_headers(request, job))
         await _stream_inline(request, job, req)
         return None
@@ -149,10 +150,11 @@ def _last_event_id(request: Request) -> int:
     raw = request.headers.get("last-event-id")
     if raw is None:
         return -1
-    try:
-        return int(raw)
-    except ValueError:
-        raise APIError(400, "Last-Event-ID must be an event id from this stream", param="Last-Event-ID") from None
+    text = raw.strip()
+    if not (text.isascii() and text.isdigit()):  # negative, fractional or not a number
+        raise APIError(400, "Last-Event-ID must be an event id from this stream (an integer >= 0)",
+                       param="Last-Event-ID", code="invalid_last_event_id")
+    return int(text)
 
 
 async def _read_run(request: Request, node: Node, run: LiveRun, last_id: int) -> HTTPResponse | None:

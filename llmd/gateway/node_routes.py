@@ -21,16 +21,7 @@ USAGE_GROUPS = {"tenant", "model", "day", "status", "version"}
 def add_routes(app: App, node: Node, principal: Authenticate,
                admin: RequireAdmin) -> None:
     registry = node.registry
-
-    @app.get("/health")
-    async def health(request: Request) -> HTTPResponse:
-        return json_response({"status": "ok"})
-
-    @app.get("/ready")
-    async def ready(request: Request) -> HTTPResponse:
-        models = {name: {"ready": rt is not None and rt.ready, "version": rt.version if rt else None,
-                         "error": registry.load_error(name)} for name, rt in registry.primaries().items()}
-        return json_response({"ready": node.ready, "models": models}, status=200 if node.ready else 503)
+    _probes(app, node)
 
     def visible(who: Principal) -> list[str]:
         return [n for n in registry.configs if who.tenant is None or who.tenant.may_use(n)]
@@ -52,11 +43,6 @@ def add_routes(app: App, node: Node, principal: Authenticate,
         admin(request)
         return json_response(_engines(registry, _time_arg(request, "since")))
 
-    @app.get("/metrics")
-    async def metrics(request: Request) -> HTTPResponse:
-        body, ctype = node.metrics.render()
-        return HTTPResponse(body, content_type=ctype)
-
     @app.get("/v1/usage")
     async def usage(request: Request) -> HTTPResponse:
         """A tenant sees its own usage; an admin key sees everyone's (or `?tenant=`)."""
@@ -77,6 +63,33 @@ def add_routes(app: App, node: Node, principal: Authenticate,
             raise APIError(400, f"group_by accepts {sorted(USAGE_GROUPS)}, got {bad}", param="group_by")
         data = await node.ledger.usage(tenant, since, until, group_by)
         return json_response({"object": "list", "data": data})
+
+
+def _probes(app: App, node: Node) -> None:
+    """Liveness, readiness and metrics: what orchestrators and Prometheus poll."""
+    registry = node.registry
+
+    @app.get("/health")
+    async def health(request: Request) -> HTTPResponse:
+        return json_response({"status": "ok"})
+
+    @app.get("/ready")
+    async def ready(request: Request) -> HTTPResponse:
+        """Readiness; its per-model details only for a metrics key where `[auth] metrics_keys` is set."""
+        status = 200 if node.ready else 503
+        if node.auth.metrics_access(request.headers.get("authorization")) is not None:
+            return json_response({"ready": node.ready}, status=status)
+        models = {name: {"ready": rt is not None and rt.ready, "version": rt.version if rt else None,
+                         "error": registry.load_error(name)} for name, rt in registry.primaries().items()}
+        return json_response({"ready": node.ready, "models": models}, status=status)
+
+    @app.get("/metrics")
+    async def metrics(request: Request) -> HTTPResponse:
+        """Prometheus metrics (tenant names, costs): a metrics or admin key where `[auth] metrics_keys` is set."""
+        if (refused := node.auth.metrics_access(request.headers.get("authorization"))) is not None:
+            raise refused
+        body, ctype = node.metrics.render()
+        return HTTPResponse(body, content_type=ctype)
 
 
 def _engines(registry: Registry, since: float | None) -> dict[str, Any]:

@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -59,8 +60,8 @@ def add_routes(app: App, registry: Registry, admin: RequireAdmin) -> None:
     async def split(request: Request, name: str) -> HTTPResponse:
         admin(request)
         weights = json_object(request.body).get("weights")
-        if not isinstance(weights, dict) or not weights:
-            raise bad_request("'weights' must map version ids (or prefixes) to weights", "weights")
+        if not isinstance(weights, dict) or not weights or not all(map(_is_weight, weights.values())):
+            raise bad_request("'weights' must map version ids (or prefixes) to numbers", "weights")
 
         async def go() -> dict[str, Any]:
             await registry.set_split(name, weights)
@@ -85,6 +86,10 @@ def add_routes(app: App, registry: Registry, admin: RequireAdmin) -> None:
         admin(request)
         timeout = _timeout(request.args.get("timeout_s", DEFAULT_DRAIN_S))
         return await guarded(request, lambda: registry.unload(name, version, timeout))
+
+
+def _is_weight(w: Any) -> bool:
+    return isinstance(w, int | float) and not isinstance(w, bool) and math.isfinite(w)
 
 
 def _timeout(raw: Any) -> float:

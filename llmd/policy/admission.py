@@ -89,6 +89,12 @@ class TokenBucket:
     def seconds_until_full(self) -> float:
         return self.seconds_until(self.capacity)
 
+    def resize(self, capacity: float, refill_per_s: float) -> None:
+        """A new limit (a config reload): what the bucket holds carries over, capped at the new capacity."""
+        self._refill()
+        self.capacity, self.refill_per_s = float(capacity), float(refill_per_s)
+        self._level = min(self._level, self.capacity)
+
 
 @dataclass(frozen=True)
 class Ticket:
@@ -127,6 +133,15 @@ def whole_seconds(seconds: float) -> int:
     return max(1, math.ceil(min(seconds, 86400.0) - _EPS))
 
 
+def _resized(bucket: TokenBucket | None, per_minute: int | None, clock: Clock) -> TokenBucket | None:
+    if not per_minute:
+        return None
+    if bucket is None:
+        return TokenBucket(per_minute, per_minute / 60.0, clock)
+    bucket.resize(per_minute, per_minute / 60.0)
+    return bucket
+
+
 @dataclass
 class _TenantState:
     bucket: TokenBucket | None
@@ -157,6 +172,19 @@ class AdmissionController:
             requests = TokenBucket(rpm, rpm / 60.0, self.clock) if rpm else None
             st = self._state[tenant.name] = _TenantState(bucket, tenant.max_concurrent, requests)
         return st
+
+    def reconfigure(self, tenants: Iterable[TenantLimits]) -> None:
+        """The tenants' new limits (a config reload), from now on: the tokens a tenant has used
+        and the requests it has in flight still count; a tenant new to this node starts full.
+        A tenant no longer listed keeps its state until its requests in flight settle."""
+        for t in tenants:
+            st = self._state.get(t.name)
+            if st is None:
+                self._state_for(t)
+                continue
+            st.bucket = _resized(st.bucket, t.tokens_per_minute, self.clock)
+            st.requests = _resized(st.requests, t.requests_per_minute, self.clock)
+            st.max_concurrent = t.max_concurrent
 
     def limits(self, tenant: TenantLimits) -> RateLimits:
         """The tenant's current limits (what the x-ratelimit-* headers report)."""

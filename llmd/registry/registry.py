@@ -198,6 +198,8 @@ class Registry:
             backend = await build_backend(vcfg, self.weights)
         except Exception as e:
             raise RegistryError(f"cannot load {name}@{version}: {e}", 400) from None
+        if backend.version in self.runtimes.get(name, {}):  # another spelling of a loaded one: keep that one
+            return backend.version
         await backend.start()
         rt = self._make_runtime(vcfg, backend)
         if warm:

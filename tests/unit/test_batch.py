@@ -197,7 +197,7 @@ async def test_bad_requests_get_clear_errors(make_server) -> None:
     with pytest.raises(openai.NotFoundError):
         await c.batches.create(input_file_id="file-nope", endpoint="/v1/chat/completions", completion_window="24h")
     async with httpx.AsyncClient(base_url=live.base, headers={"Authorization": f"Bearer {KEY_A}"}) as h:
-        r = await h.post("/batches", content=b"[1]")
+        r = await h.post("/batches", content=b"[1]", headers={"content-type": "application/json"})
         assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
         r = await h.post("/files", json={"purpose": "batch"})
         assert r.status_code == 400 and "multipart" in r.json()["error"]["message"]

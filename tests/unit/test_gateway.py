@@ -114,7 +114,7 @@ async def test_malformed_requests(make_server) -> None:
     live = await make_server(fake_toml().replace("[server]", "[server]\nmax_body_bytes = 2000"))
     async with httpx.AsyncClient(base_url=live.url) as h:
         for raw in (b"", b"{not json", b"[1, 2]", b'"just a string"'):
-            r = await h.post("/v1/chat/completions", content=raw)
+            r = await h.post("/v1/chat/completions", content=raw, headers={"content-type": "application/json"})
             assert r.status_code == 400 and "error" in r.json(), raw
         r = await h.post("/v1/completions", json={"model": "fake", "prompt": "x" * 5000})
         assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"

@@ -143,7 +143,7 @@ async def test_refused_requests_spend_the_tenants_request_rate(make_server, reco
     assert e.response.headers.get("retry-after")
     # Refused before it is even parsed: a body that is not JSON gets the same 429.
     async with httpx.AsyncClient(base_url=live.base, headers={"Authorization": f"Bearer {KEY_A}"}) as h:
-        r = await h.post("/completions", content=b"{not json")
+        r = await h.post("/completions", content=b"{not json", headers={"Content-Type": "application/json"})
     assert r.status_code == 429 and r.json()["error"]["code"] == "rate_limit_exceeded"
     ok = await b.completions.create(model="fake", prompt="x", max_tokens=2)  # another tenant is untouched
     assert ok.choices

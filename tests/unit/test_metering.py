@@ -141,6 +141,40 @@ async def test_crash_recovery(tmp_path: Path) -> None:
     assert _count(path) == 20
 
 
+async def test_recovery_closes_with_the_finals_an_idempotent_outcome_kept(tmp_path: Path) -> None:
+    """An idempotent run stores its outcome (with its final numbers) just before its close is
+    committed: a crash between the two is closed by the next start with those numbers."""
+    path = tmp_path / "llmd.db"
+    led = Ledger(path, "node-a", PRICES)
+    await led.start()
+    for rid in ("kept", "lost"):
+        _open(led, rid)
+        led.progress(rid, output_tokens=3, cached_tokens=0)
+    await led.flush()
+    led._task.cancel()  # the process dies before the closes
+    with pytest.raises(asyncio.CancelledError):
+        await led._task
+    led._proc.kill()
+    asked: list[list[str]] = []
+
+    async def finals(ids: list[str]) -> dict[str, tuple[str, int, int, int]]:
+        asked.append(sorted(ids))
+        return {"kept": ("ok", 100, 7, 40)}
+
+    led2 = Ledger(path, "node-a", PRICES)
+    assert await led2.start(finals) == 2
+    try:
+        rows = {r["request_id"]: r for r in await led2.rows(limit=10)}
+    finally:
+        await led2.stop()
+        await led._ro.close()
+    assert asked == [["kept", "lost"]]
+    kept, lost = rows["kept"], rows["lost"]
+    assert (kept["status"], kept["output_tokens"], kept["cached_tokens"]) == ("ok", 40, 7)
+    assert kept["cost"] == pytest.approx((100 + 40 * 2.0) / 1e6)
+    assert (lost["status"], lost["output_tokens"]) == ("interrupted", 3)
+
+
 async def test_reopening_an_interrupted_row_bills_the_rerun_once(tmp_path: Path) -> None:
     """A Batch API item interrupted by a crash runs again under the same id: its open reopens
     the `interrupted` row (not a second row) and its close bills that run; any other row
@@ -277,23 +311,21 @@ async def test_bad_op_does_not_stop_writer(ledger: Ledger) -> None:
     assert (await ledger.get("good"))["status"] == "ok"
 
 
-async def test_idempotency_key_never_bills_twice(ledger: Ledger) -> None:
-    _open(ledger, "a", key="K")
-    _open(ledger, "b", key="K")  # same tenant, same key: refused, first row kept
-    _open(ledger, "c", key="K", tenant="t2")  # another tenant may use the same key
-    _close(ledger, "d", key="K", out=1)  # a never-opened close with a used key: refused too
+async def test_a_key_reused_after_its_ttl_bills_each_run(ledger: Ledger) -> None:
+    """A key runs once while the idempotency store keeps its outcome (`server.idempotency_ttl_s`);
+    after that the same key is a new request, and its close must bill it: with the key unique
+    here (schema v2-v4), that close failed and left the row open, unbilled until a restart."""
+    _open(ledger, "a")
+    _open(ledger, "b")
+    _close(ledger, "a", key="K", out=9)
+    _close(ledger, "b", key="K", out=3)
+    _close(ledger, "c", key="K", tenant="t2", out=1)  # another tenant's key of the same name
+    _close(ledger, "a", key="K2", out=99)  # the first close wins: a second changes nothing
     await ledger.flush()
-    assert {r["request_id"] for r in await ledger.rows(limit=10)} == {"a", "c"}
-    _close(ledger, "a", key="K", out=9)  # the original request closes its own row normally
-    _close(ledger, "c", key="K2", tenant="t2")  # a close never changes an opened row's key
-    await ledger.flush()
-    assert (await ledger.get("a"))["output_tokens"] == 9
-    assert [(await ledger.get(r))["idempotency_key"] for r in "ac"] == ["K", "K"]
-    with sqlite3.connect(ledger.path) as c:
-        with pytest.raises(sqlite3.IntegrityError):
-            c.execute("INSERT INTO usage (request_id, tenant, status, idempotency_key) VALUES ('z', 't1', 'ok', 'K')")
-        c.execute("INSERT INTO usage (request_id, tenant, status) VALUES ('n1', 't1', 'ok')")
-        c.execute("INSERT INTO usage (request_id, tenant, status) VALUES ('n2', 't1', 'ok')")  # NULL keys: fine
+    rows = {r["request_id"]: r for r in await ledger.rows(limit=10)}
+    assert {k: (r["status"], r["idempotency_key"], r["output_tokens"]) for k, r in rows.items()} == {
+        "a": ("ok", "K", 9), "b": ("ok", "K", 3), "c": ("ok", "K", 1)}
+    assert all(r["cost"] > 0 for r in rows.values()) and _count(ledger.path, "status = 'open'") == 0
 
 
 async def test_wal_mode(ledger: Ledger) -> None:

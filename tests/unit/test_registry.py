@@ -252,10 +252,13 @@ async def test_malformed_admin_requests_get_clear_errors(make_server, tmp_path: 
     live = await make_server(toml(tmp_path, v1), ws)
     async with admin(live) as h:
         cases = [
-            (h.post("/admin/models/m/versions", content=b"{not json"), 400, "invalid_json"),
+            (h.post("/admin/models/m/versions", content=b"{not json", headers={"content-type": "application/json"}),
+             400, "invalid_json"),
             (h.post("/admin/models/m/versions", json={}), 400, None),
             (h.post("/admin/models/m/versions", json={"version": v2, "cpu_threads_bind": 3}), 400, None),
             (h.put("/admin/models/m/split", json={"weights": []}), 400, None),
+            (h.put("/admin/models/m/split", json={"weights": {v1: {}}}), 400, None),  # was a 500 (fuzzing)
+            (h.put("/admin/models/m/split", content=f'{{"weights": {{"{v1}": Infinity}}}}'), 400, None),
             (h.put("/admin/models/m/split", json={"weights": {v1: -1}}), 400, "registry_error"),
             (h.put("/admin/models/m/split", json={"weights": {"ffff": 1}}), 404, "registry_error"),
             (h.post("/admin/models/m/rollback"), 409, "registry_error"),  # only one split so far
@@ -268,3 +271,22 @@ async def test_malformed_admin_requests_get_clear_errors(make_server, tmp_path: 
             assert r.status_code == status, r.text
             err = r.json()["error"]
             assert err["message"] and err["type"] and (code is None or err["code"] == code), r.text
+
+
+async def test_loading_another_spelling_of_the_loaded_version_keeps_the_running_engine(make_server) -> None:
+    """A version that resolves to the one already loaded (the fake engine without a source has
+    one fixed version, whatever is asked) keeps that runtime: replacing it would leave its engine
+    and scheduler running with nothing to stop them (found by fuzzing the admin routes)."""
+    live = await make_server(f"""
+[auth]
+admin_keys = ["{hash_key(ADMIN)}"]
+[[models]]
+name = "fake"
+backend = "fake"
+""")
+    before = live.runtime("fake")
+    async with admin(live) as h:
+        r = await h.post("/admin/models/fake/versions", json={"version": "anything", "warm": False})
+    assert r.status_code == 200 and r.json()["loaded"] == before.version, r.text
+    assert [v["version"] for v in r.json()["versions"]] == [before.version]
+    assert live.node.registry.runtimes["fake"][before.version] is before

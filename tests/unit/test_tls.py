@@ -1,0 +1,170 @@
+"""HTTPS end to end: `llmd serve` with `[server.tls]` (a throwaway CA from trustme), the
+official SDK as client, and a renewed certificate served after SIGHUP by the same process."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import ssl
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import trustme
+
+from bench.lib.servers import spawn, stop, wait_ready
+from llmd.auth import generate_key, hash_key
+from llmd.reload import Report
+from tests.conftest import free_port
+from tests.unit.test_exposure import MODEL, non_loopback_ip, serve_refusal
+
+TOML = """
+[server]
+host = "{host}"
+port = {port}
+db_path = "{db}"
+[server.tls]
+cert_file = "{cert}"
+key_file = "{key}"
+[[models]]
+name = "fake"
+backend = "fake"
+[models.fake]
+step_ms = 1
+[[tenants]]
+name = "acme"
+keys = ["{key_hash}"]
+"""
+
+
+@dataclass
+class TLSServer:
+    url: str
+    key: str
+    proc: object
+    tmp: Path
+    cert: Path
+    keyfile: Path
+
+    def pid(self) -> int:
+        return int((self.tmp / "llmd.pid").read_text())
+
+    def report(self) -> Report | None:
+        return Report.read(self.tmp / "llmd.reload.json")
+
+
+def trusting(ca: trustme.CA) -> ssl.SSLContext:
+    ctx = ssl.create_default_context()
+    ca.configure_trust(ctx)
+    return ctx
+
+
+def write_pair(ca: trustme.CA, cert: Path, key: Path, *names: str) -> None:
+    leaf = ca.issue_cert(*names)
+    cert.write_bytes(b"".join(b.bytes() for b in leaf.cert_chain_pems))
+    leaf.private_key_pem.write_to_path(str(key))
+
+
+@contextmanager
+def tls_server(tmp: Path, ca: trustme.CA, host: str = "127.0.0.1") -> Iterator[TLSServer]:
+    connect = "127.0.0.1" if host == "0.0.0.0" else host
+    cert, keyfile, key, port = tmp / "cert.pem", tmp / "key.pem", generate_key(), free_port()
+    write_pair(ca, cert, keyfile, connect, "localhost")
+    cfg = tmp / "config.toml"
+    cfg.write_text(TOML.format(host=host, port=port, db=tmp / "llmd.db", cert=cert, key=keyfile,
+                               key_hash=hash_key(key)))
+    log = tmp / "server.log"
+    proc = spawn([sys.executable, "-m", "llmd", "serve", "--config", str(cfg)], log)
+    url = f"https://{connect}:{port}"
+    try:
+        wait_ready(proc, url + "/ready", 60, log, context=trusting(ca))
+        end = time.monotonic() + 30
+        while not (tmp / "llmd.pid").exists() and time.monotonic() < end:
+            time.sleep(0.05)
+        yield TLSServer(url, key, proc, tmp, cert, keyfile)
+    finally:
+        stop(proc)
+
+
+def sdk(srv: TLSServer, ca: trustme.CA | None) -> openai.OpenAI:
+    http = httpx.Client(verify=trusting(ca) if ca is not None else True)
+    return openai.OpenAI(base_url=srv.url + "/v1", api_key=srv.key, http_client=http, max_retries=0)
+
+
+def test_tls_end_to_end_with_the_official_sdk(tmp_path: Path) -> None:
+    """On the box's network address (TLS makes a non-loopback bind acceptable), or 0.0.0.0."""
+    ca = trustme.CA()
+    with tls_server(tmp_path, ca, non_loopback_ip()) as srv:
+        c = sdk(srv, ca)
+        r = c.chat.completions.create(model="fake", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+        assert r.usage is not None and r.usage.completion_tokens == 4
+        chunks = list(c.completions.create(model="fake", prompt="hi", max_tokens=5, stream=True))
+        assert sum(len(ch.choices[0].text) > 0 for ch in chunks if ch.choices) == 5
+        with pytest.raises(openai.APIConnectionError):  # a client that does not trust the CA
+            sdk(srv, None).models.list()
+        with pytest.raises(httpx.HTTPError):  # plaintext to the TLS port
+            httpx.get(srv.url.replace("https://", "http://") + "/health", timeout=5)
+
+
+def models_status(client: httpx.Client, srv: TLSServer) -> int:
+    return client.get(srv.url + "/v1/models", headers={"Authorization": f"Bearer {srv.key}"}).status_code
+
+
+def wait_report(srv: TLSServer, seq: int) -> Report:
+    end = time.monotonic() + 30
+    while time.monotonic() < end:
+        if (got := srv.report()) is not None and got.seq >= seq:
+            return got
+        time.sleep(0.05)
+    raise AssertionError(f"no reload report #{seq} in {srv.tmp}")
+
+
+def test_a_renewed_certificate_is_served_after_sighup(tmp_path: Path) -> None:
+    old_ca, new_ca = trustme.CA(), trustme.CA()
+    with tls_server(tmp_path, old_ca) as srv:
+        kept = httpx.Client(verify=trusting(old_ca))  # a connection opened before the renewal
+        assert models_status(kept, srv) == 200
+        write_pair(new_ca, srv.cert, srv.keyfile, "127.0.0.1", "localhost")
+        with pytest.raises(httpx.ConnectError):  # the files changed; the server still presents the old pair
+            models_status(httpx.Client(verify=trusting(new_ca)), srv)
+        pid = srv.pid()
+        os.kill(pid, signal.SIGHUP)
+        assert wait_report(srv, 1).ok
+        assert models_status(httpx.Client(verify=trusting(new_ca)), srv) == 200
+        with pytest.raises(httpx.ConnectError):
+            models_status(httpx.Client(verify=trusting(old_ca)), srv)
+        assert models_status(kept, srv) == 200  # not dropped: the old connection carries on
+        r = sdk(srv, new_ca).completions.create(model="fake", prompt="hi", max_tokens=2)
+        assert r.usage is not None and r.usage.completion_tokens == 2
+        # A key that does not match its certificate is refused; the renewed pair stays in force.
+        other = trustme.CA().issue_cert("127.0.0.1")
+        other.private_key_pem.write_to_path(str(srv.keyfile))
+        os.kill(pid, signal.SIGHUP)
+        bad = wait_report(srv, 2)
+        assert not bad.ok and bad.error is not None and "server.tls" in bad.error and str(srv.keyfile) in bad.error
+        assert models_status(httpx.Client(verify=trusting(new_ca)), srv) == 200
+        assert srv.proc.poll() is None and srv.pid() == pid  # type: ignore[attr-defined]
+        logged = [json.loads(x) for x in (tmp_path / "server.log").read_text().splitlines() if "config_reload" in x]
+        assert [x["event"] for x in logged] == ["config_reloaded", "config_reload_refused"]
+
+
+@pytest.mark.timeout(60)
+def test_an_encrypted_key_is_refused_at_start_not_prompted_for(tmp_path: Path) -> None:
+    from cryptography.hazmat.primitives import serialization
+
+    leaf = trustme.CA().issue_cert("127.0.0.1")
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    cert.write_bytes(b"".join(b.bytes() for b in leaf.cert_chain_pems))
+    pkey = serialization.load_pem_private_key(leaf.private_key_pem.bytes(), None)
+    key.write_bytes(pkey.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                       serialization.BestAvailableEncryption(b"secret")))
+    toml = f'[server.tls]\ncert_file = "{cert}"\nkey_file = "{key}"\n' + MODEL
+    out = serve_refusal(tmp_path, toml, "127.0.0.1")
+    assert "server.tls.key_file" in out and str(key) in out and "passphrase" in out
