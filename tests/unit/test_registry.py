@@ -258,7 +258,8 @@ async def test_malformed_admin_requests_get_clear_errors(make_server, tmp_path: 
             (h.post("/admin/models/m/versions", json={"version": v2, "cpu_threads_bind": 3}), 400, None),
             (h.put("/admin/models/m/split", json={"weights": []}), 400, None),
             (h.put("/admin/models/m/split", json={"weights": {v1: {}}}), 400, None),  # was a 500 (fuzzing)
-            (h.put("/admin/models/m/split", content=f'{{"weights": {{"{v1}": Infinity}}}}'), 400, None),
+            (h.put("/admin/models/m/split", content=f'{{"weights": {{"{v1}": Infinity}}}}',
+                   headers={"content-type": "application/json"}), 400, None),
             (h.put("/admin/models/m/split", json={"weights": {v1: -1}}), 400, "registry_error"),
             (h.put("/admin/models/m/split", json={"weights": {"ffff": 1}}), 404, "registry_error"),
             (h.post("/admin/models/m/rollback"), 409, "registry_error"),  # only one split so far
