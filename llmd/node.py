@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from llmd.backends import unknown_tool_parser
+from llmd.backends import build_backend, unknown_tool_parser
 from llmd.batch.runner import BatchRunner
 from llmd.batch.store import BatchStore
 from llmd.config import Config, ConfigError
@@ -29,6 +29,7 @@ from llmd.registry.store import RegistryStore
 from llmd.runtime import build_runtime
 from llmd.service import Service, degraders
 from llmd.store import WeightStore, home
+from llmd.supervisor import Supervisor
 from llmd.telemetry import log
 
 
@@ -46,6 +47,7 @@ class Node:
     runs: IdempotentRuns
     batches: BatchStore
     batch_runner: BatchRunner
+    supervisor: Supervisor
 
     async def open(self) -> None:
         recovered = await self.ledger.start()
@@ -58,11 +60,13 @@ class Node:
 
     async def load(self) -> None:
         """Load every configured model, then the other versions the registry had and its splits."""
+        self.supervisor.start()
         await self.registry.load_configured()
         await self.registry.restore()
 
     async def close(self) -> None:
-        await self.batch_runner.stop()  # first: its items in flight are metered as interrupted
+        await self.supervisor.stop()  # no engine is rebuilt while the node stops
+        await self.batch_runner.stop()  # its items in flight are metered as interrupted
         await self.runs.stop()
         await self.runs.store.stop()
         await self.registry.stop()
@@ -73,6 +77,13 @@ class Node:
     def ready(self) -> bool:
         return self.registry.ready
 
+    @property
+    def healthy(self) -> bool:
+        """False once every loaded model's engine is dead and cannot be rebuilt: the node is
+        no use as it is, so /health says so and an orchestrator restarts it."""
+        rts = [rt for rt in self.registry.primaries().values() if rt is not None]
+        return not rts or any(rt.backend.healthy or rt.watch.recoverable for rt in rts)
+
 
 def build_node(config: Config, store: WeightStore | None = None, ledger: Ledger | None = None) -> Node:
     """Everything a node runs, wired. `ledger` replaces the SQLite ledger (benchmarks' stand-ins)."""
@@ -80,8 +91,11 @@ def build_node(config: Config, store: WeightStore | None = None, ledger: Ledger 
     db = config.server.db_path or home() / "llmd.db"
     prices = {m.name: Price(m.pricing.input_per_mtok, m.pricing.output_per_mtok) for m in config.models}
     ledger = ledger or Ledger(db, config.server.node, prices)
-    registry = Registry(config.models, RegistryStore(db.with_suffix(".registry.db")), store or WeightStore(),
-                        functools.partial(build_runtime, tenants=config.tenants))
+    weights = store or WeightStore()
+    supervisor = Supervisor(lambda: [rt for versions in registry.runtimes.values() for rt in versions.values()],
+                            functools.partial(build_backend, store=weights))
+    registry = Registry(config.models, RegistryStore(db.with_suffix(".registry.db")), weights,
+                        functools.partial(build_runtime, tenants=config.tenants, watch=supervisor.watch))
     admission = AdmissionController(config.tenants, time.monotonic)
     metrics = Metrics(registry)
     lifecycle = Lifecycle(ledger, admission, metrics.observe)
@@ -90,7 +104,7 @@ def build_node(config: Config, store: WeightStore | None = None, ledger: Ledger 
     runs = IdempotentRuns(IdempotencyStore(db.with_suffix(".idempotency.db")), lifecycle, config.server.resume_grace_s)
     batches = BatchStore(db.with_suffix(".batches.db"), config.batch.data_dir or _files_dir(db))
     runner = BatchRunner(batches, config, lifecycle, service)
-    return Node(config, ledger, registry, admission, metrics, lifecycle, service, runs, batches, runner)
+    return Node(config, ledger, registry, admission, metrics, lifecycle, service, runs, batches, runner, supervisor)
 
 
 def _check_tool_parsers(config: Config) -> None:

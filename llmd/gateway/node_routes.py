@@ -24,13 +24,12 @@ def add_routes(app: App, node: Node, principal: Authenticate,
 
     @app.get("/health")
     async def health(request: Request) -> HTTPResponse:
-        return json_response({"status": "ok"})
+        return _health(node)
 
     @app.get("/ready")
     async def ready(request: Request) -> HTTPResponse:
-        models = {name: {"ready": rt is not None and rt.ready, "version": rt.version if rt else None,
-                         "error": registry.load_error(name)} for name, rt in registry.primaries().items()}
-        return json_response({"ready": node.ready, "models": models}, status=200 if node.ready else 503)
+        return json_response({"ready": node.ready, "models": _ready_models(registry)},
+                             status=200 if node.ready else 503)
 
     def visible(who: Principal) -> list[str]:
         return [n for n in registry.configs if who.tenant is None or who.tenant.may_use(n)]
@@ -77,6 +76,20 @@ def add_routes(app: App, node: Node, principal: Authenticate,
             raise APIError(400, f"group_by accepts {sorted(USAGE_GROUPS)}, got {bad}", param="group_by")
         data = await node.ledger.usage(tenant, since, until, group_by)
         return json_response({"object": "list", "data": data})
+
+
+def _health(node: Node) -> HTTPResponse:
+    """503 once every engine is dead for good (not being rebuilt): an orchestrator restarts the node."""
+    if not node.healthy:
+        return json_response({"status": "engines_dead"}, status=503)
+    return json_response({"status": "ok"})
+
+
+def _ready_models(registry: Registry) -> dict[str, Any]:
+    """Each model: ready or not, its version, its engine (up, restarting, failed) and restarts."""
+    return {name: {"ready": rt is not None and rt.ready, "version": rt.version if rt else None,
+                   "engine": rt.watch.state if rt else None, "restarts": rt.watch.restarts if rt else 0,
+                   "error": registry.load_error(name)} for name, rt in registry.primaries().items()}
 
 
 def _engines(registry: Registry, since: float | None) -> dict[str, Any]:
