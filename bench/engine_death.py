@@ -146,7 +146,10 @@ async def one_round(srv: ServerProcess, args: argparse.Namespace, kill: bool) ->
         async def ready() -> bool:
             return (await h.get(srv.url + "/ready")).status_code == 200
 
-        await asyncio.sleep(0.2)
+        async def down() -> bool:
+            return not await ready()
+
+        out["noticed"] = await until(down, 30, 0.02)  # the death is seen (not ready) before it is counted
         out["ready_s"] = (time.monotonic() - t_kill) if await until(ready, 900, 0.1) else None
     out["streams"] = await asyncio.gather(*tasks)
     out["queued"] = await asyncio.gather(*waiting)

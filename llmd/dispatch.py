@@ -86,7 +86,7 @@ async def run(job: Job, choice: Choice) -> AsyncGenerator[Delta, None]:
                     await backend.abort(current[0])
             sched.finished(flow, len(produced) if dead is None else None)
         if dead is not None:  # queue again once the engine is rebuilt, from what it produced
-            await _engine_back(job, backend, dead, bool(produced))
+            await _engine_back(job, choice, backend, dead, bool(produced))
         elif preempted:
             rec.preemptions += 1
         else:
@@ -105,11 +105,14 @@ def _resumed(choice: Choice, produced: list[int]) -> tuple[Prompt, Sampling]:
                     prompt_logprobs=None))  # the echo's logprobs went out with the first attempt
 
 
-async def _engine_back(job: Job, backend: Backend, dead: EngineDead, delivered: bool) -> None:
+async def _engine_back(job: Job, choice: Choice, backend: Backend, dead: EngineDead, delivered: bool) -> None:
     """Wait for the supervisor to rebuild the engine, within the request's deadline; raises the
-    `engine_dead` error (a stream's terminal event) when it is given up on or not back in time."""
+    `engine_dead` error (a stream's terminal event) when it is given up on or not back in time,
+    or when resuming would change the output (a structured output's grammar restarts)."""
     job.runtime.engine_died(backend)
     margin = 0.05  # give up just before the deadline, so the client learns why
+    if delivered and not choice.flow.preemptible:
+        raise unavailable(str(dead), "engine_dead", retry_after=30) from None
     if not await job.runtime.watch.back(job.deadline - time.monotonic() - margin):
         raise unavailable(str(dead), "engine_dead", retry_after=30) from None
     job.record.resumed += 1

@@ -218,3 +218,23 @@ async def test_running_batch_items_are_requeued_not_failed(make_server, records)
     assert sum(r["resumed"] for r in records) >= 1
     rows = await usage_rows(live)
     assert len(rows) == 5 and all(r["status"] == "ok" and r["output_tokens"] == 12 for r in rows)
+
+
+async def test_a_structured_output_already_sending_is_not_resumed(make_server) -> None:
+    """Its grammar would restart at the resumed prompt's end and change the output: terminal event."""
+    live = await make_server(toml(step_ms=10))
+    schema = {"type": "object", "properties": {f"field_{i}": {"type": "string"} for i in range(20)}}
+    got: list[str] = []
+    with pytest.raises(openai.APIError) as err:
+        await structured_stream(client(live), live, schema, got)
+    assert err.value.code == "engine_dead" and len(got) >= 3
+    assert await async_wait_until(lambda: live.runtime().ready, 10)  # the engine itself is rebuilt
+
+
+async def structured_stream(c: openai.AsyncOpenAI, live: LiveServer, schema: dict[str, Any], got: list[str]) -> None:
+    async for ch in await c.chat.completions.create(
+            model="fake", messages=[{"role": "user", "content": "x"}], stream=True, max_tokens=500,
+            response_format={"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}):
+        got.append(ch.choices[0].delta.content or "" if ch.choices else "")
+        if len(got) == 3:
+            live.backend().kill()
