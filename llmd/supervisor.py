@@ -128,12 +128,19 @@ class Supervisor:
                 async with asyncio.timeout(self.POLL_S):
                     await self._wake.wait()
             self._wake.clear()
-            for rt in list(self._served()):
-                w = rt.watch
-                if w.state != FAILED and not w.closed and not rt.backend.healthy and id(rt) not in self._restarts:
-                    task = asyncio.get_running_loop().create_task(self._restart(rt), name="engine-restart")
-                    self._restarts[id(rt)] = task
-                    task.add_done_callback(functools.partial(self._forget, id(rt)))
+            try:
+                self._look()
+            except Exception:  # the supervisor must outlive a bug in what it reads
+                log.exception("engine_supervisor_error")
+
+    def _look(self) -> None:
+        """Start a rebuild for each dead engine not already being rebuilt (or given up on)."""
+        for rt in list(self._served()):
+            w = rt.watch
+            if w.state != FAILED and not w.closed and not rt.backend.healthy and id(rt) not in self._restarts:
+                task = asyncio.get_running_loop().create_task(self._restart(rt), name="engine-restart")
+                self._restarts[id(rt)] = task
+                task.add_done_callback(functools.partial(self._forget, id(rt)))
 
     def _forget(self, key: int, _task: asyncio.Task[None]) -> None:
         self._restarts.pop(key, None)
@@ -154,6 +161,7 @@ class Supervisor:
             if new is not None:
                 await new.stop()
             w.set(FAILED)
+            rt.hold(False)  # the queued requests meet the dead engine and end with `engine_dead` now
             return
         rt.backend = new
         w.restarts += 1

@@ -174,19 +174,33 @@ async def test_an_engine_that_cannot_be_rebuilt_makes_the_node_unhealthy(make_se
         shutil.copy(smollm2_path / f, src / f)
     (src / "model.safetensors").write_bytes(b"weights")
     stored = ws.add_hf_dir(src, "tiny", "test:0")
-    live = await make_server(toml(step_ms=10, engine="restart_attempts = 2", source='source = "tiny"'), ws)
-    c = client(live)
+    live = await make_server(toml(step_ms=20, max_running=1, engine="restart_attempts = 2",
+                                  source='source = "tiny"'), ws)
+    c, rt = client(live), live.runtime()
     (stored.path / "model.safetensors").write_bytes(b"rotten")  # the weight store no longer verifies
     got: list[str] = []
+    streaming = asyncio.ensure_future(read_stream(c, got))
+    assert await async_wait_until(lambda: len(got) >= 2)
+    waiting = asyncio.ensure_future(c.completions.create(model="fake", prompt="y", max_tokens=4))
+    assert await async_wait_until(lambda: len(rt.queue) == 1)
+    live.backend().kill()
     with pytest.raises(openai.APIError) as err:
-        await killed_stream(c, live, got)
+        await streaming
     assert err.value.code == "engine_dead"
+    with pytest.raises(openai.APIStatusError) as queued:  # not left to its deadline in a held queue
+        await waiting
+    assert queued.value.status_code == 503 and queued.value.code == "engine_dead"
     assert live.runtime().watch.state == "failed"
     health, ready, model = await state(live)
     assert (health, ready, model["engine"]) == (503, 503, "failed")
     with pytest.raises(openai.APIStatusError) as refused:
         await c.completions.create(model="fake", prompt="x", max_tokens=4)
     assert refused.value.status_code == 503 and refused.value.code == "engine_unhealthy"
+
+
+async def read_stream(c: openai.AsyncOpenAI, got: list[str]) -> None:
+    async for ch in await c.completions.create(model="fake", prompt="x", max_tokens=500, stream=True):
+        got.append(ch.choices[0].text)  # noqa: PERF401 - as each chunk arrives
 
 
 async def test_without_restarts_a_dead_engine_stays_dead_and_health_says_so(make_server) -> None:
