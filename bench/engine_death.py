@@ -246,6 +246,8 @@ def report_lines(args: argparse.Namespace, r: dict[str, Any]) -> list[str]:
          f"EngineCore once every stream delivered {args.kill_after} chunks. Each stream's text is compared with "
          "the same request in a round without a kill."), "",
         *report.table(head, rows), "",
+        ("Restart time is almost all vLLM building the engine again (AsyncLLM in a thread, the same as at "
+         "start; the weights re-verified first); it grows with whatever else shares the CPUs."), "",
         (f"- streams resumed with the reference text: {c.get('resumed_same', 0)}; diverged: "
          f"{c.get('resumed_diverged', 0)}; ended with the terminal event: {c.get('terminal', 0)}; queued "
          f"completed: {c.get('queued_ok', 0)}; lost: {c.get('lost', 0)}."),
