@@ -15,6 +15,7 @@ from bench import engine_death
 pytestmark = pytest.mark.engine
 
 
+@pytest.mark.timeout(900)  # two engine builds and a round each side of the kill
 def test_engine_killed_mid_stream_is_rebuilt_and_streams_resume(smollm2_path) -> None:
     args = engine_death.parse_args(["--kills", "1", "--streams", "4", "--queued", "4", "--max-tokens", "40",
                                     "--kill-after", "5", "--no-write"])

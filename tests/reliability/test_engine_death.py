@@ -8,9 +8,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from bench import engine_death
 
 
+@pytest.mark.timeout(3600)  # ten engine rebuilds: 5-15 minutes on a 2-core box
 def test_engine_death_ten_times_loses_nothing(smollm2_path: Path) -> None:
     args = engine_death.parse_args(["--no-write"])
     r = engine_death.run(args)
