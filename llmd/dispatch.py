@@ -15,8 +15,8 @@ import time
 from collections.abc import AsyncGenerator
 from dataclasses import replace
 
-from llmd.backends import BackendError, EngineDead, PromptError
-from llmd.backends.base import Delta, Prompt
+from llmd.backends import Backend, BackendError, EngineDead, PromptError
+from llmd.backends.base import Delta, Prompt, Sampling
 from llmd.errors import APIError, bad_request, deadline_exceeded, engine_failed, unavailable
 from llmd.filters import ContentFiltered, OutputWindow
 from llmd.policy.classes import ENGINE_PRIORITY
@@ -36,23 +36,26 @@ def deadline_error(job: Job) -> APIError:
     return deadline_exceeded()
 
 async def run(job: Job, choice: Choice) -> AsyncGenerator[Delta, None]:
-    """One choice's deltas from the engine. Run it inside `deadline(job)`; raises APIError on failure."""
+    """One choice's deltas from the engine. Run it inside `deadline(job)`; raises APIError on failure.
+    A preempted choice queues again and resumes from what it produced; so does one whose engine
+    died, once the supervisor has rebuilt it (one that had produced nothing simply runs again)."""
     rec, rt, flow = job.record, job.runtime, choice.flow
-    backend, sched = rt.backend, rt.scheduler
+    sched = rt.scheduler
     prompt, sampling, attempt = choice.prompt, choice.sampling, 0
     current = [choice.engine_id]
     produced: list[int] = []
     while True:
         try:
-            await sched.wait_turn(flow, lambda: backend.abort(current[0]))
+            await sched.wait_turn(flow, lambda: rt.backend.abort(current[0]))
         except Dropped as e:
             rec.decision = f"dropped:{e.reason}"
             raise deadline_exceeded(str(e)) from None
         if rec.t_dispatch is None:
             rec.t_dispatch = time.monotonic()
+        backend = rt.backend  # the supervisor swaps in a rebuilt engine after a death
         # Preempted between its dispatch and its start (the scheduler's abort found nothing
         # to abort): it goes back to the queue without ever reaching the engine.
-        preempted = flow.preempt_requested
+        preempted, dead = flow.preempt_requested, None
         try:
             gen = (_nothing() if preempted
                    else backend.generate(current[0], prompt, sampling, ENGINE_PRIORITY[flow.klass]))
@@ -71,27 +74,49 @@ async def run(job: Job, choice: Choice) -> AsyncGenerator[Delta, None]:
                         await backend.abort(current[0])
                         break
         except EngineDead as e:
-            raise unavailable(str(e), "engine_dead", retry_after=30) from None
+            dead = e
         except PromptError as e:
             raise bad_request(str(e)) from None
         except BackendError as e:
             raise engine_failed(str(e)) from None
         finally:
-            if not choice.finished and not preempted:
+            if not choice.finished and not preempted and dead is None:
                 # Disconnect, deadline or error: make sure the engine stops computing it now.
                 with contextlib.suppress(Exception):
                     await backend.abort(current[0])
-            sched.finished(flow, len(produced))
-        if not preempted:
+            sched.finished(flow, len(produced) if dead is None else None)
+        if dead is not None:  # queue again once the engine is rebuilt, from what it produced
+            await _engine_back(job, choice, backend, dead, bool(produced))
+        elif preempted:
+            rec.preemptions += 1
+        else:
             return
-        # Preempted for interactive traffic: queue again and resume from what was produced.
-        rec.preemptions += 1
         attempt += 1
         current[0] = f"{choice.engine_id}-r{attempt}"
-        ids = choice.prompt.token_ids + produced
-        prompt = Prompt(token_ids=ids, engine_input={"prompt_token_ids": ids})
-        sampling = replace(sampling, max_tokens=max(1, choice.sampling.max_tokens - len(produced)),
-                           prompt_logprobs=None)  # the echo's logprobs went out with the first attempt
+        prompt, sampling = _resumed(choice, produced) if produced else (prompt, sampling)
+
+
+def _resumed(choice: Choice, produced: list[int]) -> tuple[Prompt, Sampling]:
+    """What a choice queues again with: its prompt and what it produced, the rest of its
+    max_tokens, the same sampling otherwise (seed included)."""
+    ids = choice.prompt.token_ids + produced
+    return (Prompt(token_ids=ids, engine_input={"prompt_token_ids": ids}),
+            replace(choice.sampling, max_tokens=max(1, choice.sampling.max_tokens - len(produced)),
+                    prompt_logprobs=None))  # the echo's logprobs went out with the first attempt
+
+
+async def _engine_back(job: Job, choice: Choice, backend: Backend, dead: EngineDead, delivered: bool) -> None:
+    """Wait for the supervisor to rebuild the engine, within the request's deadline; raises the
+    `engine_dead` error (a stream's terminal event) when it is given up on or not back in time,
+    or when resuming would change the output (a structured output's grammar restarts)."""
+    job.runtime.engine_died(backend)
+    margin = 0.05  # give up just before the deadline, so the client learns why
+    if delivered and not choice.flow.preemptible:
+        raise unavailable(str(dead), "engine_dead", retry_after=30) from None
+    if not await job.runtime.watch.back(job.deadline - time.monotonic() - margin):
+        raise unavailable(str(dead), "engine_dead", retry_after=30) from None
+    job.record.resumed += 1
+    job.runtime.watch.carried(delivered)
 
 
 def screened(job: Job, choice: Choice) -> AsyncGenerator[Delta, None]:

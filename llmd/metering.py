@@ -72,6 +72,8 @@ MIGRATIONS: list[str] = [
     #    Unique here, the second close failed and left that row open and unbilled.
     """DROP INDEX usage_idempotency;
     CREATE INDEX usage_idempotency ON usage(tenant, idempotency_key) WHERE idempotency_key IS NOT NULL;""",
+    # 6: how often a request was carried over an engine's death (re-queued or resumed)
+    """ALTER TABLE requests ADD COLUMN resumed INTEGER NOT NULL DEFAULT 0;""",
 ]
 SCHEMA_VERSION = len(MIGRATIONS)
 BATCH_WINDOW_S = 0.1  # longest a queued op waits (bench/metering.py: fewer round trips)

@@ -86,6 +86,13 @@ class _Live:
                       "requeued) to seat interactive ones.", labels=["model"]),
             "sdrop": c("llmd:scheduler_dropped", "Queued requests dropped before dispatch because their "
                        "deadline could no longer be met.", labels=["model"]),
+            "up": g("llmd:engine_up", "1 while the model's engine serves, 0 while it is dead or being rebuilt.",
+                    labels=["model"]),
+            "restarts": c("llmd:engine_restarts", "Dead engines the supervisor rebuilt.", labels=["model"]),
+            "resumed": c("llmd:requests_resumed", "Streams resumed on a rebuilt engine from the tokens they "
+                         "had delivered.", labels=["model"]),
+            "requeued": c("llmd:requests_requeued", "Requests re-queued on a rebuilt engine before their "
+                          "first token.", labels=["model"]),
             "info": g("llmd:model_info", "1 per loaded version of a model (in rotation or on standby).",
                       labels=["model", "version"]),
             "itl": HistogramMetricFamily("llmd:inter_token_latency_seconds", "Histogram of inter-token latency in "
@@ -118,6 +125,11 @@ class _Live:
             f["pq"].add_metric([name], s.prefix_queries)
             f["ph"].add_metric([name], s.prefix_hits)
             f["pre"].add_metric([name], s.preemptions)
+            w = rt.watch
+            f["up"].add_metric([name], int(rt.ready))
+            f["restarts"].add_metric([name], w.restarts)
+            f["resumed"].add_metric([name], w.resumed)
+            f["requeued"].add_metric([name], w.requeued)
             for version in self.m.served.versions(name):  # the configured one and any other loaded
                 f["info"].add_metric([name, version], 1)
         les = [floatToGoString(b) for b in ITL_BUCKETS] + ["+Inf"]

@@ -11,12 +11,13 @@ tenants, keys, quotas, filters and prices (llmd/reload.py says what it leaves al
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from llmd.auth import Authenticator
-from llmd.backends import unknown_tool_parser
+from llmd.backends import build_backend, unknown_tool_parser
 from llmd.batch.runner import BatchRunner
 from llmd.batch.store import BatchStore
 from llmd.config import Config, ConfigError
@@ -35,6 +36,7 @@ from llmd.reload import database, merge
 from llmd.runtime import build_runtime
 from llmd.service import Service, degraders
 from llmd.store import WeightStore
+from llmd.supervisor import Supervisor
 from llmd.telemetry import log
 
 
@@ -53,6 +55,7 @@ class Node:
     batches: BatchStore
     batch_runner: BatchRunner
     auth: Authenticator
+    supervisor: Supervisor
 
     async def open(self) -> None:
         await self.runs.store.start()  # first: the ledger's recovery reads the finals kept with outcomes
@@ -65,11 +68,13 @@ class Node:
 
     async def load(self) -> None:
         """Load every configured model, then the other versions the registry had and its splits."""
+        self.supervisor.start()
         await self.registry.load_configured()
         await self.registry.restore()
 
     async def close(self) -> None:
-        await self.batch_runner.stop()  # first: its items in flight are metered as interrupted
+        await self.supervisor.stop()  # no engine is rebuilt while the node stops
+        await self.batch_runner.stop()  # its items in flight are metered as interrupted
         await self.runs.stop()
         await self.runs.store.stop()
         await self.registry.stop()
@@ -101,15 +106,25 @@ class Node:
         self.batch_runner.config = config
         return notes
 
+    @property
+    def healthy(self) -> bool:
+        """False once every loaded model's engine is dead and cannot be rebuilt: the node is
+        no use as it is, so /health says so and an orchestrator restarts it."""
+        rts = [rt for rt in self.registry.primaries().values() if rt is not None]
+        return not rts or any(rt.backend.healthy or rt.watch.recoverable for rt in rts)
+
 
 def build_node(config: Config, store: WeightStore | None = None, ledger: Ledger | None = None) -> Node:
     """Everything a node runs, wired. `ledger` replaces the SQLite ledger (benchmarks' stand-ins)."""
     _check_tool_parsers(config)
     db = database(config)
     ledger = ledger or Ledger(db, config.server.node, _prices(config))
+    weights = store or WeightStore()
+    supervisor = Supervisor(lambda: [rt for versions in registry.runtimes.values() for rt in versions.values()],
+                            functools.partial(build_backend, store=weights))
     # Versions loaded later (the registry) get the tenants in force then: after a reload, the new ones.
-    registry = Registry(config.models, RegistryStore(db.with_suffix(".registry.db")), store or WeightStore(),
-                        lambda cfg, backend: build_runtime(cfg, backend, node.config.tenants))
+    registry = Registry(config.models, RegistryStore(db.with_suffix(".registry.db")), weights,
+                        lambda cfg, backend: build_runtime(cfg, backend, node.config.tenants, watch=supervisor.watch))
     admission = AdmissionController(config.tenants, time.monotonic)
     metrics = Metrics(registry)
     lifecycle = Lifecycle(ledger, admission, metrics.observe)
@@ -123,7 +138,7 @@ def build_node(config: Config, store: WeightStore | None = None, ledger: Ledger 
                          ttl * 86400 if ttl is not None else None)
     runner = BatchRunner(batches, config, lifecycle, service)
     node = Node(config, ledger, registry, admission, metrics, lifecycle, service, runs, batches, runner,
-                Authenticator(config))
+                Authenticator(config), supervisor)
     return node
 
 

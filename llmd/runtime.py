@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from llmd.backends import Backend
@@ -24,19 +25,23 @@ from llmd.policy.queue import QueuedRequest
 from llmd.policy.saturation import SaturationDetector, ThroughputEstimate
 from llmd.policy.scheduler import SchedulerCore
 from llmd.scheduler import Scheduler
+from llmd.supervisor import EngineWatch
 from llmd.telemetry import RequestRecord
 from llmd.tools import ToolMode
 
 
 class ModelRuntime:
-    """One served version: its started engine, its queue, and the scheduler between them."""
+    """One served version: its started engine, its queue, and the scheduler between them. The
+    supervisor swaps `backend` for a rebuilt one when the engine dies (`watch` says where that stands)."""
 
     def __init__(self, cfg: ModelConfig, backend: Backend, queue: ModelQueue, scheduler: Scheduler,
-                 gaps: deque[tuple[float, float]], ordering: dict[str, str] | None = None) -> None:
+                 gaps: deque[tuple[float, float]], ordering: dict[str, str] | None = None,
+                 watch: EngineWatch | None = None) -> None:
         self.cfg = cfg
         self.backend = backend
         self.queue = queue
         self.scheduler = scheduler
+        self.watch = watch or EngineWatch()
         # (wall time, seconds) per token between a request's tokens as they reach the gateway:
         # what the ITL controller steers on.
         self.gaps = gaps
@@ -69,12 +74,23 @@ class ModelRuntime:
             if isinstance(c.fairness, VTCFairness):
                 c.fairness.weights = {t.name: t.weight for t in tenants}
 
+    def hold(self, held: bool) -> None:
+        self.scheduler.hold(held)
+
+    def engine_died(self, backend: Backend) -> None:
+        """`backend` was seen dead: if it is still this version's engine, seat no one until the
+        supervisor has rebuilt it (a death seen late, after the rebuild, changes nothing)."""
+        if backend is self.backend and not backend.healthy and self.watch.dead():
+            self.hold(True)
+
     async def stop(self) -> None:
+        self.watch.closed = True  # unloaded: never rebuilt
         await self.scheduler.stop()
         await self.backend.stop()
 
 
-def build_runtime(cfg: ModelConfig, backend: Backend, tenants: list[TenantConfig]) -> ModelRuntime:
+def build_runtime(cfg: ModelConfig, backend: Backend, tenants: list[TenantConfig],
+                  watch: Callable[[ModelConfig], EngineWatch] | None = None) -> ModelRuntime:
     """The queue and scheduler for a started engine, with the tenants' weights and orderings."""
     sc = cfg.scheduling
     weights = {t.name: t.weight for t in tenants}
@@ -100,7 +116,7 @@ def build_runtime(cfg: ModelConfig, backend: Backend, tenants: list[TenantConfig
                          interactive_quiet_s=sc.interactive_quiet_s)
     scheduler = Scheduler(core)
     scheduler.start()
-    return ModelRuntime(cfg, backend, queue, scheduler, gaps, ordering)
+    return ModelRuntime(cfg, backend, queue, scheduler, gaps, ordering, watch(cfg) if watch is not None else None)
 
 
 @dataclass(eq=False)

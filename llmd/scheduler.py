@@ -41,6 +41,7 @@ class Scheduler:
         self._aborting: set[asyncio.Future[None]] = set()  # kept referenced until done
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        self._held = False  # the engine is down: no one is seated until it is back
 
     # -- read-only views (metrics, /admin/engines) --------------------------
     @property
@@ -60,6 +61,12 @@ class Scheduler:
         return self.core.seat_limit
 
     # -- lifecycle -------------------------------------------------------
+    def hold(self, held: bool) -> None:
+        """Seat no one while the engine is down (the queue keeps its order); seat again after."""
+        self._held = held
+        if not held:
+            self._wake.set()
+
     def start(self) -> None:
         if self._task is None:
             self._task = asyncio.get_running_loop().create_task(self._loop(), name="scheduler")
@@ -79,7 +86,8 @@ class Scheduler:
         self._turns[req.seq] = turn
         self._aborts[req.seq] = abort
         self.core.submit(req)
-        self._apply(self.core.tick())
+        if not self._held:
+            self._apply(self.core.tick())
         if len(self.core.queue):
             self._wake.set()  # the loop polls for headroom while anything waits
         try:
@@ -93,9 +101,9 @@ class Scheduler:
                 self._aborts.pop(req.seq, None)
             raise
 
-    def finished(self, req: QueuedRequest, output_tokens: int) -> None:
-        """The engine is done with `req` (finished, aborted or preempted); `output_tokens`:
-        all it produced so far, every attempt included."""
+    def finished(self, req: QueuedRequest, output_tokens: int | None) -> None:
+        """The engine is done with `req` (finished, aborted, preempted, or its engine died);
+        `output_tokens`: all it produced so far, every attempt included (None: not a whole run)."""
         self._release(req, output_tokens)
 
     def on_output(self, req: QueuedRequest, tokens: int) -> None:
@@ -120,7 +128,8 @@ class Scheduler:
             else:
                 await self._wake.wait()
             self._wake.clear()
-            self._apply(self.core.tick())
+            if not self._held:
+                self._apply(self.core.tick())
 
     def _apply(self, d: Decision) -> None:
         for req in d.drop:

@@ -79,6 +79,8 @@ class Service:
         except RoutingError as e:
             raise not_found(str(e), "model_version_not_found", "model") from None
         if not rt.backend.healthy:
+            rt.engine_died(rt.backend)
+        if not rt.backend.healthy and not rt.watch.recoverable:  # a rebuilding engine: the request waits
             raise unavailable(f"the engine for model '{model}' is not healthy", "engine_unhealthy", retry_after=10)
         return rt
 

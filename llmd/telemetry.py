@@ -57,6 +57,7 @@ class RequestRecord:
     priority_class: str | None = None
     decision: str | None = None  # admitted | shed:<reason> | dropped:<reason>
     preemptions: int = 0
+    resumed: int = 0  # times it was carried over an engine's death and rebuild (re-queued or resumed)
     idempotency_key: str | None = None
     replica: str | None = None
     cost: float | None = None

@@ -94,6 +94,7 @@ max_output_tokens = 4096
 default_max_tokens = 16
 [models.engine]
 max_model_len = 4096
+restart_attempts = {restart_attempts}
 [models.fake]
 step_ms = {step_ms}
 step_ms_per_seq = 0.0
@@ -103,8 +104,9 @@ max_running = {max_running}
 """
 
 
-def fake_toml(max_running: int = 8, step_ms: float = 2.0) -> str:
-    return FAKE_TOML.format(max_running=max_running, step_ms=step_ms)
+def fake_toml(max_running: int = 8, step_ms: float = 2.0, restart_attempts: int = 5) -> str:
+    """`restart_attempts = 0`: a killed engine stays dead (no supervisor rebuild)."""
+    return FAKE_TOML.format(max_running=max_running, step_ms=step_ms, restart_attempts=restart_attempts)
 
 
 # -- subprocess server with the real vLLM engine ------------------------------

@@ -112,6 +112,7 @@ class FakeBackend:
 
     # -- lifecycle ----------------------------------------------------------
     async def start(self) -> None:
+        await asyncio.sleep(self.cfg.start_s)
         if self._task is None:
             self._task = asyncio.create_task(self._loop(), name=f"fake-engine-{self.model_name}")
             self._started = True
@@ -197,16 +198,18 @@ class FakeBackend:
         text = prompt.engine_input if isinstance(prompt.engine_input, str) else self.tokenizer.decode(prompt.token_ids)
         m = EOS_MARKER.search(text)
         say = SAY_MARKER.search(text)
+        seed, said = _continued(prompt.token_ids)
         req = _Req(
             request_id=request_id,
             prompt=prompt,
             sampling=sampling,
             priority=priority,
-            max_new=min(sampling.max_tokens, self.max_model_len - prompt.num_tokens),
+            max_new=said + min(sampling.max_tokens, self.max_model_len - prompt.num_tokens),
             eos_after=int(m.group(1)) if m and not sampling.ignore_eos else None,
-            seed=int.from_bytes(hashlib.blake2b(repr(prompt.token_ids).encode(), digest_size=8).digest(), "big"),
+            seed=seed,
             prefill_left=math.ceil(prompt.num_tokens / self.cfg.prefill_tokens_per_step),
             script=_script(say, sampling),
+            generated=said,
         )
         return self._stream(req)
 
@@ -370,6 +373,25 @@ class FakeBackend:
         if self._task is not None and self._task is not asyncio.current_task():
             self._task.cancel()
         self._fail_all(err)
+
+
+def _seed(token_ids: list[int]) -> int:
+    return int.from_bytes(hashlib.blake2b(repr(token_ids).encode(), digest_size=8).digest(), "big")
+
+
+def _continued(ids: list[int]) -> tuple[int, int]:
+    """(seed, words already said): a prompt that ends in the words this double generates for
+    its beginning (a resumed request: prompt + output so far) continues that text, as a real
+    model does at temperature 0; any other prompt starts afresh."""
+    n, run = len(ids), 0
+    while run < n - 1 and WORD_ID_BASE <= ids[n - 1 - run] < WORD_ID_BASE + len(WORDS):
+        run += 1
+    for k in range(run, 0, -1):
+        seed = _seed(ids[:n - k])
+        step = 1 + 2 * (seed % 7)
+        if all(ids[n - k + g] == WORD_ID_BASE + (seed + g * step) % len(WORDS) for g in range(k)):
+            return seed, k
+    return _seed(ids), 0
 
 
 def _script(say: re.Match[str] | None, sampling: Sampling) -> tuple[str, str] | None:

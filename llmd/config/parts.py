@@ -91,6 +91,12 @@ class EngineConfig(_Strict):
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
     cpu_threads_bind: str | None = None
     extra: dict[str, object] = Field(default_factory=dict)
+    # A dead engine is rebuilt from the weight store: this many attempts in a row (0: it stays
+    # dead), the first at once, then after restart_backoff_s, doubling; a request waits up to
+    # restart_timeout_s for it before it ends with `engine_dead`.
+    restart_attempts: Annotated[int, Field(ge=0)] = 5
+    restart_backoff_s: Annotated[float, Field(ge=0)] = 1.0
+    restart_timeout_s: Annotated[float, Field(gt=0)] = 300.0
 
 
 class FakeEngineConfig(_Strict):
@@ -101,6 +107,7 @@ class FakeEngineConfig(_Strict):
     max_num_seqs: Annotated[int, Field(gt=0)] = 64
     prefill_tokens_per_step: Annotated[int, Field(gt=0)] = 2048
     sleep_mode: bool = False  # act as an engine with vLLM's sleep mode (a GPU) for the registry
+    start_s: Annotated[float, Field(ge=0)] = 0.0  # how long start() takes, as an engine's load does
 
 
 def _known_class(name: str) -> str:

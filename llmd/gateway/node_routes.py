@@ -71,7 +71,7 @@ def _probes(app: App, node: Node) -> None:
 
     @app.get("/health")
     async def health(request: Request) -> HTTPResponse:
-        return json_response({"status": "ok"})
+        return _health(node)
 
     @app.get("/ready")
     async def ready(request: Request) -> HTTPResponse:
@@ -79,9 +79,7 @@ def _probes(app: App, node: Node) -> None:
         status = 200 if node.ready else 503
         if node.auth.metrics_access(request.headers.get("authorization")) is not None:
             return json_response({"ready": node.ready}, status=status)
-        models = {name: {"ready": rt is not None and rt.ready, "version": rt.version if rt else None,
-                         "error": registry.load_error(name)} for name, rt in registry.primaries().items()}
-        return json_response({"ready": node.ready, "models": models}, status=status)
+        return json_response({"ready": node.ready, "models": _ready_models(registry)}, status=status)
 
     @app.get("/metrics")
     async def metrics(request: Request) -> HTTPResponse:
@@ -90,6 +88,20 @@ def _probes(app: App, node: Node) -> None:
             raise refused
         body, ctype = node.metrics.render()
         return HTTPResponse(body, content_type=ctype)
+
+
+def _health(node: Node) -> HTTPResponse:
+    """503 once every engine is dead for good (not being rebuilt): an orchestrator restarts the node."""
+    if not node.healthy:
+        return json_response({"status": "engines_dead"}, status=503)
+    return json_response({"status": "ok"})
+
+
+def _ready_models(registry: Registry) -> dict[str, Any]:
+    """Each model: ready or not, its version, its engine (up, restarting, failed) and restarts."""
+    return {name: {"ready": rt is not None and rt.ready, "version": rt.version if rt else None,
+                   "engine": rt.watch.state if rt else None, "restarts": rt.watch.restarts if rt else 0,
+                   "error": registry.load_error(name)} for name, rt in registry.primaries().items()}
 
 
 def _engines(registry: Registry, since: float | None) -> dict[str, Any]:

@@ -59,11 +59,20 @@ class RequestQueue(ABC):
 
 
 class FCFSQueue(RequestQueue):
+    """Arrival order. A request that queues again (preempted, or its engine died) keeps its `seq`
+    and goes back to its place among those that arrived after it, not to the end."""
+
     def __init__(self) -> None:
         self._q: deque[QueuedRequest] = deque()
 
     def push(self, req: QueuedRequest) -> None:
-        self._q.append(req)
+        if not self._q or self._q[-1].seq < req.seq:
+            self._q.append(req)
+            return
+        i = len(self._q)
+        while i and self._q[i - 1].seq > req.seq:
+            i -= 1
+        self._q.insert(i, req)
 
     def peek(self) -> QueuedRequest:
         return self._q[0]

@@ -1,5 +1,6 @@
 """Tests that need their own real-engine server: one seat (to force preemption), then
-engine death (SIGKILL vLLM's EngineCore mid-stream), in that order."""
+engine death (SIGKILL vLLM's EngineCore mid-stream) with restarts off, in that order
+(tests/engine/test_engine_restart.py: the engine rebuilt and the streams resumed)."""
 
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ pytestmark = pytest.mark.engine
 
 @pytest.fixture(scope="module")
 def doomed_server(smollm2_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineServer]:
-    toml = ENGINE_TOML + "[models.scheduling]\nmax_running = 1\nreserved_seats = 0\n"
+    toml = (ENGINE_TOML + "restart_attempts = 0\n"  # [models.engine] is ENGINE_TOML's last table
+            "[models.scheduling]\nmax_running = 1\nreserved_seats = 0\n")
     srv = start_server_process(toml, tmp_path_factory.mktemp("doomed"))
     yield srv
     stop_process(srv.proc)
@@ -76,6 +78,7 @@ def test_engine_killed_mid_stream(doomed_server: EngineServer) -> None:
     assert wait_until(lambda: httpx.get(doomed_server.url + "/ready").status_code == 503, 10)
     r = httpx.post(doomed_server.base + "/completions", json={"model": "smollm2", "prompt": "hi"}, timeout=10)
     assert r.status_code == 503 and r.json()["error"]["code"] == "engine_unhealthy" and r.headers["retry-after"]
-    assert httpx.get(doomed_server.url + "/health").status_code == 200  # the process itself lives on
+    # Its only engine is dead for good (restarts off): unhealthy, so an orchestrator restarts the node.
+    assert httpx.get(doomed_server.url + "/health").status_code == 503
     rec = [json.loads(line) for line in doomed_server.log_lines() if '"event": "request"' in line]
     assert any(x["error_code"] == "engine_dead" and x["output_tokens"] >= 4 for x in rec)

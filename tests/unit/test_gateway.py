@@ -226,7 +226,8 @@ async def test_client_disconnect_aborts_engine_request(make_server) -> None:
 
 
 async def test_engine_death_mid_stream_and_after(make_server) -> None:
-    live = await make_server(fake_toml(step_ms=10))
+    """With restarts off, a dead engine stays dead (tests/unit/test_supervisor.py: rebuilt)."""
+    live = await make_server(fake_toml(step_ms=10, restart_attempts=0))
     be = live.backend()
     body = {"model": "fake", "prompt": "x", "max_tokens": 1000, "stream": True}
     async with (

@@ -29,6 +29,7 @@ backend = "fake"
 max_output_tokens = 2000
 [models.engine]
 max_model_len = 4096
+restart_attempts = 0
 [models.fake]
 step_ms = 5
 step_ms_per_seq = 0.0

@@ -17,13 +17,16 @@ from llmd.policy.queue import QueuedRequest
 from llmd.policy.saturation import SaturationDetector, ThroughputEstimate
 from llmd.policy.scheduler import SchedulerCore
 from llmd.scheduler import Scheduler
+from llmd.supervisor import EngineWatch
 
 
 def _runtime(stats: EngineStats) -> SimpleNamespace:
     queue = ModelQueue(FAIRNESS["fcfs"], lambda t: "fifo")
     sched = SimpleNamespace(running={1: object(), 2: object()}, dropped=3, preempted=4, seat_limit=8)
     backend = SimpleNamespace(stats=stats, version="v7")
-    return SimpleNamespace(queue=queue, scheduler=sched, backend=backend)
+    watch = EngineWatch(attempts=5, timeout_s=60)
+    watch.restarts, watch.resumed, watch.requeued = 2, 5, 7
+    return SimpleNamespace(queue=queue, scheduler=sched, backend=backend, watch=watch, ready=False)
 
 
 class Served:
@@ -166,6 +169,10 @@ def test_live_gauges_read_at_scrape(svc: Served) -> None:
     assert value(f, "llmd:scheduler_dropped", "llmd:scheduler_dropped_total", model="m") == 3
     assert value(f, "llmd:scheduler_seat_limit", "llmd:scheduler_seat_limit", model="m") == 8
     assert value(f, "llmd:model_info", "llmd:model_info", model="m", version="v7") == 1
+    assert value(f, "llmd:engine_up", "llmd:engine_up", model="m") == 0  # dead or being rebuilt
+    assert value(f, "llmd:engine_restarts", "llmd:engine_restarts_total", model="m") == 2
+    assert value(f, "llmd:requests_resumed", "llmd:requests_resumed_total", model="m") == 5
+    assert value(f, "llmd:requests_requeued", "llmd:requests_requeued_total", model="m") == 7
     # a model still loading has an empty queue but no engine series
     assert not [s for s in f["llmd:num_requests_running"].samples if s.labels["model"] == "loading"]
 

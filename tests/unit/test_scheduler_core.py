@@ -293,3 +293,14 @@ def test_finished_learns_output_length_but_not_from_preempted_or_unknown_counts(
     assert core.finished(c, None) and core.avg_output == pytest.approx(110.0)
     assert not core.finished(a, 500) and core.avg_output == pytest.approx(110.0)  # it held no seat
     assert core.running == {} and core.tenant_running == {"a": 0}
+
+
+def test_a_request_that_queues_again_goes_back_to_its_place_by_arrival() -> None:
+    """A preempted request, or one whose engine died, keeps its seq: it is queued ahead of the
+    ones that arrived after it (FIFO within a tenant), not behind them."""
+    q = ModelQueue(FAIRNESS["fcfs"], lambda t: "fifo")
+    first, second, third = (QueuedRequest(f"r{i}", "a", "interactive", 10, 10, 1e9) for i in range(3))
+    for r in (second, third):
+        q.push(r)
+    q.push(first)  # seated earlier, now back
+    assert [q.pop_next(), q.pop_next(), q.pop_next()] == [first, second, third]

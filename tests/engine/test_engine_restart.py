@@ -1,0 +1,29 @@
+"""The engine supervisor on the real engine: SIGKILL vLLM's EngineCore (a child process of
+`llmd serve`) while streams run and requests queue; the node rebuilds the engine in the same
+process, the streams resume with the text of a run never killed (temperature 0), the queued
+requests complete, each request has one usage row, and the node is ready again.
+
+bench/engine_death.py runs the same scenario ten times over with 16 streams and 50 queued
+(tests/reliability/test_engine_death.py, `make reliability`)."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench import engine_death
+
+pytestmark = pytest.mark.engine
+
+
+@pytest.mark.timeout(900)  # two engine builds and a round each side of the kill
+def test_engine_killed_mid_stream_is_rebuilt_and_streams_resume(smollm2_path) -> None:
+    args = engine_death.parse_args(["--kills", "1", "--streams", "4", "--queued", "4", "--max-tokens", "40",
+                                    "--kill-after", "5", "--no-write"])
+    r = engine_death.run(args)
+    c = r["counts"]
+    assert r["reference_ok"]
+    assert c.get("resumed_same", 0) == 4 and c.get("lost", 0) == 0, c  # none ended: all resumed, same text
+    assert c.get("queued_ok", 0) == 4
+    assert [ok for _, ok in engine_death.verdicts(args, r)] == [True] * 5, engine_death.verdicts(args, r)
+    assert len(r["restart_s"]) == 1 and len(r["ready_s"]) == 1
+    assert r["ledger"]["resumed"].get(1, 0) >= 4  # the record names the resume
