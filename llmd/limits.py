@@ -67,14 +67,14 @@ def check_prompt_bytes(cfg: ModelConfig, req: ChatRequest | CompletionRequest) -
             size += len(json.dumps([t.model_dump(by_alias=True) for t in req.tools]))
         if size > limit:
             raise bad_request(f"The messages are more than {limit} bytes, the most this model takes "
-                              f"({cfg.name}: max_prompt_bytes).", "messages", "prompt_too_large")
+                              f"({cfg.name}: max_prompt_bytes).", "messages", "context_length_exceeded")
         return
     many = not (isinstance(req.prompt, str) or (req.prompt and isinstance(req.prompt[0], int)))
     for i, p in enumerate(req.prompts()):
         param = f"prompt[{i}]" if many else "prompt"
         if isinstance(p, str) and _utf8_len(p, limit) > limit:
             raise bad_request(f"The prompt is more than {limit} bytes, the most this model takes "
-                              f"({cfg.name}: max_prompt_bytes).", param, "prompt_too_large")
+                              f"({cfg.name}: max_prompt_bytes).", param, "context_length_exceeded")
         if isinstance(p, list) and len(p) > cfg.prompt_limit:
             raise bad_request(f"This model's maximum prompt length is {cfg.prompt_limit} tokens; your prompt has "
                               f"{len(p)} tokens.", param, "context_length_exceeded")

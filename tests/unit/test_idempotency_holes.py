@@ -43,7 +43,10 @@ async def test_key_reused_after_its_ttl_bills_the_new_run(make_server) -> None:
 
 
 async def test_dropped_from_the_queue_is_not_replayed(make_server) -> None:
-    live = await make_server(toml(step_ms=5).replace("max_running = 250", "max_running = 1"))
+    # With the supervisor on, the queued request would wait for the rebuilt engine and run: a
+    # dead engine that stays dead (no restarts) is the outcome that never ran.
+    live = await make_server(toml(step_ms=5).replace("max_running = 250", "max_running = 1")
+                             .replace("max_model_len = 4096", "max_model_len = 4096\nrestart_attempts = 0"))
     async with httpx.AsyncClient(base_url=live.base, timeout=30) as h:
         hog = asyncio.create_task(h.post("/completions", json={"model": "fake", "prompt": "l", "max_tokens": 300},
                                          headers={"Authorization": f"Bearer {KEY}"}))
@@ -60,7 +63,10 @@ async def test_dropped_from_the_queue_is_not_replayed(make_server) -> None:
 
 
 async def test_engine_dead_before_the_first_token_is_not_replayed(make_server) -> None:
-    live = await make_server(toml(step_ms=5).replace("max_running = 250", "max_running = 1"))
+    # With the supervisor on, the queued request would wait for the rebuilt engine and run: a
+    # dead engine that stays dead (no restarts) is the outcome that never ran.
+    live = await make_server(toml(step_ms=5).replace("max_running = 250", "max_running = 1")
+                             .replace("max_model_len = 4096", "max_model_len = 4096\nrestart_attempts = 0"))
     async with httpx.AsyncClient(base_url=live.base, timeout=30) as h:
         hog = asyncio.create_task(h.post("/completions", json={"model": "fake", "prompt": "l", "max_tokens": 300},
                                          headers={"Authorization": f"Bearer {KEY}"}))
