@@ -91,9 +91,13 @@ def test_models_list_and_unknown_model(client: openai.OpenAI) -> None:
 
 def test_over_long_prompt_is_refused_before_the_engine(client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": "hello " * 2000}])
+        # 1,300 tokens in 7,800 bytes: under the byte bound (8 per token of the limit), over the tokens
+        client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": "hello " * 1300}])
     assert e.value.code == "context_length_exceeded"
     assert "1000 tokens" in e.value.message  # the configured max_prompt_tokens, counted by the model's tokenizer
+    with pytest.raises(openai.BadRequestError) as e:  # far over: refused on its bytes, before any tokenizing
+        client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": "hello " * 2000}])
+    assert e.value.code == "context_length_exceeded" and "8000 bytes" in e.value.message
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model="smollm2", prompt="hi", max_tokens=5000)
     assert e.value.code == "max_tokens_exceeded"
