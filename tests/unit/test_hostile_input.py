@@ -117,7 +117,8 @@ async def test_the_default_byte_limit_is_eight_bytes_per_token_of_the_prompt_lim
     live = await make_server(fake_toml())  # max_model_len 4096: prompt limit 4095 tokens, 32760 bytes
     c = sdk(live)
     e = await refused(c.completions.create(model="fake", prompt="z" * (8 * 4095 + 1), max_tokens=1))
-    assert e.status_code == 400 and error_of(e)["code"] == "context_length_exceeded" and "32760" in error_of(e)["message"]
+    err = error_of(e)
+    assert e.status_code == 400 and err["code"] == "context_length_exceeded" and "32760" in err["message"]
 
 
 RATE_TOML = fake_toml() + f"""
