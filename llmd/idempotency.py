@@ -31,6 +31,7 @@ import structlog
 from llmd import streaming
 from llmd.errors import APIError
 from llmd.lifecycle import Lifecycle, RequestLife
+from llmd.periodic import Periodic
 from llmd.protocol import ChatRequest, CompletionRequest
 from llmd.runtime import Job
 
@@ -137,7 +138,9 @@ class IdempotencyStore:
         self.path = path
         self.ttl_s = ttl_s
         self._db: aiosqlite.Connection | None = None
-        self._purger: asyncio.Task[None] | None = None
+        # While serving: a node up for weeks keeps only a TTL's worth of outcomes on disk.
+        self._purger = Periodic("idempotency-purge", min(ttl_s, PURGE_EVERY_S), self.purge, log,
+                                "idempotency_purged", "idempotency_purge_failed", "outcomes")
 
     async def start(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -154,14 +157,10 @@ class IdempotencyStore:
             await self._db.execute("ALTER TABLE idempotency ADD COLUMN final TEXT")
         await self._db.execute("CREATE INDEX IF NOT EXISTS idempotency_request ON idempotency(request_id)")
         await self.purge()
-        self._purger = asyncio.get_running_loop().create_task(self._purge_every(), name="idempotency-purge")
+        self._purger.start()
 
     async def stop(self) -> None:
-        if self._purger is not None:
-            self._purger.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._purger
-            self._purger = None
+        await self._purger.stop()
         if self._db is not None:
             await self._db.close()
             self._db = None
@@ -172,16 +171,6 @@ class IdempotencyStore:
         cur = await self._db.execute("DELETE FROM idempotency WHERE created_at < ?", (time.time() - self.ttl_s,))
         await self._db.commit()
         return cur.rowcount
-
-    async def _purge_every(self) -> None:
-        """While serving: a node up for weeks keeps only a TTL's worth of outcomes on disk."""
-        while True:
-            await asyncio.sleep(min(self.ttl_s, PURGE_EVERY_S))
-            try:
-                if n := await self.purge():
-                    log.info("idempotency_purged", outcomes=n)
-            except Exception:  # a busy or failing disk: the next round tries again
-                log.exception("idempotency_purge_failed")
 
     async def lookup(self, key: tuple[str, str]) -> tuple[str, Outcome] | None:
         assert self._db is not None

@@ -27,6 +27,7 @@ import aiosqlite
 import structlog
 
 from llmd.batch.lines import Item
+from llmd.periodic import Periodic
 from llmd.sqlite import SqliteStore
 
 SCHEMA = """
@@ -90,7 +91,8 @@ class BatchStore(SqliteStore):
         self.file_ttl_s = file_ttl_s  # a file's default life (None: until deleted)
         # One connection serves every coroutine: a transaction must not take in another's writes.
         self._lock = asyncio.Lock()
-        self._purger: asyncio.Task[None] | None = None
+        self._purger = Periodic("batch-files-purge", PURGE_EVERY_S, self.purge_expired, log,
+                                "batch_files_expired", "batch_files_purge_failed", "files")
 
     async def start(self) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -101,14 +103,10 @@ class BatchStore(SqliteStore):
         for p in self.dir.glob("*.tmp"):  # a file whose row was never committed
             p.unlink(missing_ok=True)
         await self.purge_expired()
-        self._purger = asyncio.get_running_loop().create_task(self._purge_every(), name="batch-files-purge")
+        self._purger.start()
 
     async def stop(self) -> None:
-        if self._purger is not None:
-            self._purger.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._purger
-            self._purger = None
+        await self._purger.stop()
         await super().stop()
 
     # -- files ---------------------------------------------------------------------------
@@ -184,15 +182,6 @@ class BatchStore(SqliteStore):
         for i in ids:
             self.file_path(i).unlink(missing_ok=True)
         return len(ids)
-
-    async def _purge_every(self) -> None:
-        while True:
-            await asyncio.sleep(PURGE_EVERY_S)
-            try:
-                if n := await self.purge_expired():
-                    log.info("batch_files_expired", files=n)
-            except Exception:  # a busy or failing disk: the next round tries again
-                log.exception("batch_files_purge_failed")
 
     async def get_file(self, tenant: str, file_id: str) -> dict[str, Any] | None:
         async with self.db.execute("SELECT * FROM files WHERE id = ? AND tenant = ? AND deleted = 0",
