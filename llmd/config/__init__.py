@@ -5,6 +5,7 @@ never has to guess which line of a long config is wrong. `parts.py` holds the se
 `root.py` the whole file and its loading.
 """
 
+from llmd.config.cluster import ClusterConfig, WarmPoolConfig
 from llmd.config.parts import (
     DEFAULT_CONFIG_ENV,
     KEY_HASH,
@@ -29,8 +30,9 @@ from llmd.config.parts import (
 from llmd.config.root import Config, load_config
 
 __all__ = [
-    "DEFAULT_CONFIG_ENV", "KEY_HASH", "PII_KINDS", "AuthConfig", "BatchConfig", "Config", "ConfigError",
+    "DEFAULT_CONFIG_ENV", "KEY_HASH", "PII_KINDS", "AuthConfig", "BatchConfig", "ClusterConfig", "Config",
+    "ConfigError",
     "DegradationConfig", "EngineConfig", "FakeEngineConfig", "FilterSpec", "FilteringConfig", "ModelConfig",
     "PIIKind", "PricingConfig", "PriorityClass", "SchedulingConfig", "ServerConfig", "TLSConfig", "TenantConfig",
-    "load_config",
+    "WarmPoolConfig", "load_config",
 ]

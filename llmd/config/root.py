@@ -9,6 +9,7 @@ from pathlib import Path
 
 from pydantic import Field, ValidationError, model_validator
 
+from llmd.config.cluster import ClusterConfig
 from llmd.config.parts import (
     DEFAULT_CONFIG_ENV,
     AuthConfig,
@@ -30,6 +31,7 @@ class Config(_Strict):
     tenants: list[TenantConfig] = Field(default_factory=list)
     filters: list[FilterSpec] = Field(default_factory=list)
     batch: BatchConfig = Field(default_factory=BatchConfig)
+    cluster: ClusterConfig = Field(default_factory=ClusterConfig)
     path: Path | None = Field(default=None, exclude=True)
 
     @model_validator(mode="after")
