@@ -9,13 +9,16 @@ from __future__ import annotations
 import asyncio
 import math
 import re
+import time
 import uuid
 
 from sanic import Request, Sanic
 from sanic.response import BaseHTTPResponse
 
 from llmd.auth import Principal, require_admin
-from llmd.gateway import batches, generate, node_routes, openapi, registry
+from llmd.cluster.signing import Signer
+from llmd.cluster.weights import WeightServer
+from llmd.gateway import batches, generate, internal_weights, node_routes, openapi, registry
 from llmd.gateway.connections import ConnectionGuard, GuardedProtocol
 from llmd.gateway.errors import OpenAIErrorHandler
 from llmd.gateway.guards import add_guards
@@ -57,6 +60,9 @@ def create_app(node: Node, name: str = "llmd", load_models: bool = True) -> App:
     batches.add_routes(app, node.batches, node.batch_runner, config.batch, principal)
     registry.add_routes(app, node.registry, admin)
     openapi.add_routes(app)
+    if config.cluster.enabled:  # peers pull weights from here (the cluster's own wiring will own the signer)
+        internal_weights.mount(app, WeightServer(node.registry.weights), Signer(
+            config.server.node, config.cluster.secrets(), time.time, config.cluster.replay_window_s, "http"))
     return app
 
 
