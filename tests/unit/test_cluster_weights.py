@@ -191,7 +191,8 @@ async def test_a_cancelled_pull_leaves_nothing_in_the_store(peers: Peers, http: 
                                     progress=progress))
     with pytest.raises(asyncio.CancelledError):
         await task
-    assert chunks_written == 5 and store.list() == [] and not staging_dirs(store)
+    # >= 5: a worker already past its await may land one more chunk before the cancel reaches it.
+    assert chunks_written >= 5 and store.list() == [] and not staging_dirs(store)
     assert not (store.root / "tiny").exists()
 
 
