@@ -151,7 +151,9 @@ async def test_a_dead_peer_is_dropped_and_the_others_supply_everything(peers: Pe
     store = WeightStore(tmp_path / "c")
     res = await pull(peers.version, [dead, peers.a.url, peers.b.url], http, signer(), store=store)
     store.verify(res.model)
-    assert res.chunks_by_peer[dead] == 0 and sum(n for (p, _), n in res.failures.items() if p == dead) >= 3
+    failed = sum(n for (p, _), n in res.failures.items() if p == dead)
+    # Dropped after 3 failures; at most the 4 fetches already in flight fail on top of the first 2.
+    assert res.chunks_by_peer[dead] == 0 and 3 <= failed <= 6
 
 
 async def test_unsigned_forged_and_replayed_calls_get_401_unknown_ones_404(peers: Peers,
