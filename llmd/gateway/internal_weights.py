@@ -57,8 +57,8 @@ def mount(app: App, weights: WeightServer, signer: Signer) -> None:
         left, at = ref.length, ref.offset
         while left > 0:
             data = await asyncio.to_thread(_read, ref.path, at, min(left, SEND_BYTES))
-            if not data:  # the file shrank under us: end short; the puller's length check catches it
-                break
+            if not data:  # the file shrank under us: cut the connection, the puller refetches elsewhere
+                raise OSError(f"{ref.path} is shorter than its manifest says")
             await response.send(data)
             at, left = at + len(data), left - len(data)
         await response.eof()

@@ -128,14 +128,17 @@ async def test_a_corrupted_chunk_is_refetched_from_the_other_peer(peers: Peers, 
     for at in range(100, len(data), CHUNK):
         data[at] ^= 0xFF
     shard.write_bytes(bytes(data))
+    with (shard.parent / "model-00002-of-00002.safetensors").open("r+b") as f:
+        f.truncate(3 * CHUNK + 10)  # and the second shard lost its tail: short chunks, cut connections
 
     store = WeightStore(tmp_path / "c")
     res = await pull(peers.version, [peers.a.url, peers.b.url], http, signer(), store=store, max_peer_failures=100)
     store.verify(res.model)
     assert res.model.version == peers.version
     assert res.failures[(peers.a.url, "sha256_mismatch")] >= 1 and not res.failures[(peers.b.url, "sha256_mismatch")]
-    # Dropped for the bad chunks only: A still serves the good ones after them (the second shard).
+    # Dropped for the bad chunks only: A still serves good ones after them (the second shard's head).
     assert res.chunks_by_peer[peers.a.url] >= 2
+    assert sum(n for (p, why), n in res.failures.items() if p == peers.a.url and why != "sha256_mismatch") >= 1
     assert res.chunks_by_peer[peers.b.url] >= 11  # every chunk of the rotten shard came from B
 
     # With only the rotten peer, the pull fails and stores nothing.
