@@ -180,6 +180,7 @@ class WeightServer:
         self.store = store
         self.chunk_bytes = chunk_bytes or CHUNK_BYTES  # read now: tests shrink the module's default
         self._lock = threading.Lock()
+        self._building: dict[str, threading.Lock] = {}  # one per version: a build never blocks another's chunks
         self._served: dict[str, tuple[StoredModel, bytes, dict[str, ChunkRef]]] = {}
 
     def versions(self) -> list[str]:
@@ -201,14 +202,19 @@ class WeightServer:
         return ref
 
     def _get(self, version: str) -> tuple[StoredModel, bytes, dict[str, ChunkRef]]:
-        with self._lock:  # one build per version, even when several peers ask at once
-            got = self._served.get(version)
-            if got is not None:
+        if (got := self._served.get(version)) is not None:
+            return got
+        missing = WeightsUnavailable(f"version {version[:64]!r} is not stored on this node", 404, "unknown_version")
+        if not is_version_id(version):
+            raise missing
+        with self._lock:
+            building = self._building.setdefault(version, threading.Lock())
+        with building:  # one build per version, even when several peers ask at once
+            if (got := self._served.get(version)) is not None:
                 return got
-            model = next((m for m in self.store.list() if m.version == version), None) if is_version_id(version) \
-                else None
+            model = next((m for m in self.store.list() if m.version == version), None)
             if model is None:
-                raise WeightsUnavailable(f"version {version[:64]!r} is not stored on this node", 404, "unknown_version")
+                raise missing
             m = cached_manifest(model, self.chunk_bytes)
             index = {c.sha256: ChunkRef(model.path / f.path, c.offset, c.length) for f in m.files for c in f.chunks}
             got = self._served[version] = (model, json.dumps(m.model_dump(), sort_keys=True).encode(), index)

@@ -90,6 +90,9 @@ async def pull(version: str, peers: list[str], http: httpx.AsyncClient, signer: 
         raise PullError(f"model name: {e}") from None
     store.root.mkdir(parents=True, exist_ok=True)
     await asyncio.to_thread(_sweep_stale, store.root)
+    if (free := shutil.disk_usage(store.root).free) < manifest.size:
+        raise PullError(f"{manifest.name}@{version[:12]} needs {manifest.size / 1e9:.2f} GB; "
+                        f"{store.root} has {free / 1e9:.2f} GB free")
     staging = store.root / f"{STAGING_PREFIX}{os.getpid()}-{uuid.uuid4().hex}"
     staging.mkdir()
     try:

@@ -285,3 +285,38 @@ async def test_a_manifest_altered_in_transit_is_refused(peers: Peers, tmp_path: 
         with pytest.raises(PullError, match="manifest not signed by a member"):
             await pull(peers.version, [peers.a.url, peers.b.url], tampered, signer(), store=store)
     assert store.list() == [] and not staging_dirs(store)
+
+
+def test_building_one_manifest_does_not_hold_up_another_versions_chunks(tmp_path: Path, small_chunks: None,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    store = WeightStore(tmp_path / "a")
+    first = store.import_path(fake_model(tmp_path), "tiny")
+    other_src = tmp_path / "other"
+    other_src.mkdir()
+    (other_src / "config.json").write_text("{}")
+    (other_src / "model.safetensors").write_bytes(b"\1" * (3 * CHUNK))
+    second = store.import_path(other_src, "other")
+    ws = WeightServer(store)
+    sha = manifest_module.Manifest.model_validate_json(ws.manifest_bytes(first.version)).files[0].chunks[0].sha256
+    entered, release = threading.Event(), threading.Event()
+    build = manifest_module.cached_manifest
+
+    def slow(model: Any, chunk_bytes: int) -> Any:
+        entered.set()
+        release.wait(30)
+        return build(model, chunk_bytes)
+
+    monkeypatch.setattr(manifest_module, "cached_manifest", slow)
+    t = threading.Thread(target=ws.manifest_bytes, args=(second.version,))
+    t.start()
+    try:
+        assert entered.wait(30)
+        served: list[Any] = []
+        u = threading.Thread(target=lambda: served.append(ws.serve_chunk(first.version, sha)))
+        u.start()
+        u.join(30)
+        assert served and served[0].length > 0 and not release.is_set()  # served while the other build is held
+    finally:
+        release.set()
+        t.join()
+    assert ws.manifest_bytes(second.version)
