@@ -15,7 +15,7 @@ from sanic import Request, Sanic
 from sanic.response import BaseHTTPResponse
 
 from llmd.auth import Principal, require_admin
-from llmd.gateway import batches, generate, node_routes, openapi, registry
+from llmd.gateway import batches, generate, internal, node_routes, openapi, registry
 from llmd.gateway.connections import ConnectionGuard, GuardedProtocol
 from llmd.gateway.errors import OpenAIErrorHandler
 from llmd.gateway.guards import add_guards
@@ -56,6 +56,7 @@ def create_app(node: Node, name: str = "llmd", load_models: bool = True) -> App:
     node_routes.add_routes(app, node, principal, admin)
     batches.add_routes(app, node.batches, node.batch_runner, config.batch, principal)
     registry.add_routes(app, node.registry, admin)
+    internal.add_routes(app, node, admin)
     openapi.add_routes(app)
     return app
 
