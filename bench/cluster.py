@@ -124,12 +124,12 @@ async def part_a(tmp: Path, seconds: float) -> list[str]:
           f"capacity {capacity:.1f} req/s", flush=True)
     runs = []
     for load in LOADS:
-        for placement in ("round_robin", "ttft"):
+        for placement in ("round_robin", "score"):
             r = await one_run(tmp, placement, load * capacity, seconds)
             r["load"] = load
             print(r, flush=True)
             runs.append(r)
-    hot = await one_run(tmp, "ttft", 0.7 * capacity, seconds, hot=0.5)
+    hot = await one_run(tmp, "score", 0.7 * capacity, seconds, hot=0.5)
     print("hot", hot, flush=True)
     return report_a(runs, hot, mean_p, capacity)
 
@@ -139,10 +139,10 @@ def report_a(runs: list[dict[str, Any]], hot: dict[str, Any], mean_p: float, cap
              f"{r['hit']:.2f}", f"{r['oracle']:.2f}", report.num(r["ttft_p50"], 3), report.num(r["ttft_p90"], 3),
              report.num(r["queue_max_over_mean"], 2)] for r in runs]
     by = {(r["load"], r["placement"]): r for r in runs}
-    hits = [(by[(ld, "ttft")]["hit"], by[(ld, "round_robin")]["hit"], by[(ld, "ttft")]["oracle"]) for ld in LOADS]
+    hits = [(by[(ld, "score")]["hit"], by[(ld, "round_robin")]["hit"], by[(ld, "score")]["oracle"]) for ld in LOADS]
     hit_x = min(a / b if b else float("inf") for a, b, _ in hits)
     of_oracle = min(a / o if o else 0.0 for a, _, o in hits)
-    t70 = by[(0.7, "ttft")]["ttft_p90"], by[(0.7, "round_robin")]["ttft_p90"]
+    t70 = by[(0.7, "score")]["ttft_p90"], by[(0.7, "round_robin")]["ttft_p90"]
     ttft_ok = t70[0] is not None and t70[1] is not None and t70[0] <= t70[1] / 3
     hot_ok = hot["failed"] == 0 and (hot["queue_max_over_mean"] or 0) <= 1.5
     lines = [f"Fake engines: prefill {PREFILL_TPS:.0f} uncached tokens/s per node, {KV_BLOCKS} blocks of 16 tokens "
@@ -169,7 +169,7 @@ async def part_d(tmp: Path, seconds: float, quota: int = 6000) -> list[str]:
     from llmd.auth import hash_key
 
     tenants = f'[[tenants]]\nname = "t"\nkeys = ["{hash_key(QUOTA_KEY)}"]\ntokens_per_minute = {quota}\n'
-    nodes = await asyncio.to_thread(start_nodes, tmp / "quota", 3, "ttft", 5.0, KV_BLOCKS, PREFILL_TPS, tenants)
+    nodes = await asyncio.to_thread(start_nodes, tmp / "quota", 3, "score", 5.0, KV_BLOCKS, PREFILL_TPS, tenants)
     served: list[tuple[float, int]] = []
     refused = 0
     t0 = time.monotonic()

@@ -58,7 +58,7 @@ async def drain(nodes: list[Node], on: bool) -> None:
 
 
 async def trial(tmp: Path, n_streams: int, how: str) -> dict[str, Any]:
-    nodes = await asyncio.to_thread(start_nodes, tmp, 3, "ttft", STEP_MS)
+    nodes = await asyncio.to_thread(start_nodes, tmp, 3, "score", STEP_MS)
     victim = nodes[2]
     try:
         await drain(nodes[:2], True)
@@ -114,7 +114,7 @@ def measure(nodes: list[Node], victim: Node, results: list[Stream], reference: l
 
 async def soak(tmp: Path, seconds: float) -> dict[str, Any]:
     """3 nodes serving steady chats while busy loops hold both cores: count false deaths."""
-    nodes = await asyncio.to_thread(start_nodes, tmp / "soak", 3, "ttft", 5.0)
+    nodes = await asyncio.to_thread(start_nodes, tmp / "soak", 3, "score", 5.0)
     burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
     client = new_client(timeout=120)
     done = 0

@@ -60,7 +60,7 @@ class Node:
     gossip: int
 
 
-def start_nodes(tmp: Path, n: int, placement: str = "ttft", step_ms: float = 5.0, kv_blocks: int = 1024,
+def start_nodes(tmp: Path, n: int, placement: str = "score", step_ms: float = 5.0, kv_blocks: int = 1024,
                 prefill_tps: float = 3000.0, tenants: str = "", cluster_extra: str = "",
                 names: list[str] | None = None) -> list[Node]:
     """`n` llmd processes (fake engines) that find each other through the first one's gossip port;

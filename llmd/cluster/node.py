@@ -29,7 +29,7 @@ from llmd.cluster.router import Router, Target
 from llmd.cluster.signing import Signer
 from llmd.config import Config
 from llmd.policy.admission import AdmissionController
-from llmd.policy.placement import Candidate, Reservations
+from llmd.policy.placement import POLICIES, Candidate, Reservations
 from llmd.registry.registry import Registry
 from llmd.runtime import Job
 
@@ -38,6 +38,7 @@ READ_EVERY_S = 0.05  # how often peers' new states are decoded
 PREFIX_BLOCK_TOKENS = 64
 PREFIX_CAPACITY_BLOCKS = 65536
 PREFIX_DELTA_BYTES = 400
+RESERVATION_TTL_S = 2.0  # a reservation outlives any state push that could have missed it
 
 
 @dataclass
@@ -70,8 +71,8 @@ class ClusterNode:
         self.forwarder = Forwarder(self.http_signer, self.client)
         self.prefixes = PrefixIndex(PREFIX_CAPACITY_BLOCKS, PREFIX_BLOCK_TOKENS, secrets[0])
         self.peers: dict[str, Peer] = {}
-        self.router = Router(self.name, self._targets, self.forwarder, Reservations(time.monotonic, 2.0),
-                             cc.max_failovers, random.Random(), self._ran)
+        policy = POLICIES[cc.placement](Reservations(time.monotonic, RESERVATION_TTL_S), random.Random())
+        self.router = Router(self.name, self._targets, self.forwarder, policy, cc.max_failovers, self._ran)
         self.draining = False
         self._seq = 0
         self._published_prefix = 0
@@ -185,6 +186,7 @@ class ClusterNode:
         log.info("cluster_member", peer=m.name, state=m.state, incarnation=m.incarnation, t=time.time())
         if m.state in ("dead", "left"):
             self.forwarder.node_lost(m.name)
+            self.router.reservations.forget(m.name)
         else:
             self.forwarder.node_suspect(m.name, m.state == "suspect")
 
@@ -196,7 +198,7 @@ class ClusterNode:
         out: list[Target] = []
         local = self.registry.versions(model or "").get(version or "")
         if local is not None and local.ready:
-            load = version_load(local, draining=False, standby=False)
+            load = version_load(local, draining=self.draining, standby=False)
             out.append(Target(Candidate(self.name, load, self.prefixes.cached_tokens(hashes), 0.0, True), None))
         for peer in self.peers.values():
             st = peer.state

@@ -16,7 +16,6 @@ then, or when no node is left, the stream ends with the terminal `node_failed` e
 from __future__ import annotations
 
 import contextlib
-import random
 import time
 import uuid
 from collections.abc import AsyncGenerator, Callable
@@ -27,7 +26,7 @@ from llmd.backends.base import Delta, Prompt, Sampling
 from llmd.cluster.forward import Forwarder, PeerLost
 from llmd.cluster.wire import RunRequest, encode_prompt_input, sampling_to_json
 from llmd.errors import unavailable
-from llmd.policy.placement import Candidate, Reservations, place
+from llmd.policy.placement import Candidate, RoutingPolicy
 from llmd.runtime import Choice, Job
 from llmd.telemetry import log
 
@@ -44,27 +43,24 @@ class Target:
 
 
 class Router:
-    def __init__(self, node: str, candidates: Candidates, forwarder: Forwarder, reservations: Reservations,
-                 max_failovers: int, rng: random.Random | None = None,
-                 ran: Callable[[str, Prompt, int], None] | None = None) -> None:
+    def __init__(self, node: str, candidates: Candidates, forwarder: Forwarder, policy: RoutingPolicy,
+                 max_failovers: int, ran: Callable[[str, Prompt, int], None] | None = None) -> None:
         self.node = node
         self._candidates = candidates
         self._forwarder = forwarder
-        self.reservations = reservations
+        self.policy = policy
+        self.reservations = policy.reservations
         self.max_failovers = max_failovers
-        self._rng = rng or random.Random()
         self._ran = ran  # (node, prompt, cached tokens the engine reported): what caches now hold
         self.failovers = 0
         self.placed: dict[str, int] = {}  # node -> choices placed there
 
     def pick(self, job: Job, prompt: Prompt, sampling: Sampling, excluded: set[str]) -> Target | None:
         targets = [t for t in self._candidates(job, prompt) if t.candidate.node not in excluded]
-        chosen = place([t.candidate for t in targets], prompt.num_tokens, sampling.max_tokens, self.reservations,
-                       self._rng)
+        chosen = self.policy.choose([t.candidate for t in targets], prompt.num_tokens, sampling.max_tokens)
         if chosen is None:
             return None
         target = next(t for t in targets if t.candidate.node == chosen.node)
-        self.reservations.add(chosen.node, max(0, prompt.num_tokens - chosen.cached_tokens))
         self.placed[chosen.node] = self.placed.get(chosen.node, 0) + 1
         return target
 
