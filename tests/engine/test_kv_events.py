@@ -42,26 +42,28 @@ def test_subscriber_reads_vllms_wire_format_counts_gaps_and_stops() -> None:
     stored = BlockStored(block_hashes=[7], parent_block_hash=None, token_ids=list(range(128)), block_size=128,
                          lora_id=None, medium="GPU", lora_name=None)
 
-    seqs = itertools.count()
+    try:
+        seqs = itertools.count()
 
-    def send(payload: bytes, skip: int = 0) -> None:
-        seq = [next(seqs) for _ in range(skip + 1)][-1]
-        pub.send_multipart((TOPIC.encode(), seq.to_bytes(8, "big"), payload))
+        def send(payload: bytes, skip: int = 0) -> None:
+            seq = [next(seqs) for _ in range(skip + 1)][-1]
+            pub.send_multipart((TOPIC.encode(), seq.to_bytes(8, "big"), payload))
 
-    # a SUB socket sees nothing until its connection is up (the engine's first step comes later)
-    probe = BlockRemoved(block_hashes=[0], medium="GPU")
-    assert wait_until(lambda: send(_batch(probe)) or bool(got), timeout=10)
-    send(_batch(stored, BlockRemoved(block_hashes=[7], medium="GPU")))
-    send(_batch(AllBlocksCleared()), skip=1)  # one batch lost
-    pub.send_multipart((b"other-topic", (0).to_bytes(8, "big"), _batch(AllBlocksCleared())))  # not subscribed
-    send(b"\xc1not msgpack")  # after it: once this is counted, everything before was read
-    assert wait_until(lambda: sub.stats.undecodable == 1, timeout=10)
-    got = [b for b in got if b != [probe]]
-    assert [[type(e).__name__ for e in b] for b in got] == [["BlockStored", "BlockRemoved"], ["AllBlocksCleared"]]
-    assert got[0][0].token_ids == list(range(128)) and got[0][0].block_hashes == [7]
-    assert sub.stats.gaps == 1
-    sub.stop()
-    pub.close(0)
+        # a SUB socket sees nothing until its connection is up (the engine's first step comes later)
+        probe = BlockRemoved(block_hashes=[0], medium="GPU")
+        assert wait_until(lambda: send(_batch(probe)) or bool(got), timeout=10)
+        send(_batch(stored, BlockRemoved(block_hashes=[7], medium="GPU")))
+        send(_batch(AllBlocksCleared()), skip=1)  # one batch lost
+        pub.send_multipart((b"other-topic", (0).to_bytes(8, "big"), _batch(AllBlocksCleared())))  # not subscribed
+        send(b"\xc1not msgpack")  # after it: once this is counted, everything before was read
+        assert wait_until(lambda: sub.stats.undecodable == 1, timeout=10)
+        got = [b for b in got if b != [probe]]
+        assert [[type(e).__name__ for e in b] for b in got] == [["BlockStored", "BlockRemoved"], ["AllBlocksCleared"]]
+        assert got[0][0].token_ids == list(range(128)) and got[0][0].block_hashes == [7]
+        assert sub.stats.gaps == 1
+    finally:  # a failed assertion must not leave the thread or the socket's folder behind
+        sub.stop()
+        pub.close(0)
     assert not sub.running and not Path(sub.endpoint.removeprefix("ipc://")).parent.exists()
 
 
