@@ -10,6 +10,7 @@ from typing import Any
 import click
 
 from llmd.batch.cli import batch
+from llmd.cluster.cli import cluster
 from llmd.config import ConfigError, load_config
 from llmd.registry.cli import registry
 from llmd.store import StoreError, WeightStore, describe
@@ -336,6 +337,7 @@ def compare(model: str, version_a: str, version_b: str, db_path: Path | None) ->
 
 main.add_command(batch)
 main.add_command(registry)
+main.add_command(cluster)
 
 
 if __name__ == "__main__":

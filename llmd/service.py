@@ -18,6 +18,7 @@ from llmd import generation
 from llmd.auth import Principal
 from llmd.backends import Backend, PromptError
 from llmd.backends.base import Prompt, Sampling, ToolReader
+from llmd.cluster.router import Router
 from llmd.config import ModelConfig, TenantConfig
 from llmd.errors import (
     AdmissionRefused,
@@ -63,6 +64,7 @@ class Service:
         self.admission = admission
         self.filters = filters
         self.degraders = degraders
+        self.router: Router | None = None  # a cluster's: admitted jobs run on the node that starts them soonest
 
     def route(self, name: str, tenant: TenantConfig | None = None, key: str | None = None) -> ModelRuntime:
         """The version that serves this request: `name@version` pins one; otherwise the
@@ -151,7 +153,8 @@ class Service:
         if record.degraded:
             headers[DEGRADED_HEADER] = record.degraded
         echo_logprobs = sampling.prompt_logprobs is not None
-        return Job(life, rt, choices, deadline, headers, tools, echo_logprobs)
+        return Job(life, rt, choices, deadline, headers, tools, echo_logprobs,
+                   self.router.run if self.router is not None else None)
 
     def _place(self, record: RequestRecord, req: ChatRequest | CompletionRequest, tenant: TenantConfig,
                asked_class: str | None, conversation: str | None) -> tuple[ModelRuntime, str, int | None]:

@@ -9,16 +9,14 @@ from __future__ import annotations
 import asyncio
 import math
 import re
-import time
 import uuid
 
 from sanic import Request, Sanic
 from sanic.response import BaseHTTPResponse
 
 from llmd.auth import Principal, require_admin
-from llmd.cluster.signing import Signer
 from llmd.cluster.weights import WeightServer
-from llmd.gateway import batches, generate, internal_weights, node_routes, openapi, registry
+from llmd.gateway import batches, generate, internal, internal_weights, node_routes, openapi, registry
 from llmd.gateway.connections import ConnectionGuard, GuardedProtocol
 from llmd.gateway.errors import OpenAIErrorHandler
 from llmd.gateway.guards import add_guards
@@ -59,10 +57,10 @@ def create_app(node: Node, name: str = "llmd", load_models: bool = True) -> App:
     node_routes.add_routes(app, node, principal, admin)
     batches.add_routes(app, node.batches, node.batch_runner, config.batch, principal)
     registry.add_routes(app, node.registry, admin)
+    internal.add_routes(app, node, admin)
     openapi.add_routes(app)
-    if config.cluster.enabled:  # peers pull weights from here (the cluster's own wiring will own the signer)
-        internal_weights.mount(app, WeightServer(node.registry.weights), Signer(
-            config.server.node, config.cluster.secrets(), time.time, config.cluster.replay_window_s, "http"))
+    if node.cluster is not None:  # peers pull weights from here
+        internal_weights.mount(app, WeightServer(node.registry.weights), node.cluster.http_signer)
     return app
 
 

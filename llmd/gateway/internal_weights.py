@@ -20,34 +20,30 @@ from sanic.response import HTTPResponse, raw
 from llmd.cluster.signing import Signer
 from llmd.cluster.weights import RESPONSE, WeightServer, WeightsUnavailable, chunk_path, manifest_path
 from llmd.errors import APIError
+from llmd.gateway.internal import verified
 from llmd.gateway.types import App
 
 SEND_BYTES = 1024 * 1024  # read and sent a MiB at a time: a 16 MiB chunk never sits whole in memory
 
 
 def mount(app: App, weights: WeightServer, signer: Signer) -> None:
-    """Add the weight routes; `signer` is the node's HTTP signer (purpose "http")."""
-
-    def check(request: Request) -> None:
-        if signer.verify(request.method, request.path, request.headers, request.body or b"") is None:
-            raise APIError(401, "this route is for cluster members: the call has no valid cluster signature",
-                           "invalid_request_error", "invalid_signature")
+    """Add the weight routes; `signer` is the cluster's HTTP signer (`ClusterNode.http_signer`)."""
 
     def unavailable(e: WeightsUnavailable) -> APIError:
         return APIError(e.status, str(e), "invalid_request_error" if e.status < 500 else "server_error", e.code)
 
-    @app.get(manifest_path("<version:str>"))
+    @app.get(manifest_path("<version:str>"), name="internal_weights_manifest")
     async def manifest(request: Request, version: str) -> HTTPResponse:
-        check(request)
+        verified(signer, request)  # 401 unless signed by a member
         try:
             body = await asyncio.to_thread(weights.manifest_bytes, version)  # the first call hashes the model
         except WeightsUnavailable as e:
             raise unavailable(e) from None
         return raw(body, content_type="application/json", headers=signer.headers(RESPONSE, request.path, body))
 
-    @app.get(chunk_path("<version:str>", "<sha256:str>"))
+    @app.get(chunk_path("<version:str>", "<sha256:str>"), name="internal_weights_chunk")
     async def chunk(request: Request, version: str, sha256: str) -> None:
-        check(request)
+        verified(signer, request)  # 401 unless signed by a member
         try:
             ref = await asyncio.to_thread(weights.serve_chunk, version, sha256)
         except WeightsUnavailable as e:
