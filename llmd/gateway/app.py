@@ -7,15 +7,19 @@ parses and frames; the node's collaborators (llmd/node.py) do the rest.
 from __future__ import annotations
 
 import asyncio
+import functools
 import math
 import re
+import time
 import uuid
 
 from sanic import Request, Sanic
 from sanic.response import BaseHTTPResponse
 
 from llmd.auth import Principal, require_admin
-from llmd.gateway import batches, generate, node_routes, openapi, registry
+from llmd.cluster.registry_sync import snapshot
+from llmd.cluster.signing import Signer
+from llmd.gateway import batches, generate, internal_registry, node_routes, openapi, registry
 from llmd.gateway.connections import ConnectionGuard, GuardedProtocol
 from llmd.gateway.errors import OpenAIErrorHandler
 from llmd.gateway.guards import add_guards
@@ -56,6 +60,9 @@ def create_app(node: Node, name: str = "llmd", load_models: bool = True) -> App:
     node_routes.add_routes(app, node, principal, admin)
     batches.add_routes(app, node.batches, node.batch_runner, config.batch, principal)
     registry.add_routes(app, node.registry, admin)
+    if config.cluster.enabled:
+        internal_registry.mount(app, functools.partial(snapshot, node.registry), Signer(
+            srv.node, config.cluster.secrets(), time.time, config.cluster.replay_window_s, purpose="http"))
     openapi.add_routes(app)
     return app
 
