@@ -6,11 +6,9 @@ comes back with the same versions and the same split. A request is routed to a v
 once, before admission; from then on it only ever touches that version's engine, so it can
 never be served by other weights.
 
-In a cluster (docs/cluster.md, "Registry across nodes") each model's split is the one the
-cluster agreed (last writer wins by revision, `cluster_split`); versions of it this node does
-not serve (not loaded, draining, warm pool not promoted) keep their share but are absent
-here: a request that picks one is refused here (the cluster router sends it to a peer that
-holds it), never served by other weights.
+In a cluster (docs/cluster.md, "Registry across nodes") a model's split is the one the cluster
+agreed (`cluster_split`); a version of it not served here keeps its share, and a request that
+picks it is refused here (a peer serves it), never served by other weights.
 """
 
 from __future__ import annotations
@@ -106,11 +104,11 @@ class Registry:
             log.info("model_loaded", model=name, version=backend.version, seconds=round(time.monotonic() - t0, 2))
 
     async def _first(self, name: str, version: str) -> dict[str, float]:
-        """Until `restore`: the configured version, unless (in a cluster) the agreed split leaves it out."""
-        last = await self.store.splits(name, 1) if self.clustered else []
-        if last and last[0].rev > 0 and last[0].weights.get(version, 0) <= 0:
-            return {}
-        return {version: 1.0}
+        """Until `restore`: the configured version, unless (in a cluster) the split or the pool says no."""
+        if not self.clustered:
+            return {version: 1.0}
+        last, pooled = await self.store.splits(name, 1), (await self.store.versions(name)).get(version) == "pool"
+        return {} if pooled or (last and last[0].rev > 0 and last[0].weights.get(version, 0) <= 0) else {version: 1.0}
 
     async def restore(self) -> None:
         """After the configured versions loaded: load the other versions the registry had
@@ -123,12 +121,11 @@ class Registry:
                 if version != primary and state in ("active", "standby", "pool"):
                     try:
                         await self._load(name, version, warm=False)
-                        if state == "pool":
-                            self.pool.setdefault(name, set()).add(version)
-                            self.states[name][version] = "pool"
                     except Exception as e:
                         log.error("version_restore_failed", model=name, version=version, error=str(e))
                         await self.store.set_state(name, version, "unloaded")
+            self.pool[name] = {v for v, st in saved.items() if st == "pool" and v in self.runtimes[name]
+                               and self.clustered}  # alone, a pool version just serves
             if last := await self.store.splits(name, 1):
                 self.splits[name] = last[0]
             weights = self._local(name, last[0].weights) if last else {}
@@ -141,9 +138,8 @@ class Registry:
             self._publish()
 
     async def stop(self) -> None:
-        for versions in self.runtimes.values():
-            for rt in versions.values():
-                await rt.stop()
+        for rt in [rt for versions in self.runtimes.values() for rt in versions.values()]:
+            await rt.stop()
         self.runtimes.clear()
         self.configured.clear()
         await self.store.stop()
@@ -227,11 +223,15 @@ class Registry:
         pins a CPU engine to its own cores (vLLM's VLLM_CPU_OMP_THREADS_BIND, e.g. "2-3"), so
         two engines in one process do not fight over the same ones. `pool`: a warm-pool
         version, routed to only while promoted. One the cluster split names serves its share."""
+        if pool and not self.clustered:
+            raise RegistryError("the warm pool is a cluster's ([cluster] enabled = true)", 400)
         async with self._lock:
             self._model(name)
             vid = await self._load(name, version, warm, cpu_threads_bind)
+            for held in (self.pool, self.promoted):
+                held.setdefault(name, set()).discard(vid)
             if pool:
-                self.pool.setdefault(name, set()).add(vid)
+                self.pool[name].add(vid)
                 self.states[name][vid] = "pool"
             elif self.states[name].get(vid) not in ("active", "standby"):  # a draining one is back on standby
                 self.states[name][vid] = "standby"
@@ -319,8 +319,7 @@ class Registry:
             if current is not None and row.order <= current.order:
                 return False
             await self._commit(name, dict(row.weights), row.note, row.rev, row.origin, row.previous)
-        log.info("split_merged", model=name, weights={v[:12]: w for v, w in row.weights.items()}, origin=row.origin,
-                 revision=row.rev, local={v[:12]: w for v, w in self._weights.get(name, {}).items()})
+        log.info("split_merged", model=name, weights={v[:12]: w for v, w in row.weights.items()}, origin=row.origin)
         return True
 
     async def set_promoted(self, name: str, up: bool) -> list[str]:

@@ -16,7 +16,7 @@ from llmd.cluster.warm_pool import WarmPool
 from llmd.config import Config
 from llmd.config.cluster import WarmPoolConfig
 from llmd.policy.warmpool import ClusterLoad, WarmPoolPolicy
-from llmd.registry.registry import Registry
+from llmd.registry.registry import Registry, RegistryError
 from llmd.registry.routing import NotServedHere
 from llmd.registry.store import RegistryStore
 from llmd.runtime import build_runtime
@@ -87,24 +87,34 @@ sleep_mode = true
 
 
 @pytest.fixture
-async def pool_node(tmp_path: Path, smollm2_path: Path) -> AsyncIterator[tuple[Registry, str, str]]:
-    """A node configured with v2 that holds v1 in the warm pool; the cluster split is all v1."""
+def versions(tmp_path: Path, smollm2_path: Path) -> tuple[WeightStore, str, str]:
     ws = WeightStore(tmp_path / "home")
-    versions = []
+    out = []
     for i, payload in enumerate((b"weights v1", b"weights v2")):
         src = tmp_path / f"src{i}"
         src.mkdir()
         for f in ("config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
             shutil.copy(smollm2_path / f, src / f)
         (src / "model.safetensors").write_bytes(payload)
-        versions.append(ws.add_hf_dir(src, "tiny", f"test:{i}").version)
-    v1, v2 = versions
-    cfg = Config.model_validate(tomllib.loads(TOML.format(version=v2[:12])))
+        out.append(ws.add_hf_dir(src, "tiny", f"test:{i}").version)
+    return ws, out[0], out[1]
+
+
+async def start(tmp_path: Path, ws: WeightStore, configured: str, clustered: bool = True) -> Registry:
+    cfg = Config.model_validate(tomllib.loads(TOML.format(version=configured[:12])))
     reg = Registry(cfg.models, RegistryStore(tmp_path / "registry.db"), ws,
-                   lambda c, b: build_runtime(c, b, cfg.tenants), node="pool", clustered=True)
+                   lambda c, b: build_runtime(c, b, cfg.tenants), node="pool", clustered=clustered)
     await reg.store.start()
     await reg.load_configured()
     await reg.restore()
+    return reg
+
+
+@pytest.fixture
+async def pool_node(tmp_path: Path, versions) -> AsyncIterator[tuple[Registry, str, str]]:
+    """A node configured with v2 that holds v1 in the warm pool."""
+    ws, v1, v2 = versions
+    reg = await start(tmp_path, ws, v2)
     assert await reg.load("m", v1, warm=False, pool=True) == v1
     yield reg, v1, v2
     await reg.stop()
@@ -161,3 +171,31 @@ async def test_a_pool_version_outside_the_split_is_not_promoted(pool_node) -> No
         clock.t += 0.5
         await pool.tick()
     assert pool.promotions == 1 and not reg.runtimes["m"][v1].backend.sleeping
+
+
+async def test_the_configured_version_itself_waits_in_the_pool_across_a_restart(tmp_path: Path, versions) -> None:
+    """The usual pool node: configured with the split's version, which it serves only when promoted."""
+    ws, v1, _ = versions
+    reg = await start(tmp_path, ws, v1)
+    try:
+        await reg.set_split("m", {v1: 1})
+        assert not refused(reg)
+        await reg.load("m", v1, pool=True)
+        assert refused(reg)
+        pool = WarmPool(reg, CFG, lambda model: CALM, Clock())
+        assert await pool.tick() == 1 and reg.runtimes["m"][v1].backend.sleeping  # nothing in flight: asleep
+    finally:
+        await reg.stop()
+    again = await start(tmp_path, ws, v1)
+    try:
+        assert refused(again) and again.pool["m"] == {v1}
+        assert await again.set_promoted("m", True) == [v1] and not refused(again)
+    finally:
+        await again.stop()
+    alone = await start(tmp_path, ws, v1, clustered=False)
+    try:
+        assert not refused(alone)  # out of a cluster, the pool means nothing: the version serves
+        with pytest.raises(RegistryError, match="cluster"):
+            await alone.load("m", v1, pool=True)
+    finally:
+        await alone.stop()
