@@ -39,7 +39,7 @@ from llmd.policy.queue import QueuedRequest
 from llmd.prompt_pool import PromptPool
 from llmd.protocol import ChatRequest, CompletionRequest
 from llmd.registry.registry import Registry
-from llmd.registry.routing import RoutingError, parse_model
+from llmd.registry.routing import NotServedHere, RoutingError, parse_model
 from llmd.runtime import Choice, Job, ModelRuntime
 from llmd.telemetry import RequestRecord
 from llmd.tools import ToolMode
@@ -78,6 +78,8 @@ class Service:
             raise unavailable(f"model '{model}' is still loading", "model_loading", retry_after=5)
         try:
             rt = self.registry.route(model, key, pin)
+        except NotServedHere as e:  # the cluster split picked a version a peer serves: never other weights here
+            raise unavailable(str(e), "version_not_served_here", retry_after=1) from None
         except RoutingError as e:
             raise not_found(str(e), "model_version_not_found", "model") from None
         if not rt.backend.healthy:
@@ -93,11 +95,12 @@ class Service:
             raise APIError(403, "admin keys cannot run generations; use a tenant's key", "permission_error",
                            "tenant_required")
         life.identify(who)
-        await self._screen(life.record, req, who.tenant)
+        await self._screen(life.record, req, who.tenant, conversation or req.user)
         return await self.prepare(life, req, who.tenant, deadline_s, asked_class, conversation)
 
-    async def _screen(self, record: RequestRecord, req: ChatRequest | CompletionRequest, tenant: TenantConfig) -> None:
-        rt = self.route(req.model, tenant)
+    async def _screen(self, record: RequestRecord, req: ChatRequest | CompletionRequest, tenant: TenantConfig,
+                      key: str | None) -> None:
+        rt = self.route(req.model, tenant, key)  # the version `prepare` will pick for this conversation
         record.model = rt.cfg.name
         check_prompt_bytes(rt.cfg, req)  # before any work that grows with the prompt
         chain = self.filters.input_chain(rt.cfg, tenant)
