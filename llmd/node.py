@@ -131,7 +131,8 @@ def build_node(config: Config, store: WeightStore | None = None, ledger: Ledger 
                             functools.partial(build_backend, store=weights))
     # Versions loaded later (the registry) get the tenants in force then: after a reload, the new ones.
     registry = Registry(config.models, RegistryStore(db.with_suffix(".registry.db")), weights,
-                        lambda cfg, backend: build_runtime(cfg, backend, node.config.tenants, watch=supervisor.watch))
+                        lambda cfg, backend: build_runtime(cfg, backend, node.config.tenants, watch=supervisor.watch),
+                        config.server.node, config.cluster.enabled)
     admission = AdmissionController(config.tenants, time.monotonic)
     metrics = Metrics(registry)
     lifecycle = Lifecycle(ledger, admission, metrics.observe)

@@ -25,11 +25,14 @@ from llmd.cluster.forward import Forwarder
 from llmd.cluster.gossip import Gossip, MemberInfo
 from llmd.cluster.load import NodeState, decode, encode, version_load
 from llmd.cluster.prefixes import PeerPrefixes, PrefixIndex
+from llmd.cluster.registry_sync import RegistrySync
 from llmd.cluster.router import Router, Target
 from llmd.cluster.signing import Signer
+from llmd.cluster.warm_pool import WarmPool
 from llmd.config import Config
 from llmd.policy.admission import AdmissionController
 from llmd.policy.placement import POLICIES, Candidate, Reservations
+from llmd.policy.warmpool import ClusterLoad
 from llmd.registry.registry import Registry
 from llmd.runtime import Job
 
@@ -51,6 +54,7 @@ class Peer:
     prefixes: PeerPrefixes = field(default_factory=PeerPrefixes)
     tenant_tokens: dict[str, int] = field(default_factory=dict)  # as last applied to our buckets
     snapshot_task: asyncio.Task[None] | None = None
+    sync_task: asyncio.Task[None] | None = None
 
 
 class ClusterNode:
@@ -73,6 +77,8 @@ class ClusterNode:
         self.peers: dict[str, Peer] = {}
         policy = POLICIES[cc.placement](Reservations(time.monotonic, RESERVATION_TTL_S), random.Random())
         self.router = Router(self.name, self._targets, self.forwarder, policy, cc.max_failovers, self._ran)
+        self.sync = RegistrySync(registry, self._fetch_registry)
+        self.warm_pool = WarmPool(registry, cc.warm_pool, self.cluster_load)
         self.draining = False
         self._seq = 0
         self._published_prefix = 0
@@ -84,12 +90,14 @@ class ClusterNode:
         loop = asyncio.get_running_loop()
         self.gossip.start(self._member_changed, loop)
         self._tasks = [loop.create_task(self._publish_loop()), loop.create_task(self._read_loop())]
+        self.warm_pool.start()
         log.info("cluster_started", node=self.name, url=self.url, gossip_port=self.gossip.bound_port,
                  seeds=self.config.seeds)
 
     async def stop(self) -> None:
         """Leave gracefully: the others stop routing here at once, not after a death timeout."""
         self.draining = True
+        await self.warm_pool.stop()
         for t in self._tasks:
             t.cancel()
         for t in self._tasks:
@@ -109,16 +117,44 @@ class ClusterNode:
         return self._state(self._seq)
 
     def _state(self, seq: int) -> NodeState:
-        loads = tuple(version_load(rt, draining=self.draining, standby=version in self.registry.asleep.get(model, ()))
-                      for model, versions in self.registry.runtimes.items() for version, rt in versions.items())
+        reg = self.registry
+        loads = tuple(version_load(rt, draining=self.draining, standby=self._standby(model, version))
+                      for model, versions in reg.runtimes.items() for version, rt in versions.items())
         delta = self.prefixes.delta(self._published_prefix, PREFIX_DELTA_BYTES) or b""
         return NodeState(node=self.name, http_url=self.url, seq=seq, versions=loads,
                          prefix_seq=self.prefixes.seq, prefix_delta=delta,
                          tenant_tokens=dict(self.admission.charged), registry_rev=self._registry_rev(),
                          stored=())
 
+    def _standby(self, model: str, version: str) -> bool:
+        """Loaded but taking no work: asleep, or a warm-pool version not promoted."""
+        reg = self.registry
+        pooled = version in reg.pool.get(model, ()) and version not in reg.promoted.get(model, ())
+        return pooled or version in reg.asleep.get(model, ())
+
     def _registry_rev(self) -> int:
-        return int(getattr(self.registry, "revision", 0))
+        return self.registry.revision
+
+    async def _fetch_registry(self, peer_url: str) -> dict[str, Any]:
+        path = "/internal/v1/registry"
+        r = await self.client.get(peer_url.rstrip("/") + path, headers=self.http_signer.headers("GET", path),
+                                  timeout=5.0)
+        r.raise_for_status()
+        data = r.json()
+        if not isinstance(data, dict):
+            raise ValueError("not a registry snapshot")
+        return data
+
+    def cluster_load(self, model: str) -> ClusterLoad:
+        """The model's waiting prefill tokens over every node, and the TTFT its least loaded node
+        implies (its queue over its prefill rate): what the warm pool watches."""
+        loads = [version_load(rt, self.draining, self._standby(model, version))
+                 for version, rt in self.registry.runtimes.get(model, {}).items()]
+        loads += [v for p in self.peers.values() if p.state is not None and p.info.state == "alive"
+                  for v in p.state.versions if v.model == model]
+        serving = [v for v in loads if not v.standby and not v.draining]
+        waits = [v.waiting_prefill_tokens / v.prefill_tps for v in serving if v.prefill_tps > 0]
+        return ClusterLoad(sum(v.waiting_prefill_tokens for v in loads), min(waits) if waits else None)
 
     async def _publish_loop(self) -> None:
         while True:
@@ -157,6 +193,8 @@ class ClusterNode:
 
     def _apply(self, peer: Peer, state: NodeState) -> None:
         peer.state = state
+        if state.registry_rev and (peer.sync_task is None or peer.sync_task.done()):
+            peer.sync_task = asyncio.get_running_loop().create_task(self._sync(state.http_url, state.registry_rev))
         self.router.reservations.seen(peer.info.name, state.seq)
         if state.prefix_delta and not peer.prefixes.apply(state.prefix_delta):
             self._fetch_prefixes(peer)
@@ -165,6 +203,15 @@ class ClusterNode:
             if before is not None and used != before:
                 self.admission.charge_elsewhere(tenant, used - before)
             peer.tenant_tokens[tenant] = used
+
+    async def _sync(self, url: str, rev: int) -> None:
+        try:
+            changed = await self.sync.on_peer_rev(url, rev)
+        except Exception:
+            log.exception("cluster_registry_sync_failed", peer=url)
+            return
+        if changed:
+            log.info("cluster_registry_synced", peer=url, models=changed, revision=self.registry.revision)
 
     def _fetch_prefixes(self, peer: Peer) -> None:
         if peer.snapshot_task is not None and not peer.snapshot_task.done():
@@ -187,6 +234,7 @@ class ClusterNode:
         if m.state in ("dead", "left"):
             self.forwarder.node_lost(m.name)
             self.router.reservations.forget(m.name)
+            self.sync.forget(m.http_url)
         else:
             self.forwarder.node_suspect(m.name, m.state == "suspect")
 
