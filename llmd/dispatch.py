@@ -49,13 +49,7 @@ async def run(job: Job, choice: Choice, prompt: Prompt | None = None,
     current = [choice.engine_id]
     produced: list[int] = []
     while True:
-        try:
-            await sched.wait_turn(flow, lambda: rt.backend.abort(current[0]))
-        except Dropped as e:
-            rec.decision = f"dropped:{e.reason}"
-            raise deadline_exceeded(str(e)) from None
-        if rec.t_dispatch is None:
-            rec.t_dispatch = time.monotonic()
+        await _turn(job, choice, current)
         backend = rt.backend  # the supervisor swaps in a rebuilt engine after a death
         # Preempted between its dispatch and its start (the scheduler's abort found nothing
         # to abort): it goes back to the queue without ever reaching the engine.
@@ -98,6 +92,18 @@ async def run(job: Job, choice: Choice, prompt: Prompt | None = None,
         attempt += 1
         current[0] = f"{choice.engine_id}-r{attempt}"
         prompt, sampling = resumed(*base, produced) if produced else (prompt, sampling)
+
+
+async def _turn(job: Job, choice: Choice, current: list[str]) -> None:
+    """Wait until the scheduler seats the choice (its abort reaches whichever attempt runs)."""
+    rt = job.runtime
+    try:
+        await rt.scheduler.wait_turn(choice.flow, lambda: rt.backend.abort(current[0]))
+    except Dropped as e:
+        job.record.decision = f"dropped:{e.reason}"
+        raise deadline_exceeded(str(e)) from None
+    if job.record.t_dispatch is None:
+        job.record.t_dispatch = time.monotonic()
 
 
 def resumed(prompt: Prompt, sampling: Sampling, produced: list[int]) -> tuple[Prompt, Sampling]:

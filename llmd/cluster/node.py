@@ -252,9 +252,9 @@ class ClusterNode:
             st = peer.state
             if st is None or peer.info.state != "alive":
                 continue
-            load = next((v for v in st.versions if v.version == version), None)
-            if load is not None:
-                out.append(Target(Candidate(peer.info.name, load, peer.prefixes.cached_tokens(hashes),
+            theirs = next((v for v in st.versions if v.version == version), None)
+            if theirs is not None:
+                out.append(Target(Candidate(peer.info.name, theirs, peer.prefixes.cached_tokens(hashes),
                                             now - peer.received, False), st.http_url))
         return out
 

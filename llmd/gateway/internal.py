@@ -49,14 +49,14 @@ def add_routes(app: App, node: Node, admin: RequireAdmin) -> None:
             await response.send(end_line())
         except APIError as e:
             await response.send(error_line(e))
-        await response.eof()  # type: ignore[no-untyped-call]  # sanic leaves it unannotated
+        await response.eof()
 
     @app.get("/internal/v1/prefixes")
     async def prefixes(request: Request) -> HTTPResponse:
         verified(cluster.http_signer, request)
         return raw(cluster.prefixes.snapshot(), content_type="application/octet-stream")
 
-    @app.post("/admin/cluster/drain")
+    @app.post("/admin/cluster/drain", name="cluster_drain")
     async def drain(request: Request) -> HTTPResponse:
         admin(request)
         body = request.json if isinstance(request.json, dict) else {}
@@ -65,7 +65,7 @@ def add_routes(app: App, node: Node, admin: RequireAdmin) -> None:
         cluster.draining = bool(body.get("draining", True))
         return json_response({"node": cluster.name, "draining": cluster.draining})
 
-    @app.get("/admin/cluster")
+    @app.get("/admin/cluster", name="cluster_status")
     async def status(request: Request) -> HTTPResponse:
         admin(request)
         return json_response(cluster.status(), default=str)

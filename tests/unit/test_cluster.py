@@ -102,7 +102,7 @@ async def test_internal_calls_need_the_cluster_secret(make_server: Any, tmp_path
     a, b = await start_cluster(make_server, tmp_path, n=2)
     body = b'{"request_id": "x"}'
     async with httpx.AsyncClient() as h:
-        r = await h.post(b.url + "/internal/v1/run", content=body)
+        r = await h.post(b.url + "/internal/v1/run", content=body, headers={"content-type": "application/json"})
         assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_signature"
         forged = Signer("n0", [b"not-the-cluster-secret-at-all!!"], __import__("time").time, purpose="http")
         r = await h.post(b.url + "/internal/v1/run", content=body, headers=forged.headers("POST", "/internal/v1/run",
