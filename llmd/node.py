@@ -74,6 +74,8 @@ class Node:
     async def load(self) -> None:
         """Load every configured model, then the other versions the registry had and its splits."""
         self.supervisor.start()
+        if self.cluster is not None:
+            await self.cluster.fetch_weights(self.config.models)  # a joining node's weights come from its peers
         await self.registry.load_configured()
         await self.registry.restore()
 

@@ -21,6 +21,7 @@ import httpx
 import structlog
 
 from llmd.backends.base import Prompt
+from llmd.cluster.bootstrap import fetch_missing
 from llmd.cluster.forward import Forwarder
 from llmd.cluster.gossip import Gossip, MemberInfo
 from llmd.cluster.load import NodeState, decode, encode, version_load
@@ -29,7 +30,7 @@ from llmd.cluster.registry_sync import RegistrySync
 from llmd.cluster.router import Router, Target
 from llmd.cluster.signing import Signer
 from llmd.cluster.warm_pool import WarmPool
-from llmd.config import Config
+from llmd.config import Config, ModelConfig
 from llmd.policy.admission import AdmissionController
 from llmd.policy.placement import POLICIES, Candidate, Reservations
 from llmd.policy.warmpool import ClusterLoad
@@ -93,6 +94,11 @@ class ClusterNode:
         self.warm_pool.start()
         log.info("cluster_started", node=self.name, url=self.url, gossip_port=self.gossip.bound_port,
                  seeds=self.config.seeds)
+
+    async def fetch_weights(self, models: list[ModelConfig]) -> list[str]:
+        """Weights this node lacks, pulled from the peers serving them (before the models load)."""
+        states = lambda: [p.state for p in self.peers.values() if p.state is not None and p.info.state == "alive"]  # noqa: E731
+        return await fetch_missing(models, self.registry.weights, states, self.client, self.http_signer)
 
     async def stop(self) -> None:
         """Leave gracefully: the others stop routing here at once, not after a death timeout."""
