@@ -128,11 +128,11 @@ def test_eviction_takes_the_least_recently_used_unreferenced_blocks_only() -> No
     removed = c.flush(None)
     o0 = block_hash(None, ids(4, start=50))
     assert removed == [BlockRemoved((block_hash(o0, ids(4, start=54)), o0))]
-    assert len(c.match(ids(8, start=1) + [0])) == 2  # the running sequence's blocks were not touched
-    assert len(c.match(ids(8, start=80) + [0])) == 2
+    assert len(c.match([*ids(8, start=1), 0])) == 2  # the running sequence's blocks were not touched
+    assert len(c.match([*ids(8, start=80), 0])) == 2
     # Every block is referenced now but `recent`'s two: a sequence needing three must wait...
     assert c.admit(ids(12, start=300)) is None
-    assert len(c.match(ids(8, start=80) + [0])) == 2  # ...and a refused one evicts nothing
+    assert len(c.match([*ids(8, start=80), 0])) == 2  # ...and a refused one evicts nothing
     # ...unless nothing else runs, when it takes them anyway (overcommitting, as one huge request does).
     c.free(running)
     c.free(newer)
