@@ -99,7 +99,7 @@ class FakeBackend:
         self._started = False
         self._dead: BaseException | None = None
         self.sleeping = False
-        blocks = cfg.kv_blocks or math.ceil(cfg.max_num_seqs * max_model_len / cfg.block_tokens)
+        blocks = cfg.kv_blocks or cfg.max_num_seqs * math.ceil(max_model_len / cfg.block_tokens)  # all can run
         self.cache = FakePrefixCache(blocks, cfg.block_tokens, cfg.prefix_caching)
         # Called with each step's KV events (llmd.backends.kv_events, as vLLM publishes them), so a
         # node can keep its prefix summary; None: nobody listens.
