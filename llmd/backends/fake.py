@@ -122,8 +122,12 @@ class FakeBackend:
         self._fail_all(BackendError("engine stopped"))
 
     async def sleep(self) -> bool:
-        """Pretends to support sleep mode when `fake.sleep_mode` is set (tests the registry's calls)."""
+        """Pretends to support sleep mode when `fake.sleep_mode` is set (tests the registry's calls);
+        like vLLM's, it discards the KV cache (an idle engine's: nothing runs to lose it)."""
         self.sleeping = self.cfg.sleep_mode
+        if self.sleeping and not self._running:
+            self.cache.clear()
+            self.cache.flush(self.kv_events)
         return self.sleeping
 
     async def wake_up(self) -> None:

@@ -198,3 +198,17 @@ async def test_a_failing_listener_does_not_kill_the_engine() -> None:
         assert b.healthy
     finally:
         await b.stop()
+
+
+async def test_sleep_mode_discards_the_cache_as_vllms_does() -> None:
+    b = make(sleep_mode=True)
+    events: list[KvEvent] = []
+    b.kv_events = events.extend
+    await b.start()
+    try:
+        await run(b, "a", ids(40))
+        assert await b.sleep() and events[-1] == AllBlocksCleared() and b.cache.cached_blocks() == 0
+        await b.wake_up()
+        assert (await run(b, "b", ids(40)))[0].cached_prompt_tokens == 0
+    finally:
+        await b.stop()
