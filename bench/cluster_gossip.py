@@ -69,7 +69,7 @@ def bandwidth(n: int, seconds: float) -> dict[str, float]:
         k, t_end = 0, None
         before = [g.stats for g in nodes]
         t0 = time.monotonic()
-        while (now := time.monotonic()) - t0 < seconds:
+        while time.monotonic() - t0 < seconds:
             k += 1
             for g in nodes:
                 st = load_state(g.name, k, rng)
@@ -95,14 +95,17 @@ class Agent:
 
     def __init__(self, name: str, seeds: list[int]) -> None:
         env = {**os.environ, "LLMD_CLUSTER_SECRET": SECRET.decode(), "PYTHONPATH": str(ROOT)}
-        args = [sys.executable, "-m", "llmd.cluster.agent", "--name", name, "--bind", "127.0.0.1:0",
+        args = [sys.executable, "-m", "llmd.cluster.agent", "--name", name, "--bind", "127.0.0.1:0", "--publish-bytes",
+                "300",
                 "--seeds", ",".join(f"127.0.0.1:{p}" for p in seeds)]
         self.name = name
         self.proc = subprocess.Popen(args, stdout=subprocess.PIPE, text=True, cwd=ROOT, env=env)
         self.view: dict[str, str] = {}
         self.events: list[dict[str, Any]] = []
-        ready = json.loads(self.proc.stdout.readline())  # type: ignore[union-attr]
-        self.port: int = ready["port"]
+        line = self.proc.stdout.readline()  # type: ignore[union-attr]
+        if not line:
+            raise RuntimeError(f"agent {name} did not start")
+        self.port: int = json.loads(line)["port"]
         threading.Thread(target=self._read, daemon=True).start()
 
     def _read(self) -> None:
@@ -139,9 +142,14 @@ def first_event(agents: list[Agent], name: str, state: str, after: float) -> lis
 
 def start_agents(k: int) -> list[Agent]:
     agents = [Agent("a0", [])]
-    agents += [Agent(f"a{i}", [agents[0].port]) for i in range(1, k)]
-    if not wait_until(lambda: all(sum(s == "alive" for s in a.view.values()) == k - 1 for a in agents), 60):
-        raise RuntimeError("the agents did not converge")
+    try:
+        agents += [Agent(f"a{i}", [agents[0].port]) for i in range(1, k)]
+        if not wait_until(lambda: all(sum(s == "alive" for s in a.view.values()) == k - 1 for a in agents), 60):
+            raise RuntimeError("the agents did not converge")
+    except BaseException:
+        for a in agents:
+            a.kill()
+        raise
     return agents
 
 
@@ -158,7 +166,7 @@ def detection(k: int, trials: int) -> dict[str, Any]:
             victim, others = agents[i], [a for a in agents if a is not agents[i]]
             t0 = time.time()
             victim.kill()
-            wait_until(lambda: all(o.view.get(victim.name) == "dead" for o in others), 30)
+            wait_until(lambda v=victim, os_=others: all(o.view.get(v.name) == "dead" for o in os_), 30)
             seen = first_event(others, victim.name, "dead", t0)
             if len(seen) == len(others):
                 kill_all.append(max(seen) - t0)
@@ -170,7 +178,8 @@ def detection(k: int, trials: int) -> dict[str, Any]:
             others = [a for a in agents if a is not victim]
             t0 = time.time()
             victim.proc.send_signal(signal.SIGSTOP)
-            wait_until(lambda: all(o.view.get(victim.name) in ("suspect", "dead") for o in others), 30)
+            wait_until(lambda v=victim, os_=others: all(o.view.get(v.name) in ("suspect", "dead") for o in os_),
+                       30)
             seen = first_event(others, victim.name, "suspect", t0)
             stop_sus.append(min(seen) - t0 if seen else float("nan"))
             stop_all_sus.append(max(seen) - t0 if len(seen) == len(others) else float("nan"))
@@ -225,11 +234,10 @@ def _p(xs: list[float], q: float) -> str:
 
 
 def _det_lines(d: dict[str, Any]) -> list[str]:
-    rows = [["kill -9 → every other agent says dead", len(d["kill_all"]), _p(d["kill_all"], 50), _p(d["kill_all"], 99)],
-            ["kill -9 → the first says dead", len(d["kill_first"]), _p(d["kill_first"], 50), _p(d["kill_first"], 99)],
-            ["SIGSTOP → the first says suspect", len(d["stop_first"]), _p(d["stop_first"], 50), _p(d["stop_first"], 99)],
-            ["SIGSTOP → every other says suspect", len(d["stop_all"]), _p(d["stop_all"], 50), _p(d["stop_all"], 99)],
-            ["SIGCONT → all see it alive again", len(d["cont_alive"]), _p(d["cont_alive"], 50), _p(d["cont_alive"], 99)]]
+    names = [("kill_all", "kill -9 → every other agent says dead"), ("kill_first", "kill -9 → the first says dead"),
+             ("stop_first", "SIGSTOP → the first says suspect"), ("stop_all", "SIGSTOP → every other says suspect"),
+             ("cont_alive", "SIGCONT → all see it alive again")]
+    rows = [[label, len(d[k]), _p(d[k], 50), _p(d[k], 99)] for k, label in names]
     kill99 = stats.pct(d["kill_all"], 99) if d["kill_all"] else float("inf")
     stop = [x for x in d["stop_all"] if x == x]
     return [f"### (b1) failure detection, {d['agents']} agents as processes", "",
@@ -254,6 +262,7 @@ def main() -> int:
     ap.add_argument("--soak-s", type=float, default=0.0, help="run the soak this long (adds it to --parts)")
     ap.add_argument("--no-write", action="store_true")
     a = ap.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # so `finally` kills the agents and burners
     parts = set(a.parts.split(",")) | ({"soak"} if a.soak_s else set())
     t0, subs = time.monotonic(), {}
     if "bandwidth" in parts:

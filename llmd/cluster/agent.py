@@ -31,8 +31,11 @@ def _addr(s: str) -> tuple[str, int]:
 
 
 def _line(obj: dict[str, Any]) -> None:
-    sys.stdout.write(json.dumps(obj, separators=(",", ":")) + "\n")
-    sys.stdout.flush()
+    try:
+        sys.stdout.write(json.dumps(obj, separators=(",", ":")) + "\n")
+        sys.stdout.flush()
+    except BrokenPipeError:  # the reader went away (a bench that was stopped): keep gossiping
+        pass
 
 
 def _args(argv: list[str] | None) -> argparse.Namespace:
@@ -67,8 +70,8 @@ def main(argv: list[str] | None = None) -> int:
     done = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: done.set())
     signal.signal(signal.SIGINT, lambda *_: done.set())
-    g.start(changed)
     _line({"event": "ready", "t": time.time(), "name": a.name, "port": g.bound_port})
+    g.start(changed)
     n, next_stats = 0, time.monotonic() + a.stats_s
     while not done.wait(0.25):
         if a.publish_bytes:

@@ -13,7 +13,8 @@ every rule below is tested with a fake clock and a fake network.
   (the fault is probably ours), with refutations, and with stalls of its own thread; it scales
   this node's probe and suspicion timeouts by (1 + score), so a starved node does not declare
   healthy ones dead.
-- Updates ride on every message, each about 3·ln(N+1) times. Joins and the anti-entropy sync
+- Updates ride on every message, each about 3·ln(N+1) times, and while any are pending they go
+  to 3 random members every 200 ms (as memberlist's gossip interval). Joins and the anti-entropy sync
   exchange the whole member list (push-pull). Dead members are synced with now and then, so
   the halves of a healed partition find each other; `left` members are not.
 """
@@ -52,6 +53,8 @@ class Timing:
     dead_sync_s: float = 5.0  # a dead member is synced with this often (a healed partition rejoins)
     sync_s: float = 30.0  # anti-entropy: the whole list with one random alive member
     join_retry_s: float = 1.0  # seeds are asked again while no member is known alive
+    gossip_s: float = 0.2  # pending updates go to `gossip_fanout` random members this often
+    gossip_fanout: int = 3
 
     @classmethod
     def of(cls, cfg: _Timings) -> Timing:
@@ -111,7 +114,7 @@ class Swim:
         self._seq = 0
         now = self.clock()
         self._last_tick = now
-        self._next_probe = self._next_dead_sync = now
+        self._next_probe = self._next_dead_sync = self._next_gossip = now
         self._next_sync = now + self.timing.sync_s
         self._seeds: list[Addr] = []
         self._next_join = now
@@ -150,6 +153,9 @@ class Swim:
         """Piggyback pending updates on `msg` (those about its recipient first), each counted."""
         items = sorted(self._queue.items(), key=lambda kv: (kv[0] != to, -kv[1][1]))
         picked, size = [], 0
+        m = self._members.get(to) if to else None
+        if m is not None and m.state == "suspect" and to not in self._queue:  # it must hear it, to refute
+            picked, size = [self._update(m)], 60
         for name, entry in items:
             cost = len(str(entry[0])) + 2
             if size + cost > UPDATE_BUDGET:
@@ -189,7 +195,8 @@ class Swim:
             if changed:
                 m.since = now
             if state == "alive" and "a" in u:
-                m.addr, m.http_url, m.meta = (str(u["a"][0]), int(u["a"][1])), str(u.get("h", "")), dict(u.get("m") or {})
+                m.addr = (str(u["a"][0]), int(u["a"][1]))
+                m.http_url, m.meta = str(u.get("h", "")), dict(u.get("m") or {})
         if state == "suspect":
             m.deadline = now + self.suspicion_timeout()
         self.changes.append(replace(m))
@@ -205,6 +212,8 @@ class Swim:
         elif state == "alive" and inc > self.incarnation:  # a previous life of ours: outrank it
             self.incarnation = inc + 1
             self._gossip(self._self_update())
+        elif state != "alive" and self._queue.get(self.name) is None:  # stale news: say again who we are
+            self._gossip(self._self_update())
 
     def _hurt(self, delta: int) -> None:
         self.health = min(self.timing.max_health, max(0, self.health + delta))
@@ -218,14 +227,15 @@ class Swim:
         return self._seq
 
     def _sync_msg(self, reply: bool) -> Msg:
-        return {"t": "sync", "r": reply, "ms": [self._self_update(), *(self._update(m) for m in self._members.values())]}
+        everyone = [self._self_update(), *(self._update(m) for m in self._members.values())]
+        return {"t": "sync", "r": reply, "ms": everyone}
 
     def receive(self, msg: Msg, sender: str, src: Addr) -> list[Out]:
         """Handle one genuine message from `sender` (the signed name) at `src`; what to send."""
         for u in msg.get("u") or ():
             if isinstance(u, dict):
                 self._apply(u)
-        t, out = msg.get("t"), []
+        t, out = msg.get("t"), list[Out]()
         if t == "ping" and msg.get("to") == self.name:
             out.append((src, self.attach({"t": "ack", "q": msg.get("q")}, to=sender)))
         elif t == "ack":
@@ -281,7 +291,7 @@ class Swim:
     def tick(self) -> list[Out]:
         """Advance timers: suspicions, the probe in flight, the next probe, syncs. Call at least
         every few tens of milliseconds (and at `next_wakeup`)."""
-        now, out = self.clock(), []
+        now, out = self.clock(), list[Out]()
         gap = now - self._last_tick
         self._last_tick = now
         if gap > self.timing.probe_interval_s * 2:  # our own thread stalled: do not blame the others
@@ -359,6 +369,11 @@ class Swim:
                 self._mark(m, "suspect")
 
     def _syncs(self, now: float, out: list[Out]) -> None:
+        if self._queue and now >= self._next_gossip:  # news spreads now, not on the next probe
+            self._next_gossip = now + self.timing.gossip_s
+            live = self.alive()
+            for m in self.rng.sample(live, min(self.timing.gossip_fanout, len(live))):
+                out.append((m.addr, self.attach({"t": "g"}, to=m.name)))
         if self._seeds and not self.alive() and now >= self._next_join:
             out += self.join(self._seeds)
         if now >= self._next_dead_sync:
