@@ -40,7 +40,7 @@ class ClusterCollector:
         if not live:
             return fams
         cl = self.cluster
-        states = Counter(p.info.state for p in cl.peers.values())
+        states: Counter[str] = Counter(p.info.state for p in cl.peers.values())
         for s in STATES:
             members.add_metric([s], states.get(s, 0))
         fwd.add_metric([], cl.forwarder.forwarded)

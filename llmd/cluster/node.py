@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import random
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,11 +22,12 @@ import httpx
 import structlog
 
 from llmd.backends.base import Prompt
+from llmd.backends.kv_chains import KvChains
 from llmd.cluster.bootstrap import fetch_missing
 from llmd.cluster.forward import Forwarder
 from llmd.cluster.gossip import Gossip, MemberInfo
 from llmd.cluster.load import NodeState, decode, encode, version_load
-from llmd.cluster.prefixes import PeerPrefixes, PrefixIndex
+from llmd.cluster.prefixes import PeerPrefixes, PrefixIndex, chain_hashes, delta_end, feeder, prefix_key
 from llmd.cluster.registry_sync import RegistrySync
 from llmd.cluster.router import Router, Target
 from llmd.cluster.signing import Signer
@@ -42,6 +44,7 @@ READ_EVERY_S = 0.05  # how often peers' new states are decoded
 PREFIX_BLOCK_TOKENS = 64
 PREFIX_CAPACITY_BLOCKS = 65536
 PREFIX_DELTA_BYTES = 400
+PREFIX_RESEND = 4  # a push's prefix delta covers the changes since this many pushes back
 RESERVATION_TTL_S = 2.0  # a reservation outlives any state push that could have missed it
 
 
@@ -74,7 +77,11 @@ class ClusterNode:
                              Signer(self.name, secrets, time.time, cc.replay_window_s, purpose="gossip"), cc)
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=1.0), verify=False)
         self.forwarder = Forwarder(self.http_signer, self.client)
-        self.prefixes = PrefixIndex(PREFIX_CAPACITY_BLOCKS, PREFIX_BLOCK_TOKENS, secrets[0])
+        # Keyed by the oldest secret: during a rotation ([new, old] on some nodes, [old] on the
+        # rest) every node still names a prefix the same way.
+        self._prefix_key = prefix_key(secrets[-1])
+        self.prefixes = PrefixIndex(PREFIX_CAPACITY_BLOCKS, PREFIX_BLOCK_TOKENS, self._prefix_key)
+        self._chains: dict[int, KvChains] = {}  # id(backend) -> its KV events' adapter
         self.peers: dict[str, Peer] = {}
         policy = POLICIES[cc.placement](Reservations(time.monotonic, RESERVATION_TTL_S), random.Random())
         self.router = Router(self.name, self._targets, self.forwarder, policy, cc.max_failovers, self._ran)
@@ -82,7 +89,6 @@ class ClusterNode:
         self.warm_pool = WarmPool(registry, cc.warm_pool, self.cluster_load)
         self.draining = False
         self._seq = 0
-        self._published_prefix = 0
         self._tasks: list[asyncio.Task[None]] = []
         self.local_routing = cc.routing == "local"
 
@@ -118,15 +124,17 @@ class ClusterNode:
         return None if self.local_routing else self.router
 
     # -- this node's state -------------------------------------------------------------------
-    def state(self) -> NodeState:
+    def state(self, since: int = 0) -> NodeState:
+        """This node's state to push; its prefix delta starts at `since` (a few pushes back, so
+        a peer that missed one catches up from the next; overlaps are harmless)."""
         self._seq += 1
-        return self._state(self._seq)
+        return self._state(self._seq, since)
 
-    def _state(self, seq: int) -> NodeState:
+    def _state(self, seq: int, since: int = 0) -> NodeState:
         reg = self.registry
         loads = tuple(version_load(rt, draining=self.draining, standby=self._standby(model, version))
                       for model, versions in reg.runtimes.items() for version, rt in versions.items())
-        delta = self.prefixes.delta(self._published_prefix, PREFIX_DELTA_BYTES) or b""
+        delta = self.prefixes.delta(max(since, 0), PREFIX_DELTA_BYTES) or b""
         return NodeState(node=self.name, http_url=self.url, seq=seq, versions=loads,
                          prefix_seq=self.prefixes.seq, prefix_delta=delta,
                          tenant_tokens=dict(self.admission.charged), registry_rev=self._registry_rev(),
@@ -162,12 +170,26 @@ class ClusterNode:
         waits = [v.waiting_prefill_tokens / v.prefill_tps for v in serving if v.prefill_tps > 0]
         return ClusterLoad(sum(v.waiting_prefill_tokens for v in loads), min(waits) if waits else None)
 
+    def _listen(self) -> None:
+        """Every engine that publishes KV events feeds this node's prefix summary (exact); a
+        rebuilt engine is a new backend, attached on the next tick."""
+        for versions in self.registry.runtimes.values():
+            for rt in versions.values():
+                be = rt.backend
+                if id(be) not in self._chains and emits_kv_events(be):
+                    chains = KvChains(lambda t: chain_hashes(t, PREFIX_BLOCK_TOKENS, self._prefix_key),
+                                      PREFIX_BLOCK_TOKENS, feeder(self.prefixes))
+                    self._chains[id(be)] = chains
+                    be.kv_events = chains  # type: ignore[attr-defined]  # both backends have it
+
     async def _publish_loop(self) -> None:
+        sent: deque[int] = deque([0], maxlen=PREFIX_RESEND)  # where the last pushes' deltas ended
         while True:
             try:
-                state = self.state()
+                self._listen()
+                state = self.state(since=sent[0])
                 self.gossip.publish(encode(state))
-                self._published_prefix = state.prefix_seq
+                sent.append(delta_end(state.prefix_delta) if state.prefix_delta else sent[-1])
             except Exception:
                 log.exception("cluster_publish_failed")
             await asyncio.sleep(self.config.load_interval_s)
@@ -265,12 +287,17 @@ class ClusterNode:
         return out
 
     def _ran(self, node: str, prompt: Prompt, engine_cached: int) -> None:
-        """A choice started on `node`; on this node, its cache now holds the prompt, corrected by what
-        the engine said it had cached (a peer's own summary says the same of its cache)."""
-        hashes = self.prefixes.hashes(prompt.token_ids)
-        if node == self.name:
+        """A choice started on `node`. Where it is this node and its engine sends no KV events,
+        the summary is kept approximately: the cache now holds the prompt, and held what the
+        engine said it had cached (a peer's own summary says the same of its cache)."""
+        if node == self.name and not self._chains:
+            hashes = self.prefixes.hashes(prompt.token_ids)
             self.prefixes.correct(hashes, engine_cached)
             self.prefixes.add(hashes)
+
+    def ran_here(self, prompt: Prompt, engine_cached: int) -> None:
+        """A peer's choice started on this node's engine (the executor's side of `_ran`)."""
+        self._ran(self.name, prompt, engine_cached)
 
     def status(self) -> dict[str, Any]:
         st = self.gossip.stats
@@ -294,3 +321,10 @@ class ClusterNode:
 def _addr(s: str) -> tuple[str, int]:
     host, _, port = s.rpartition(":")
     return host, int(port)
+
+
+def emits_kv_events(backend: object) -> bool:
+    """Whether the engine reports its cache's blocks (vLLM with `kv_events = true`; the fake
+    engine with its prefix cache on): then the summary comes from those events, exactly."""
+    cfg = getattr(backend, "cfg", None)
+    return bool(getattr(cfg, "kv_events", False) or getattr(cfg, "prefix_caching", False))

@@ -27,7 +27,7 @@ import itertools
 import secrets
 import struct
 from collections import OrderedDict, deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 DEFAULT_BLOCK_TOKENS = 64
 HASH_BYTES = 8
@@ -164,6 +164,25 @@ class PrefixIndex:
         while self._log_changes > self._history:
             self._log_changes -= len(self._log.popleft())
             self._base += 1
+
+
+def feeder(index: PrefixIndex) -> Callable[[str, list[int]], None]:
+    """A `KvChains` listener (llmd/backends/kv_chains.py) keeping `index` as the engine's KV
+    events say: what it stored, what it evicted, a cleared cache."""
+    def feed(kind: str, hashes: list[int]) -> None:
+        if kind == "stored":
+            index.add(hashes)
+        elif kind == "removed":
+            index.remove(hashes)
+        else:
+            index.clear()
+    return feed
+
+
+def delta_end(delta: bytes) -> int:
+    """The seq a delta brings a peer to."""
+    _, since, span, _, _ = _DELTA.unpack_from(delta)
+    return int(since + span)
 
 
 class PeerPrefixes:

@@ -44,7 +44,11 @@ def add_routes(app: App, node: Node, admin: RequireAdmin) -> None:
         rt = executor.runtime_for(node.registry, req)  # a 404 before the stream: "not here, try another"
         response = await request.respond(content_type=NDJSON)
         try:
+            first = True
             async for d in executor.execute(rt, node.lifecycle, req, cluster.name):
+                if first:
+                    cluster.ran_here(req.prompt(), d.cached_prompt_tokens)
+                    first = False
                 await response.send(delta_line(d))
             await response.send(end_line())
         except APIError as e:

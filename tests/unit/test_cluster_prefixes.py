@@ -8,9 +8,9 @@ import pytest
 
 from llmd.backends.base import Sampling
 from llmd.backends.fake import FakeBackend
-from llmd.backends.kv_events import BlockRemoved, BlockStored
+from llmd.backends.kv_chains import KvChains
+from llmd.backends.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from llmd.backends.tokenizer import TiktokenTokenizer
-from llmd.cluster.prefix_events import EventSummary
 from llmd.cluster.prefixes import (
     BATCH_MAX,
     HASH_BYTES,
@@ -18,6 +18,7 @@ from llmd.cluster.prefixes import (
     PeerPrefixes,
     PrefixIndex,
     chain_hashes,
+    feeder,
     prefix_key,
 )
 from llmd.config import FakeEngineConfig
@@ -182,7 +183,7 @@ async def test_a_summary_kept_from_fake_engine_events_routes_like_the_cache() ->
     conf = FakeEngineConfig(step_ms=0.0, step_ms_per_seq=0.0, block_tokens=16, kv_blocks=20)
     be = FakeBackend("m", "v1", 1024, conf, TiktokenTokenizer.simple())
     ix = index()
-    be.kv_events = EventSummary(ix, KEY, 16)
+    be.kv_events = KvChains(lambda t: chain_hashes(t, BT, KEY), BT, feeder(ix))
     await be.start()
     try:
         prompt = ids(200)
@@ -205,18 +206,18 @@ async def test_a_summary_kept_from_fake_engine_events_routes_like_the_cache() ->
     assert len(ix) == 0  # the engine's cache is gone with it
 
 
-def test_the_event_summary_follows_chains_it_saw_start_and_any_eviction_within_them() -> None:
+def test_the_event_summary_follows_chains_it_saw_start_and_their_evictions() -> None:
     ix = index()
-    feed = EventSummary(ix, KEY, 16)
+    feed = KvChains(lambda t: chain_hashes(t, BT, KEY), BT, feeder(ix))
     toks = ids(160)
     feed([BlockStored((1, 2, 3, 4, 5, 6), None, tuple(toks[:96]), 16)])  # one summary block and a half
     h = ix.hashes(toks)
     assert ix.cached_tokens(h) == BT and len(ix) == 1
     feed([BlockStored((7, 8), 6, tuple(toks[96:128]), 16)])  # the second completes
     assert ix.cached_tokens(h) == 2 * BT
-    feed([BlockRemoved((5,))])  # any block of a summary block takes it with it
+    feed([BlockRemoved((8,))])  # the engine evicts from the tail: the block that completed it goes
     assert ix.cached_tokens(h) == BT and len(ix) == 1
     feed([BlockStored((10, 11, 12, 13), 99, tuple(ids(64, start=4000)), 16)])  # parent never seen: left out
     assert len(ix) == 1
-    with pytest.raises(ValueError, match="multiple"):
-        EventSummary(ix, KEY, 24)
+    feed([AllBlocksCleared()])
+    assert len(ix) == 0
