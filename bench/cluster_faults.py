@@ -78,12 +78,13 @@ async def trial(tmp: Path, n_streams: int, how: str) -> dict[str, Any]:
         if how == "stop":
             os.kill(victim.srv.proc.pid, signal.SIGCONT)
             await asyncio.sleep(3.0)  # it comes back alive
+        await asyncio.sleep(0.5)  # the last rows are committed
+        rows = [r for n in nodes[:2] for r in ledger(n)]  # before the reference run adds its own
         reference = [Stream("a", time.monotonic(), texts=[]) for _ in range(n_streams)]
         await asyncio.gather(*(stream(client, nodes[0].srv.url + "/v1/chat/completions", s, body(i))
                                for i, s in enumerate(reference)))
         await client.aclose()
-        await asyncio.sleep(0.5)
-        return measure(nodes, victim, results, reference, t_fault, in_flight, how)
+        return measure(nodes, victim, results, reference, t_fault, in_flight, how, rows)
     finally:
         with_signal = victim.srv.proc.poll() is None
         if with_signal and how == "stop":
@@ -92,7 +93,7 @@ async def trial(tmp: Path, n_streams: int, how: str) -> dict[str, Any]:
 
 
 def measure(nodes: list[Node], victim: Node, results: list[Stream], reference: list[Stream], t_fault: float,
-            in_flight: int, how: str) -> dict[str, Any]:
+            in_flight: int, how: str, rows: list[tuple[str, str, int]]) -> dict[str, Any]:
     ok = [s for s in results if s.ok and s.completion_tokens == MAX_TOKENS]
     same = sum(1 for s, r in zip(results, reference, strict=True) if "".join(s.texts or []) == "".join(r.texts or []))
     state = "dead" if how == "kill" else "suspect"
@@ -100,7 +101,6 @@ def measure(nodes: list[Node], victim: Node, results: list[Stream], reference: l
                 if e["peer"] == victim.name and e["state"] == state and e["t"] >= t_fault]
     first_declared = min(declared) if declared else None
     failovers = [e["t"] - t_fault for n in nodes[:2] for e in events(n, "cluster_failover") if e["t"] >= t_fault]
-    rows = [r for n in nodes[:2] for r in ledger(n)]
     ids = [r[0] for r in rows]
     victim_rows = len(ledger(victim))
     came_back = [e for n in nodes[:2] for e in events(n, "cluster_member")

@@ -220,14 +220,17 @@ class ClusterNode:
             self._apply(peer, state)
 
     def _apply(self, peer: Peer, state: NodeState) -> None:
-        peer.state = state
+        first, peer.state = peer.state is None, state
         if state.registry_rev and (peer.sync_task is None or peer.sync_task.done()):
             peer.sync_task = asyncio.get_running_loop().create_task(self._sync(state.http_url, state.registry_rev))
         self.router.reservations.seen(peer.info.name, state.seq)
         if state.prefix_delta and not peer.prefixes.apply(state.prefix_delta):
             self._fetch_prefixes(peer)
         for tenant, used in state.tenant_tokens.items():  # a tenant's quota holds across nodes
-            before = peer.tenant_tokens.get(tenant)
+            # A peer's counts are cumulative since it started: the first state heard is the
+            # baseline (what it served before is not this minute's); after it, a tenant it had not
+            # named yet had used nothing there.
+            before = peer.tenant_tokens.get(tenant, None if first else 0)
             if before is not None and used != before:
                 self.admission.charge_elsewhere(tenant, used - before)
             peer.tenant_tokens[tenant] = used

@@ -17,10 +17,11 @@ from llmd.cluster.signing import Signer
 from tests.conftest import async_wait_until, free_port
 
 KEY = "sk-cluster-test-a"
+JSON = {"content-type": "application/json"}
 
 
 def cluster_toml(name: str, gossip: int, seeds: list[int], secret: Path, tpm: int | None = None,
-                 extra: str = "") -> str:
+                 extra: str = "", fake: str = "") -> str:
     from llmd.auth import hash_key
 
     quota = f"tokens_per_minute = {tpm}" if tpm else ""
@@ -41,6 +42,7 @@ default_max_tokens = 16
 [models.fake]
 step_ms = 2.0
 step_ms_per_seq = 0.0
+{fake}
 [[tenants]]
 name = "a"
 keys = ["{hash_key(KEY)}"]
@@ -49,14 +51,14 @@ keys = ["{hash_key(KEY)}"]
 
 
 async def start_cluster(make_server: Any, tmp_path: Path, n: int = 3, tpm: int | None = None,
-                        extra: str = "") -> list[Any]:
+                        extra: str = "", fake: str = "") -> list[Any]:
     secret = tmp_path / "secret"
     secret.write_text("a-cluster-secret-of-32-bytes-ok!")
     ports = [free_port() for _ in range(n)]
     nodes = []
     for i in range(n):
         toml = cluster_toml(f"n{i}", ports[i], [p for j, p in enumerate(ports) if j != i][:1] if i else [],
-                            secret, tpm, extra)
+                            secret, tpm, extra, fake)
         nodes.append(await make_server(toml))
     assert await async_wait_until(lambda: all(_sees(s, n - 1) for s in nodes), timeout=15), \
         [s.node.cluster.status()["members"] for s in nodes]
@@ -105,8 +107,8 @@ async def test_internal_calls_need_the_cluster_secret(make_server: Any, tmp_path
         r = await h.post(b.url + "/internal/v1/run", content=body, headers={"content-type": "application/json"})
         assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_signature"
         forged = Signer("n0", [b"not-the-cluster-secret-at-all!!"], __import__("time").time, purpose="http")
-        r = await h.post(b.url + "/internal/v1/run", content=body, headers=forged.headers("POST", "/internal/v1/run",
-                                                                                              body))
+        r = await h.post(b.url + "/internal/v1/run", content=body,
+                         headers=forged.headers("POST", "/internal/v1/run", body) | JSON)
         assert r.status_code == 401
         signed = a.node.cluster.http_signer.headers("GET", "/internal/v1/prefixes")
         assert (await h.get(b.url + "/internal/v1/prefixes", headers=signed)).status_code == 200
@@ -122,7 +124,7 @@ async def test_a_client_that_goes_away_aborts_the_run_on_the_other_node(make_ser
     await asyncio.sleep(0.6)
     backend = b.backend()
     stream = await _client(a).chat.completions.create(
-        model="fake", messages=[{"role": "user", "content": "a long one"}], max_tokens=2000, stream=True)
+        model="fake", messages=[{"role": "user", "content": "a long one"}], max_tokens=1000, stream=True)
     got = 0
     async for _ in stream:
         got += 1
@@ -152,3 +154,24 @@ async def test_local_routing_runs_everything_where_it_arrives(make_server: Any, 
                                                  max_tokens=4)
     assert {r["replica"].split("/")[0] for r in records if r.get("replica")} == {"n0"}
     assert a.node.cluster.forwarder.forwarded == 0
+
+
+async def test_a_prompt_cached_on_one_node_runs_there_whichever_node_it_enters(make_server: Any,
+                                                                             tmp_path: Path) -> None:
+    a, b, c = await start_cluster(make_server, tmp_path, fake="prefill_tokens_per_s = 20000")
+    system = {"role": "system", "content": "You are a careful assistant. " + "Policy line. " * 300}
+    first = await _client(b).chat.completions.with_raw_response.create(
+        model="fake", messages=[system, {"role": "user", "content": "first"}], max_tokens=4)
+    assert first.headers["x-llmd-node"] == "n1"  # all idle: it runs where it entered (no hop)
+    await asyncio.sleep(0.6)  # n1's summary reaches the others
+    for ingress in (a, c, a):
+        raw = await _client(ingress).chat.completions.with_raw_response.create(
+            model="fake", messages=[system, {"role": "user", "content": "again"}], max_tokens=4)
+        out = raw.parse()
+        assert raw.headers["x-llmd-node"] == "n1"
+        assert out.usage is not None and out.usage.prompt_tokens_details is not None
+        assert out.usage.prompt_tokens_details.cached_tokens > 600
+    assert b.node.cluster.prefixes.cached_tokens(b.node.cluster.prefixes.hashes(
+        b.backend().render_chat([system]).token_ids)) > 0
+    stats = [s.node.cluster.status() for s in (a, c)]
+    assert all(st["placed"].get("n1", 0) >= 1 for st in stats)
