@@ -28,6 +28,8 @@ from typing import Any
 
 import httpx
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root: `bench` and `llmd`
+
 from bench.lib import report, stats
 from bench.lib.cluster import INTRO, SECTION, Node, start_nodes, stop_nodes
 from bench.lib.streams import Stream, new_client, stream

@@ -134,7 +134,7 @@ class Workload:
     """`n_systems` long system prompts, Zipf-popular (or one taking `hot` of the traffic), and
     chats of a few turns on each; every turn's prompt is the system prompt plus the chat so far."""
 
-    def __init__(self, seed: int = 7, n_systems: int = 8, system_words: int = 700, zipf_s: float = 1.1,
+    def __init__(self, seed: int = 7, n_systems: int = 36, system_words: int = 800, zipf_s: float = 0.3,
                  hot: float | None = None) -> None:
         self.rng = random.Random(seed)
         self.systems = [f"System prompt {i}. " + words(self.rng, system_words) for i in range(n_systems)]
@@ -146,11 +146,11 @@ class Workload:
 
     def new_chat(self) -> Chat:
         i = self.rng.choices(range(len(self.systems)), weights=self.weights)[0]
-        return Chat(i, self.rng.randint(3, 5), [{"role": "system", "content": self.systems[i]}])
+        return Chat(i, self.rng.randint(4, 7), [{"role": "system", "content": self.systems[i]}])
 
     def next_turn(self, chat: Chat) -> dict[str, Any]:
-        chat.messages.append({"role": "user", "content": words(self.rng, 25) + "?"})
-        return {"model": "fake", "messages": list(chat.messages), "max_tokens": 16, "temperature": 0}
+        chat.messages.append({"role": "user", "content": words(self.rng, 60) + "?"})
+        return {"model": "fake", "messages": list(chat.messages), "max_tokens": 48, "temperature": 0}
 
     @staticmethod
     def answered(chat: Chat, text: str) -> None:

@@ -18,19 +18,24 @@ def _chain(ids: list[int], block: int) -> list[bytes]:
     return out
 
 
-def shared_cache_hit_rate(prompts: Iterable[list[int]], capacity_blocks: int, block: int = 16) -> float:
-    """Cached prompt tokens over prompt tokens, for one LRU cache of `capacity_blocks`."""
+def shared_cache_hit_rate(prompts: Iterable[list[int]], capacity_blocks: int, block: int = 16,
+                          counted: Iterable[bool] | None = None) -> float:
+    """Cached prompt tokens over prompt tokens, for one LRU cache of `capacity_blocks`; only the
+    prompts `counted` says (the rest warm the cache up)."""
     lru: OrderedDict[bytes, None] = OrderedDict()
     hit = total = 0
+    flags = iter(counted) if counted is not None else None
     for ids in prompts:
-        total += len(ids)
+        count = next(flags) if flags is not None else True
         blocks = _chain(ids, block)
         n = 0
         for h in blocks:
             if h not in lru:
                 break
             n += 1
-        hit += n * block
+        if count:
+            hit += n * block
+            total += len(ids)
         for h in blocks:
             lru[h] = None
             lru.move_to_end(h)

@@ -224,7 +224,10 @@ def version_load(rt: ModelRuntime, draining: bool = False, standby: bool = False
 
     Waiting prefill: the prompts in llmd's queue, plus those seated in the engine that it has
     not started (the engine reports how many; they are the most recently seated). When nothing
-    is seated the engine's last-step figures are stale (it stopped stepping), so they read as idle."""
+    is seated the engine's last-step figures are stale (it stopped stepping), so they read as idle.
+    Counted as the prefill they will cost: the prompt tokens times the share the engine's prefix
+    cache has not been serving (a node that serves its prompts mostly from cache is not as
+    backed up as its raw queue says, and reading it raw drives work away from the cache)."""
     stats = rt.backend.stats
     cap = kv_capacity_tokens(rt.backend)
     seated = list(rt.scheduler.running.values())
@@ -235,5 +238,12 @@ def version_load(rt: ModelRuntime, draining: bool = False, standby: bool = False
     prefill_tps, decode_tps = recent_rates(stats.history)
     return VersionLoad(model=rt.cfg.name, version=rt.version, kv_capacity_tokens=cap, kv_free_tokens=cap - used,
                        running=min(stats.running, len(seated)) if seated else 0, running_tokens=used,
-                       waiting_prefill_tokens=queued + unstarted, prefill_tps=prefill_tps, decode_tps=decode_tps,
+                       waiting_prefill_tokens=round((queued + unstarted) * (1 - _hit_rate(stats))),
+                       prefill_tps=prefill_tps, decode_tps=decode_tps,
                        draining=draining, standby=standby)
+
+
+def _hit_rate(stats: Any) -> float:
+    """The share of prompt tokens the engine's prefix cache has served so far."""
+    q = getattr(stats, "prefix_queries", 0)
+    return min(1.0, max(0.0, getattr(stats, "prefix_hits", 0) / q)) if q else 0.0
