@@ -141,3 +141,16 @@ def test_state_frames_are_small_deltas_and_a_peer_without_the_keyframe_asks_for_
     assert late.receive("a", *delta, 0.36) is True
     assert late.state_of("a") == (base.replace(b'"running": 3', b'"running": 4'), 0.36)
     assert out.due(1.5) is not None  # the heartbeat, unchanged state and all
+
+
+def test_a_node_that_joins_late_gets_the_state_without_waiting_for_a_new_keyframe(trio: list[Gossip]) -> None:
+    a = trio[0]
+    a.publish(b"state " * 40)
+    wait_for(lambda: trio[1].state_of("a") is not None)
+    a.publish(b"state " * 39 + b"moved ")  # a delta against the keyframe the late node never saw
+    d = node("d", [("127.0.0.1", a.bound_port)])
+    d.start()
+    try:  # keyframes are renewed every 30 s: well within that, the late node asked for it
+        wait_for(lambda: (d.state_of("a") or (b"",))[0] == b"state " * 39 + b"moved ", timeout=10)
+    finally:
+        d.stop(leave=False)

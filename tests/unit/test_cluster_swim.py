@@ -50,6 +50,7 @@ class Net:
             batch, self.inflight = self.inflight, []
             for src, dst, raw in batch:
                 if dst not in self.down:
+                    self.nodes[dst].heard(src)
                     self.send(dst, self.nodes[dst].receive(json.loads(raw), src, self.nodes[src].addr))
             for name, node in self.nodes.items():
                 if name not in self.down:
@@ -199,3 +200,23 @@ def test_membership_updates_piggyback_a_bounded_number_of_times() -> None:
         msg = a.attach({"t": "g"})
         copies += sum(1 for u in msg.get("u", []) if u["n"] == "n1")
     assert 3 <= copies <= 10
+
+
+def test_a_member_that_falls_silent_is_probed_at_once_not_at_its_turn() -> None:
+    net = Net(8)
+    net.join_all()
+    for _ in range(20):  # every node pushes its state to every other every 250 ms (as Gossip does)
+        for name, node in net.nodes.items():
+            net.send(name, [(o.addr, {"t": "st"}) for o in net.nodes.values() if o is not node])
+        net.run(0.25)
+    net.down.add("n7")
+    killed_at = net.clock.t
+    net.run(0.05)
+    for _ in range(8):
+        for name, node in net.nodes.items():
+            if name != "n7":
+                net.send(name, [(o.addr, {"t": "st"}) for o in net.nodes.values() if o is not node])
+        net.run(0.25)
+    suspected = [t for t, o, m in net.log if m.name == "n7" and m.state == "suspect" and t > killed_at]
+    # at its turn, n7 could wait 7 probe intervals (3.5 s) to be probed by a given node
+    assert suspected and min(suspected) - killed_at <= 0.25 * 3 + 0.5 + 0.3
