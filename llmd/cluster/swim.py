@@ -26,13 +26,14 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal, Protocol
 
+from llmd.cluster.broadcasts import Broadcasts
+
 State = Literal["alive", "suspect", "dead", "left"]
 Addr = tuple[str, int]
 Msg = dict[str, Any]
 Out = tuple[Addr, Msg]
 _RANK: dict[str, int] = {"alive": 0, "suspect": 1, "dead": 2, "left": 3}
 _CODE: dict[str, State] = {"a": "alive", "s": "suspect", "d": "dead", "l": "left"}
-UPDATE_BUDGET = 700  # bytes of piggybacked updates per message (JSON), so a datagram stays small
 
 
 class _Timings(Protocol):
@@ -106,7 +107,7 @@ class Swim:
 
     def __post_init__(self) -> None:
         self._members: dict[str, Member] = {}
-        self._queue: dict[str, list[Any]] = {}  # member -> [update, transmissions left]
+        self._queue = Broadcasts()
         self._order: list[str] = []
         self._probes: dict[int, _Probe] = {}  # seq -> the round-robin probe and any early ones
         self._heard: dict[str, list[float]] = {}  # member -> [last datagram, its usual gap (EWMA)]
@@ -147,24 +148,13 @@ class Swim:
         return {"n": m.name, "s": m.state[0], "i": m.incarnation, "a": list(m.addr), "h": m.http_url, "m": m.meta}
 
     def _gossip(self, update: Msg) -> None:
-        self._queue[update["n"]] = [update, self._transmits()]
+        self._queue.put(update, self._transmits())
 
     def attach(self, msg: Msg, to: str | None = None) -> Msg:
         """Piggyback pending updates on `msg` (those about its recipient first), each counted."""
-        items = sorted(self._queue.items(), key=lambda kv: (kv[0] != to, -kv[1][1]))
-        picked, size = [], 0
         m = self._members.get(to) if to else None
-        if m is not None and m.state == "suspect" and to not in self._queue:  # it must hear it, to refute
-            picked, size = [self._update(m)], 60
-        for name, entry in items:
-            cost = len(str(entry[0])) + 2
-            if size + cost > UPDATE_BUDGET:
-                break
-            picked.append(entry[0])
-            size += cost
-            entry[1] -= 1
-            if entry[1] <= 0:
-                del self._queue[name]
+        first = [self._update(m)] if m is not None and m.state == "suspect" and to not in self._queue else []
+        picked = self._queue.take(to, first)  # a suspect must hear its suspicion, to refute it
         if picked:
             msg["u"] = picked
         return msg
@@ -212,7 +202,7 @@ class Swim:
         elif state == "alive" and inc > self.incarnation:  # a previous life of ours: outrank it
             self.incarnation = inc + 1
             self._gossip(self._self_update())
-        elif state != "alive" and self._queue.get(self.name) is None:  # stale news: say again who we are
+        elif state != "alive" and self.name not in self._queue:  # stale news: say again who we are
             self._gossip(self._self_update())
 
     def _hurt(self, delta: int) -> None:
@@ -393,8 +383,8 @@ class Swim:
         if self._queue and now >= self._next_gossip:  # news spreads now, not on the next probe
             self._next_gossip = now + self.timing.gossip_s
             live = self.alive()
-            for m in self.rng.sample(live, min(self.timing.gossip_fanout, len(live))):
-                out.append((m.addr, self.attach({"t": "g"}, to=m.name)))
+            fanout = self.rng.sample(live, min(self.timing.gossip_fanout, len(live)))
+            out.extend((m.addr, self.attach({"t": "g"}, to=m.name)) for m in fanout)
         if self._seeds and not self.alive() and now >= self._next_join:
             out += self.join(self._seeds)
         if now >= self._next_dead_sync:
