@@ -213,7 +213,10 @@ class Gossip:
         for m in changes:
             info = _info(m)
             if self._loop is not None:
-                self._loop.call_soon_threadsafe(cb, info)
+                try:
+                    self._loop.call_soon_threadsafe(cb, info)
+                except RuntimeError:  # the loop was closed (shutting down): nobody is listening
+                    return
             else:
                 try:
                     cb(info)

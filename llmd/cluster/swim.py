@@ -88,7 +88,8 @@ class _Probe:
 class _Relay:  # a ping sent on another member's behalf (ping-req)
     to: Addr
     seq: int
-    nack_at: float
+    nack_at: float  # early enough to reach the asker before its probe ends (Lifeguard counts them)
+    expire_at: float  # a late ack is still forwarded until then
     done: bool = False
 
 
@@ -113,12 +114,10 @@ class Swim:
         self._heard: dict[str, list[float]] = {}  # member -> [last datagram, its usual gap (EWMA)]
         self._relays: dict[int, _Relay] = {}
         self._seq = 0
-        now = self.clock()
-        self._last_tick = now
-        self._next_probe = self._next_dead_sync = self._next_gossip = now
+        now = self._last_tick = self._next_probe = self._next_dead_sync = self._next_gossip = self.clock()
+        self._next_join = now
         self._next_sync = now + self.timing.sync_s
         self._seeds: list[Addr] = []
-        self._next_join = now
         self.changes: list[Member] = []  # drained by the caller: members whose state changed
 
     # -- views --------------------------------------------------------------------------------
@@ -135,9 +134,6 @@ class Swim:
         n = 1 + len(self.alive())
         return self.timing.suspicion_s * max(1.0, math.log10(n + 1)) * self.scale()
 
-    def _transmits(self) -> int:
-        return math.ceil(3 * math.log(len(self._members) + 2))
-
     # -- updates ------------------------------------------------------------------------------
     def _self_update(self, state: str = "a") -> Msg:
         return {"n": self.name, "s": state, "i": self.incarnation, "a": list(self.addr), "h": self.http_url,
@@ -148,7 +144,7 @@ class Swim:
         return {"n": m.name, "s": m.state[0], "i": m.incarnation, "a": list(m.addr), "h": m.http_url, "m": m.meta}
 
     def _gossip(self, update: Msg) -> None:
-        self._queue.put(update, self._transmits())
+        self._queue.put(update, math.ceil(3 * math.log(len(self._members) + 2)))  # ~3·ln(N+1) copies
 
     def attach(self, msg: Msg, to: str | None = None) -> Msg:
         """Piggyback pending updates on `msg` (those about its recipient first), each counted."""
@@ -208,7 +204,7 @@ class Swim:
     def _hurt(self, delta: int) -> None:
         self.health = min(self.timing.max_health, max(0, self.health + delta))
 
-    def _mark(self, m: Member, state: State) -> None:
+    def _mark(self, m: Member, state: State) -> None:  # our own verdict, spread like anyone's
         self._apply({"n": m.name, "s": state[0], "i": m.incarnation})
 
     # -- messages -----------------------------------------------------------------------------
@@ -261,7 +257,8 @@ class Swim:
         except (KeyError, TypeError, ValueError, IndexError):
             return
         seq = self._next_seq()
-        self._relays[seq] = _Relay(src, msg.get("q", 0), self.clock() + self.timing.probe_timeout_s)
+        now, timeout = self.clock(), self.timing.probe_timeout_s
+        self._relays[seq] = _Relay(src, msg.get("q", 0), now + timeout / 2, now + timeout * 2)
         out.append((addr, self.attach({"t": "ping", "q": seq, "to": target}, to=target)))
 
     # -- time -----------------------------------------------------------------------------------
@@ -295,9 +292,10 @@ class Swim:
             self._start_probe(self._next_target(), now, out)
         self._probe_the_silent(now, out)
         for seq, r in list(self._relays.items()):
-            if now >= r.nack_at:
-                if not r.done:
-                    out.append((r.to, {"t": "nack", "q": r.seq}))
+            if now >= r.nack_at and not r.done:
+                out.append((r.to, {"t": "nack", "q": r.seq}))
+                r.nack_at = r.expire_at
+            if now >= r.expire_at:
                 del self._relays[seq]
         self._syncs(now, out)
         return out
