@@ -5,10 +5,12 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 import click
 
 from llmd.batch.cli import batch
+from llmd.cluster.cli import cluster
 from llmd.config import ConfigError, load_config
 from llmd.registry.cli import registry
 from llmd.store import StoreError, WeightStore, describe
@@ -167,6 +169,72 @@ def models_verify(name: str, version: str | None) -> None:
     click.echo(f"{m.name}@{m.short_version}: ok")
 
 
+@models.command("pull-peer")
+@click.argument("ref", metavar="NAME@VERSION")
+@click.option("--peer", "peers", multiple=True, required=True, metavar="URL",
+              help="A peer's base URL (http://10.0.0.2:8000); repeat it: chunks come from every peer at once.")
+@click.option("--config", "config_path", envvar="LLMD_CONFIG", default="config.toml", show_default=True,
+              type=click.Path(dir_okay=False),
+              help="Holds the cluster secret and this node's name (without it: $LLMD_CLUSTER_SECRET, the host name).")
+@click.option("--concurrency", default=4, show_default=True, type=click.IntRange(1, 64), help="Chunks in flight.")
+def models_pull_peer(ref: str, peers: tuple[str, ...], config_path: str, concurrency: int) -> None:
+    """Fetch VERSION of NAME from cluster peers that hold it, in hash-checked chunks from every
+    --peer at once; it is stored only once the whole version verifies."""
+    import asyncio
+
+    import httpx
+
+    from llmd.cluster.weights import is_version_id, pull
+
+    name, _, version = ref.partition("@")
+    if not name or not is_version_id(version):
+        raise click.BadParameter("expected NAME@VERSION, VERSION the full 64-hex id (`llmd models list --json`)",
+                                 param_hint="NAME@VERSION")
+    signer, store, shown = _peer_signer(config_path), WeightStore(), [0]
+
+    def progress(done: int, total: int) -> None:
+        if done * 10 // max(total, 1) > shown[0] or done == total:
+            shown[0] = done * 10 // max(total, 1)
+            _progress(f"{done / 1e6:.0f} of {total / 1e6:.0f} MB")
+
+    async def run() -> Any:
+        async with httpx.AsyncClient(timeout=httpx.Timeout(60.0)) as http:
+            return await pull(version, list(peers), http, signer, store=store, name=name,
+                              concurrency=concurrency, progress=progress)
+
+    try:
+        res = asyncio.run(run())
+    except StoreError as e:
+        raise click.ClickException(str(e)) from None
+    m = res.model
+    if res.already_stored:
+        click.echo(f"{m.name}@{m.short_version} already stored ({m.path})")
+        return
+    click.echo(f"stored {m.name}@{m.short_version} ({m.size_bytes / 1e6:.0f} MB) at {m.path}")
+    for peer in peers:
+        click.echo(f"  {peer}: {res.chunks_by_peer[peer]} chunks, {res.bytes_by_peer[peer] / 1e6:.1f} MB, "
+                   f"{sum(n for (p, _), n in res.failures.items() if p == peer)} failed")
+
+
+def _peer_signer(config_path: str) -> Any:
+    import socket
+    import time
+
+    from llmd.cluster.signing import Signer
+    from llmd.config.cluster import SECRET_ENV, ClusterConfig
+
+    cluster, node = ClusterConfig(), socket.gethostname()
+    if Path(config_path).is_file():
+        try:
+            cfg = load_config(config_path)
+        except ConfigError as e:
+            raise click.ClickException(str(e)) from None
+        cluster, node = cfg.cluster, cfg.server.node
+    if not (secrets := cluster.secrets()):
+        raise click.ClickException(f"no cluster secret: set [cluster] secret_files in {config_path}, or ${SECRET_ENV}")
+    return Signer(node, secrets, time.time, cluster.replay_window_s, "http")
+
+
 @main.group()
 def keys() -> None:
     """API keys: the config stores only their hashes."""
@@ -269,6 +337,7 @@ def compare(model: str, version_a: str, version_b: str, db_path: Path | None) ->
 
 main.add_command(batch)
 main.add_command(registry)
+main.add_command(cluster)
 
 
 if __name__ == "__main__":

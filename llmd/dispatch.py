@@ -3,7 +3,7 @@
 `run` waits until the scheduler releases the job, streams deltas from the engine, resumes
 after a preemption, and aborts the engine request on every exit path that did not finish
 it; `screened` passes those deltas through the output filters. Tokens are counted in one
-place, `_account`: the record (the one count), the scheduler's fairness charge, the ITL
+place, `account`: the record (the one count), the scheduler's fairness charge, the ITL
 controller's samples and the ledger's progress read from it.
 """
 
@@ -35,23 +35,21 @@ def deadline_error(job: Job) -> APIError:
         return deadline_exceeded("the request's deadline passed while it waited in the queue; it was not run")
     return deadline_exceeded()
 
-async def run(job: Job, choice: Choice) -> AsyncGenerator[Delta, None]:
-    """One choice's deltas from the engine. Run it inside `deadline(job)`; raises APIError on failure.
-    A preempted choice queues again and resumes from what it produced; so does one whose engine
-    died, once the supervisor has rebuilt it (one that had produced nothing simply runs again)."""
+async def run(job: Job, choice: Choice, prompt: Prompt | None = None,
+              sampling: Sampling | None = None) -> AsyncGenerator[Delta, None]:
+    """One choice's deltas from this node's engine. Run it inside `deadline(job)`; raises APIError on
+    failure. A preempted choice queues again and resumes from what it produced; so does one whose
+    engine died, once the supervisor has rebuilt it (one that had produced nothing simply runs
+    again). `prompt` and `sampling`: where it starts, when not from the beginning (a choice
+    resumed here after the node that ran it died)."""
     rec, rt, flow = job.record, job.runtime, choice.flow
     sched = rt.scheduler
-    prompt, sampling, attempt = choice.prompt, choice.sampling, 0
+    base = (prompt or choice.prompt, sampling or choice.sampling)
+    prompt, sampling, attempt = *base, 0
     current = [choice.engine_id]
     produced: list[int] = []
     while True:
-        try:
-            await sched.wait_turn(flow, lambda: rt.backend.abort(current[0]))
-        except Dropped as e:
-            rec.decision = f"dropped:{e.reason}"
-            raise deadline_exceeded(str(e)) from None
-        if rec.t_dispatch is None:
-            rec.t_dispatch = time.monotonic()
+        await _turn(job, choice, current)
         backend = rt.backend  # the supervisor swaps in a rebuilt engine after a death
         # Preempted between its dispatch and its start (the scheduler's abort found nothing
         # to abort): it goes back to the queue without ever reaching the engine.
@@ -64,7 +62,7 @@ async def run(job: Job, choice: Choice) -> AsyncGenerator[Delta, None]:
                     if delta.finish_reason == "abort" and flow.preempt_requested:
                         preempted = True
                         break
-                    _account(job, choice, delta)
+                    account(job, choice, delta)
                     produced.extend(delta.token_ids)
                     yield delta
                     if flow.preempt_requested and not choice.finished:
@@ -93,15 +91,27 @@ async def run(job: Job, choice: Choice) -> AsyncGenerator[Delta, None]:
             return
         attempt += 1
         current[0] = f"{choice.engine_id}-r{attempt}"
-        prompt, sampling = _resumed(choice, produced) if produced else (prompt, sampling)
+        prompt, sampling = resumed(*base, produced) if produced else (prompt, sampling)
 
 
-def _resumed(choice: Choice, produced: list[int]) -> tuple[Prompt, Sampling]:
-    """What a choice queues again with: its prompt and what it produced, the rest of its
+async def _turn(job: Job, choice: Choice, current: list[str]) -> None:
+    """Wait until the scheduler seats the choice (its abort reaches whichever attempt runs)."""
+    rt = job.runtime
+    try:
+        await rt.scheduler.wait_turn(choice.flow, lambda: rt.backend.abort(current[0]))
+    except Dropped as e:
+        job.record.decision = f"dropped:{e.reason}"
+        raise deadline_exceeded(str(e)) from None
+    if job.record.t_dispatch is None:
+        job.record.t_dispatch = time.monotonic()
+
+
+def resumed(prompt: Prompt, sampling: Sampling, produced: list[int]) -> tuple[Prompt, Sampling]:
+    """What a choice runs again with: its prompt and what it produced, the rest of its
     max_tokens, the same sampling otherwise (seed included)."""
-    ids = choice.prompt.token_ids + produced
+    ids = prompt.token_ids + produced
     return (Prompt(token_ids=ids, engine_input={"prompt_token_ids": ids}),
-            replace(choice.sampling, max_tokens=max(1, choice.sampling.max_tokens - len(produced)),
+            replace(sampling, max_tokens=max(1, sampling.max_tokens - len(produced)),
                     prompt_logprobs=None))  # the echo's logprobs went out with the first attempt
 
 
@@ -124,11 +134,13 @@ def screened(job: Job, choice: Choice) -> AsyncGenerator[Delta, None]:
     has seen it, redacted where a filter says so; a blocking match raises ContentFiltered
     (the request's outcome is then `filtered`) and aborts the engine request. With no
     filters, `run` itself (one generator less on the per-token path)."""
-    return run(job, choice) if choice.window is None else _screened(job, choice, choice.window)
+    source = job.runner(job, choice) if job.runner is not None else run(job, choice)
+    return source if choice.window is None else _screened(job, choice, choice.window, source)
 
 
-async def _screened(job: Job, choice: Choice, window: OutputWindow) -> AsyncGenerator[Delta, None]:
-    async with contextlib.aclosing(run(job, choice)) as deltas:
+async def _screened(job: Job, choice: Choice, window: OutputWindow,
+                    source: AsyncGenerator[Delta, None]) -> AsyncGenerator[Delta, None]:
+    async with contextlib.aclosing(source) as deltas:
         async for d in deltas:
             seen = len(window.redactions)
             text, hit = window.feed(d.text, d.num_tokens, d.finish_reason is not None)
@@ -143,18 +155,20 @@ async def _screened(job: Job, choice: Choice, window: OutputWindow) -> AsyncGene
                 yield replace(d, text=text)
 
 
-def _account(job: Job, choice: Choice, delta: Delta) -> None:
+def account(job: Job, choice: Choice, delta: Delta, here: bool = True) -> None:
     """The one place a delta's tokens are counted: the record (all choices' total), the
-    choice's gaps for ITL, the scheduler's fairness charge, the ledger's progress."""
+    choice's gaps for ITL, the scheduler's fairness charge, the ledger's progress. `here`:
+    this node's engine made them (a peer's are charged and timed in the peer's own queue)."""
     rec, n = job.record, delta.num_tokens
     now = time.monotonic()
     prev = choice.t_last_token
     rec.on_tokens(n, now, prev)
     if n:
         choice.t_last_token = now
-        if prev is not None and job.runtime.cfg.scheduling.target_itl_ms:
+        if here and prev is not None and job.runtime.cfg.scheduling.target_itl_ms:
             job.runtime.gaps.extend([(time.time(), (now - prev) / n)] * n)
-        job.runtime.scheduler.on_output(choice.flow, n)
+        if here:
+            job.runtime.scheduler.on_output(choice.flow, n)
     rec.output_tokens += n
     rec.cached_prompt_tokens = max(rec.cached_prompt_tokens, delta.cached_prompt_tokens)
     job.life.progress(now)

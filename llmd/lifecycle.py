@@ -107,8 +107,9 @@ class RequestLife:
         self.owner.opened(self)
 
     def progress(self, now: float) -> None:
-        """Tokens so far to the ledger, at most once per PROGRESS_EVERY_S."""
-        if now - self.last_progress >= PROGRESS_EVERY_S:
+        """Tokens so far to the ledger, at most once per PROGRESS_EVERY_S. A life not admitted here
+        has no row here (a peer's request run on this node: its ingress node meters it)."""
+        if self.ticket is not None and now - self.last_progress >= PROGRESS_EVERY_S:
             self.last_progress = now
             self.owner.ledger.progress(self.record.request_id, output_tokens=self.record.output_tokens,
                                        cached_tokens=self.record.cached_prompt_tokens)

@@ -98,6 +98,15 @@ class _Live:
             "itl": HistogramMetricFamily("llmd:inter_token_latency_seconds", "Histogram of inter-token latency in "
                                          "seconds (one observation per gap between streamed tokens).",
                                          labels=list(MT)),
+            # The names llm-d's endpoint picker (Gateway API Inference Extension) reads from a vLLM
+            # model server, so a node behind it is scored as a vLLM pod: the waiting count includes
+            # llmd's own queue, where requests wait before the engine (docs/cluster.md).
+            "v_wait": g("vllm:num_requests_waiting", "Requests waiting: llmd's queue plus the engine's.",
+                        labels=["model_name"]),
+            "v_run": g("vllm:num_requests_running", "Requests in the engine's batch.", labels=["model_name"]),
+            "v_kv": g("vllm:kv_cache_usage_perc", "KV-cache usage, 1 = full.", labels=["model_name"]),
+            "v_gpu": g("vllm:gpu_cache_usage_perc", "KV-cache usage, 1 = full (the older name).",
+                       labels=["model_name"]),
             "cpm": g("llmd:cost_per_million_tokens", "Realised average cost per million billed tokens "
                      "(prompt + generated) since start: llmd:cost_total / those requests' tokens x 1e6; "
                      "only requests that carried a cost count.", labels=list(MT)),
@@ -122,6 +131,10 @@ class _Live:
             f["running"].add_metric([name], s.running)
             f["waiting"].add_metric([name], s.waiting)
             f["kv"].add_metric([name], s.kv_usage)
+            f["v_wait"].add_metric([name], s.waiting + len(rt.queue))
+            f["v_run"].add_metric([name], s.running)
+            f["v_kv"].add_metric([name], s.kv_usage)
+            f["v_gpu"].add_metric([name], s.kv_usage)
             f["pq"].add_metric([name], s.prefix_queries)
             f["ph"].add_metric([name], s.prefix_hits)
             f["pre"].add_metric([name], s.preemptions)

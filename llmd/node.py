@@ -20,6 +20,8 @@ from llmd.auth import Authenticator
 from llmd.backends import build_backend, unknown_tool_parser
 from llmd.batch.runner import BatchRunner
 from llmd.batch.store import BatchStore
+from llmd.cluster.metrics import ClusterCollector
+from llmd.cluster.node import ClusterNode
 from llmd.config import Config, ConfigError
 from llmd.exposure import check_exposure
 from llmd.filters import Filters
@@ -56,6 +58,7 @@ class Node:
     batch_runner: BatchRunner
     auth: Authenticator
     supervisor: Supervisor
+    cluster: ClusterNode | None = None  # [cluster] enabled: gossip, routing between nodes, failover
 
     async def open(self) -> None:
         await self.runs.store.start()  # first: the ledger's recovery reads the finals kept with outcomes
@@ -65,14 +68,20 @@ class Node:
         await self.registry.store.start()
         await self.batches.start()
         await self.batch_runner.start()  # unfinished batches resume (their items wait for the models)
+        if self.cluster is not None:
+            await self.cluster.start()  # joins at once; peers route here once its versions are loaded
 
     async def load(self) -> None:
         """Load every configured model, then the other versions the registry had and its splits."""
         self.supervisor.start()
+        if self.cluster is not None:
+            await self.cluster.fetch_weights(self.config.models)  # a joining node's weights come from its peers
         await self.registry.load_configured()
         await self.registry.restore()
 
     async def close(self) -> None:
+        if self.cluster is not None:
+            await self.cluster.stop()  # leave first: peers stop routing here before anything stops
         await self.supervisor.stop()  # no engine is rebuilt while the node stops
         await self.batch_runner.stop()  # its items in flight are metered as interrupted
         await self.runs.stop()
@@ -124,7 +133,8 @@ def build_node(config: Config, store: WeightStore | None = None, ledger: Ledger 
                             functools.partial(build_backend, store=weights))
     # Versions loaded later (the registry) get the tenants in force then: after a reload, the new ones.
     registry = Registry(config.models, RegistryStore(db.with_suffix(".registry.db")), weights,
-                        lambda cfg, backend: build_runtime(cfg, backend, node.config.tenants, watch=supervisor.watch))
+                        lambda cfg, backend: build_runtime(cfg, backend, node.config.tenants, watch=supervisor.watch),
+                        config.server.node, config.cluster.enabled)
     admission = AdmissionController(config.tenants, time.monotonic)
     metrics = Metrics(registry)
     lifecycle = Lifecycle(ledger, admission, metrics.observe)
@@ -139,6 +149,10 @@ def build_node(config: Config, store: WeightStore | None = None, ledger: Ledger 
     runner = BatchRunner(batches, config, lifecycle, service)
     node = Node(config, ledger, registry, admission, metrics, lifecycle, service, runs, batches, runner,
                 Authenticator(config), supervisor)
+    if config.cluster.enabled:
+        node.cluster = ClusterNode(config, registry, admission)
+        service.router = node.cluster.runner()
+        metrics.registry.register(ClusterCollector(node.cluster))
     return node
 
 

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 
 from llmd.backends import Backend
-from llmd.backends.base import Prompt, Sampling, ToolReader
+from llmd.backends.base import Delta, Prompt, Sampling, ToolReader
 from llmd.config import ModelConfig, TenantConfig
 from llmd.filters import OutputWindow
 from llmd.lifecycle import RequestLife
@@ -148,6 +148,9 @@ class Job:
     headers: dict[str, str] = field(default_factory=dict)  # the version, x-ratelimit-*, X-LLMD-Degraded
     tools: ToolMode | None = None  # the output is read as tool calls
     echo_logprobs: bool = False  # a completion's echo with logprobs: the prompt's come first
+    # Where its choices run: None, this node's engine (dispatch.run); in a cluster, the router,
+    # which runs each on the node that starts it soonest (llmd/cluster/forward.py).
+    runner: Callable[[Job, Choice], AsyncGenerator[Delta, None]] | None = None
 
     @property
     def record(self) -> RequestRecord:

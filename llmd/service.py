@@ -18,6 +18,7 @@ from llmd import generation
 from llmd.auth import Principal
 from llmd.backends import Backend, PromptError
 from llmd.backends.base import Prompt, Sampling, ToolReader
+from llmd.cluster.router import Router
 from llmd.config import ModelConfig, TenantConfig
 from llmd.errors import (
     AdmissionRefused,
@@ -38,7 +39,7 @@ from llmd.policy.queue import QueuedRequest
 from llmd.prompt_pool import PromptPool
 from llmd.protocol import ChatRequest, CompletionRequest
 from llmd.registry.registry import Registry
-from llmd.registry.routing import RoutingError, parse_model
+from llmd.registry.routing import NotServedHere, RoutingError, parse_model
 from llmd.runtime import Choice, Job, ModelRuntime
 from llmd.telemetry import RequestRecord
 from llmd.tools import ToolMode
@@ -63,10 +64,19 @@ class Service:
         self.admission = admission
         self.filters = filters
         self.degraders = degraders
+        self.router: Router | None = None  # a cluster's: admitted jobs run on the node that starts them soonest
 
     def route(self, name: str, tenant: TenantConfig | None = None, key: str | None = None) -> ModelRuntime:
         """The version that serves this request: `name@version` pins one; otherwise the
         model's split picks one, the same for every request with the same conversation `key`."""
+        return self.locate(name, tenant, key)[0]
+
+    def locate(self, name: str, tenant: TenantConfig | None = None,
+               key: str | None = None) -> tuple[ModelRuntime, str]:
+        """`route`'s runtime and the version that will run the request: in a cluster, the split may
+        pick a version only peers serve; the request is then rendered and counted here by another
+        version of the model (versions of a model share their tokenizer and template) and run
+        only on a node holding the version picked (the router never sends it to other weights)."""
         model, pin = parse_model(name)
         if self.registry.config(model) is None or (tenant is not None and not tenant.may_use(model)):
             raise not_found(f"The model '{model}' does not exist", "model_not_found", "model")
@@ -76,13 +86,18 @@ class Service:
             raise unavailable(f"model '{model}' is still loading", "model_loading", retry_after=5)
         try:
             rt = self.registry.route(model, key, pin)
+        except NotServedHere as e:  # the cluster split picked a version a peer serves: never other weights here
+            local = self.registry.primary(model)
+            if self.router is None or local is None:
+                raise unavailable(str(e), "version_not_served_here", retry_after=1) from None
+            return local, e.version
         except RoutingError as e:
             raise not_found(str(e), "model_version_not_found", "model") from None
         if not rt.backend.healthy:
             rt.engine_died(rt.backend)
         if not rt.backend.healthy and not rt.watch.recoverable:  # a rebuilding engine: the request waits
             raise unavailable(f"the engine for model '{model}' is not healthy", "engine_unhealthy", retry_after=10)
-        return rt
+        return rt, rt.version
 
     async def admit(self, life: RequestLife, req: ChatRequest | CompletionRequest, who: Principal,
                     deadline_s: float, asked_class: str | None = None, conversation: str | None = None) -> Job:
@@ -91,11 +106,12 @@ class Service:
             raise APIError(403, "admin keys cannot run generations; use a tenant's key", "permission_error",
                            "tenant_required")
         life.identify(who)
-        await self._screen(life.record, req, who.tenant)
+        await self._screen(life.record, req, who.tenant, conversation or req.user)
         return await self.prepare(life, req, who.tenant, deadline_s, asked_class, conversation)
 
-    async def _screen(self, record: RequestRecord, req: ChatRequest | CompletionRequest, tenant: TenantConfig) -> None:
-        rt = self.route(req.model, tenant)
+    async def _screen(self, record: RequestRecord, req: ChatRequest | CompletionRequest, tenant: TenantConfig,
+                      key: str | None) -> None:
+        rt = self.route(req.model, tenant, key)  # the version `prepare` will pick for this conversation
         record.model = rt.cfg.name
         check_prompt_bytes(rt.cfg, req)  # before any work that grows with the prompt
         chain = self.filters.input_chain(rt.cfg, tenant)
@@ -122,9 +138,9 @@ class Service:
     async def prepare(self, life: RequestLife, req: ChatRequest | CompletionRequest, tenant: TenantConfig,
                       deadline_s: float, asked_class: str | None = None, conversation: str | None = None) -> Job:
         record = life.record
-        rt, klass, cap = self._place(record, req, tenant, asked_class, conversation)
+        rt, version, klass, cap = self._place(record, req, tenant, asked_class, conversation)
         backend = rt.backend
-        record.model, record.version, record.deadline_s = rt.cfg.name, backend.version, deadline_s
+        record.model, record.version, record.deadline_s = rt.cfg.name, version, deadline_s
         tools, structured, tool_defs = plan_tools(req, rt.cfg) if isinstance(req, ChatRequest) else (None, None, None)
         prompts = await self.pool.run(generation.prompts, req, backend, tool_defs)
         record.prompt_tokens = sum(p.num_tokens for p, _ in prompts)
@@ -147,23 +163,26 @@ class Service:
                    for i, (prompt, echo) in enumerate(prompts) for j in range(req.n)]
         for c, reader in zip(choices, readers or (), strict=False):
             c.tools = reader
-        headers = {VERSION_HEADER: backend.version} | ratelimit_headers(self.admission.limits(tenant))
+        headers = {VERSION_HEADER: version} | ratelimit_headers(self.admission.limits(tenant))
         if record.degraded:
             headers[DEGRADED_HEADER] = record.degraded
         echo_logprobs = sampling.prompt_logprobs is not None
-        return Job(life, rt, choices, deadline, headers, tools, echo_logprobs)
+        return Job(life, rt, choices, deadline, headers, tools, echo_logprobs,
+                   self.router.run if self.router is not None else None)
 
     def _place(self, record: RequestRecord, req: ChatRequest | CompletionRequest, tenant: TenantConfig,
-               asked_class: str | None, conversation: str | None) -> tuple[ModelRuntime, str, int | None]:
+               asked_class: str | None, conversation: str | None) -> tuple[ModelRuntime, str, str, int | None]:
         """The version that serves it (routed once, here: from now on the request touches only
-        this version's engine), its priority class, and a degradation's cap on max_tokens."""
-        rt = self.route(req.model, tenant, conversation or req.user)
+        this version's engine, or in a cluster only that version's), its priority class, and a
+        degradation's cap on max_tokens."""
+        rt, version = self.locate(req.model, tenant, conversation or req.user)
         klass = self.priority_class(tenant, asked_class or req.priority_class)
         record.priority_class = klass
         cap: int | None = None
-        if klass == INTERACTIVE and rt.cfg.name in self.degraders:
+        if klass == INTERACTIVE and rt.cfg.name in self.degraders and version == rt.version:
             rt, cap = self._degrade(rt, tenant, record, conversation or req.user)
-        return rt, klass, cap
+            version = rt.version
+        return rt, version, klass, cap
 
     def _admit(self, record: RequestRecord, rt: ModelRuntime, tenant: TenantConfig, klass: str, cost: int,
                deadline: float) -> admission.Ticket:

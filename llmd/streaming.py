@@ -48,7 +48,9 @@ class _Shape:
     def __init__(self, job: Job, req: ChatRequest | CompletionRequest) -> None:
         self.job, self.chat = job, isinstance(req, ChatRequest)
         self.rid = ("chatcmpl-" if self.chat else "cmpl-") + job.record.request_id
-        self.model, self.created = job.runtime.served_name, responses.created_now()
+        # The version that runs it (in a cluster, perhaps one only a peer serves).
+        self.model = f"{job.runtime.cfg.name}@{(job.record.version or job.runtime.version)[:12]}"
+        self.created = responses.created_now()
         self.continuous = req.continuous_usage
         obj = "chat.completion.chunk" if self.chat else "text_completion"
         self._head = dumps(responses.chunk(self.rid, obj, self.model, self.created, []))[:-2]  # ... "choices":[

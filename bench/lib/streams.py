@@ -30,6 +30,7 @@ class Stream:
     chunks: list[float] = field(default_factory=list)  # arrival time of every content chunk
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
+    cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens
     status: int | None = None  # HTTP status
     error: str | None = None  # error code (HTTP error body or an error event in the stream)
     version: str | None = None  # the model version that served it (X-LLMD-Model-Version)
@@ -76,6 +77,7 @@ def _take(s: Stream, obj: dict[str, Any], chat: bool) -> None:
     if obj.get("usage"):
         s.prompt_tokens = obj["usage"].get("prompt_tokens")
         s.completion_tokens = obj["usage"].get("completion_tokens")
+        s.cached_tokens = (obj["usage"].get("prompt_tokens_details") or {}).get("cached_tokens")
     for ch in obj.get("choices") or []:
         text = (ch.get("delta") or {}).get("content") if chat else ch.get("text")
         if text:

@@ -3,23 +3,23 @@
 It exists so the gateway (queueing, deadlines, streaming, aborts, engine death)
 can be tested fast and reproducibly without vLLM. It imitates what matters to the
 gateway: continuous batching up to `max_num_seqs`, priority admission, prefill
-steps, step time that grows with the batch, per-step stats, and aborts that take
-effect before the next step. Its text is not a model's: one word per token,
-chosen from a fixed list by a stable hash of the prompt.
+steps, step time that grows with the batch, per-step stats, aborts that take effect
+before the next step, and a KV cache of blocks with prefix caching and vLLM's KV events
+(fake_cache.py), so routing by prefix can be measured on it. Its text is not a model's:
+one word per token, chosen from a fixed list by a stable hash of the prompt.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import heapq
 import itertools
 import math
-import re
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import Any
 
+from llmd.backends import fake_outputs as outputs
 from llmd.backends.base import (
     BackendError,
     Delta,
@@ -34,24 +34,11 @@ from llmd.backends.base import (
     check_top_k,
     now,
 )
-from llmd.backends.fake_outputs import entry, instance, prompt_entries
+from llmd.backends.fake_cache import CacheSeq, FakePrefixCache
 from llmd.backends.fake_tools import FakeToolReader
+from llmd.backends.kv_events import KvListener
 from llmd.backends.tokenizer import TiktokenTokenizer
 from llmd.config import FakeEngineConfig
-
-WORDS = (  # noqa: SIM905 - the word list reads better as prose
-    "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november "
-    "oscar papa quebec romeo sierra tango uniform victor whiskey xray yankee zulu red orange "
-    "yellow green blue indigo violet black white grey silver gold copper iron tin lead zinc "
-    "river lake ocean sea hill mountain valley forest desert meadow cloud rain snow wind sun moon"
-).split()
-WORD_ID_BASE = 1000  # synthetic token ids for the words: stable, so a resumed request can carry them
-EOS_MARKER = re.compile(r"\[\[eos:(\d+)\]\]")
-# `[[say:TEXT]]` in a prompt: the output is TEXT, 3 characters per token, then stop;
-# `[[repeat:TEXT]]`: TEXT once per token until max_tokens (a looping model). A `|` in TEXT
-# is left out of the output, so a prompt can ask for text its own screen would refuse.
-SAY_MARKER = re.compile(r"\[\[(say|repeat):(.*?)\]\]", re.S)
-SAY_CHARS = 3
 
 
 @dataclass(eq=False)
@@ -63,7 +50,6 @@ class _Req:
     max_new: int  # max_tokens, capped by what fits in max_model_len
     eos_after: int | None
     seed: int
-    prefill_left: int
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     generated: int = 0
     text: str = ""
@@ -71,20 +57,24 @@ class _Req:
     done: bool = False
     script: tuple[str, str] | None = None  # ("say" | "repeat", text) from SAY_MARKER
     prompt_sent: bool = False  # its prompt logprobs went out with the first delta
+    kv: CacheSeq = field(default_factory=lambda: CacheSeq([], 0))  # its KV blocks, once admitted
+    prefill_todo: int = 0  # prompt tokens still to compute (those not found in the cache)
+    cached_out: int = 0  # cached prompt tokens, reported on the first delta
 
     def word_index(self) -> int:
-        return (self.seed + self.generated * (1 + 2 * (self.seed % 7))) % len(WORDS)
+        return (self.seed + self.generated * (1 + 2 * (self.seed % 7))) % len(outputs.WORDS)
 
     def word(self) -> str:
         if self.script is not None:
             kind, text = self.script
             if kind == "repeat":
                 return text
-            return text[self.generated * SAY_CHARS:(self.generated + 1) * SAY_CHARS]
-        return " " + WORDS[self.word_index()]
+            return text[self.generated * outputs.SAY_CHARS:(self.generated + 1) * outputs.SAY_CHARS]
+        return " " + outputs.WORDS[self.word_index()]
 
     def script_done(self) -> bool:
-        return self.script is not None and self.script[0] == "say" and self.generated * SAY_CHARS >= len(self.script[1])
+        s = self.script
+        return s is not None and s[0] == "say" and self.generated * outputs.SAY_CHARS >= len(s[1])
 
 
 class FakeBackend:
@@ -109,6 +99,12 @@ class FakeBackend:
         self._started = False
         self._dead: BaseException | None = None
         self.sleeping = False
+        blocks = cfg.kv_blocks or cfg.max_num_seqs * math.ceil(max_model_len / cfg.block_tokens)  # all can run
+        self.cache = FakePrefixCache(blocks, cfg.block_tokens, cfg.prefix_caching)
+        # Called with each step's KV events (llmd.backends.kv_events, as vLLM publishes them), so a
+        # node can keep its prefix summary; None: nobody listens.
+        self.kv_events: KvListener | None = None
+        self.busy_s = 0.0  # engine time the cost model charged (step and prefill time), seconds
 
     # -- lifecycle ----------------------------------------------------------
     async def start(self) -> None:
@@ -126,8 +122,12 @@ class FakeBackend:
         self._fail_all(BackendError("engine stopped"))
 
     async def sleep(self) -> bool:
-        """Pretends to support sleep mode when `fake.sleep_mode` is set (tests the registry's calls)."""
+        """Pretends to support sleep mode when `fake.sleep_mode` is set (tests the registry's calls);
+        like vLLM's, it discards the KV cache (an idle engine's: nothing runs to lose it)."""
         self.sleeping = self.cfg.sleep_mode
+        if self.sleeping and not self._running:
+            self.cache.clear()
+            self.cache.flush(self.kv_events)
         return self.sleeping
 
     async def wake_up(self) -> None:
@@ -196,9 +196,9 @@ class FakeBackend:
         if sampling.max_tokens < 1:
             raise ValueError("max_tokens must be at least 1")
         text = prompt.engine_input if isinstance(prompt.engine_input, str) else self.tokenizer.decode(prompt.token_ids)
-        m = EOS_MARKER.search(text)
-        say = SAY_MARKER.search(text)
-        seed, said = _continued(prompt.token_ids)
+        m = outputs.EOS_MARKER.search(text)
+        say = outputs.SAY_MARKER.search(text)
+        seed, said = outputs.continued(prompt.token_ids)
         req = _Req(
             request_id=request_id,
             prompt=prompt,
@@ -207,8 +207,7 @@ class FakeBackend:
             max_new=said + min(sampling.max_tokens, self.max_model_len - prompt.num_tokens),
             eos_after=int(m.group(1)) if m and not sampling.ignore_eos else None,
             seed=seed,
-            prefill_left=math.ceil(prompt.num_tokens / self.cfg.prefill_tokens_per_step),
-            script=_script(say, sampling),
+            script=outputs.script_of(say, sampling),
             generated=said,
         )
         return self._stream(req)
@@ -239,6 +238,7 @@ class FakeBackend:
                         item = nxt
                         break
                     item = Delta(item.text + nxt.text, item.num_tokens + nxt.num_tokens, nxt.finish_reason,
+                                 item.cached_prompt_tokens,
                                  token_ids=item.token_ids + nxt.token_ids, logprobs=item.logprobs + nxt.logprobs,
                                  prompt_logprobs=item.prompt_logprobs)
                 if isinstance(item, BaseException):
@@ -257,6 +257,7 @@ class FakeBackend:
         self.aborted.append(req.request_id)
         if req in self._running:
             self._running.remove(req)
+            self.cache.free(req.kv)
         else:
             self._waiting = [w for w in self._waiting if w[2] is not req]
             heapq.heapify(self._waiting)
@@ -268,8 +269,11 @@ class FakeBackend:
             raise BackendError(f"engine for {self.model_name} is not started")
 
     # -- the engine ---------------------------------------------------------------
-    def step_seconds(self, running: int) -> float:
-        return (self.cfg.step_ms + self.cfg.step_ms_per_seq * running) / 1000.0
+    def step_seconds(self, running: int, prefill_tokens: int = 0) -> float:
+        """What a step costs: a base, a share per sequence, and its prefill at `prefill_tokens_per_s`."""
+        rate = self.cfg.prefill_tokens_per_s
+        prefill = prefill_tokens / rate if rate else 0.0
+        return (self.cfg.step_ms + self.cfg.step_ms_per_seq * running) / 1000.0 + prefill
 
     async def _loop(self) -> None:
         try:
@@ -278,35 +282,52 @@ class FakeBackend:
                     self._wake.clear()
                     await self._wake.wait()
                     continue
-                while self._waiting and len(self._running) < self.cfg.max_num_seqs:
-                    self._running.append(heapq.heappop(self._waiting)[2])
+                self._admit()
+                ptps = self.cfg.prefill_tokens_per_step
+                cost = self.step_seconds(len(self._running), sum(min(ptps, r.prefill_todo) for r in self._running))
+                self.busy_s += cost
                 t0 = asyncio.get_running_loop().time()
-                await asyncio.sleep(self.step_seconds(len(self._running)))
+                await asyncio.sleep(cost)
                 self._step(asyncio.get_running_loop().time() - t0)
         except asyncio.CancelledError:
             raise
         except Exception as e:  # a bug in the double is an engine crash, not a hang
             self._die(EngineDead(f"engine loop crashed: {e!r}"))
 
+    def _admit(self) -> None:
+        """Waiting requests join the batch in priority order while seats and KV blocks allow; each
+        reuses the longest cached prefix of its prompt and prefills only the rest."""
+        while self._waiting and len(self._running) < self.cfg.max_num_seqs:
+            req = self._waiting[0][2]
+            kv = self.cache.admit(req.prompt.token_ids, force=not self._running)
+            if kv is None:
+                return  # the head waits for KV room, as vLLM's does
+            heapq.heappop(self._waiting)
+            req.kv, req.cached_out = kv, kv.cached
+            req.prefill_todo = req.prompt.num_tokens - kv.cached
+            self._running.append(req)
+
     def _step(self, took: float = 0.0) -> None:
-        """One step of `took` seconds (what the loop slept: step_seconds(running) plus any lag):
-        reported with its prefill tokens, as vLLM's per-step stats are, for the step-time model."""
+        """One step of `took` seconds (what the loop slept: step_seconds plus any lag): reported
+        with its prefill tokens, as vLLM's per-step stats are, for the step-time model."""
         batch = list(self._running)  # aborted mid-step requests are already gone
         generated = prefilled = 0
         ptps = self.cfg.prefill_tokens_per_step
         for req in batch:
-            if req.prefill_left > 0:
-                prefilled += min(ptps, req.prompt.num_tokens - (math.ceil(req.prompt.num_tokens / ptps)
-                                                                 - req.prefill_left) * ptps)
-                req.prefill_left -= 1
+            if req.prefill_todo > 0:
+                chunk = min(ptps, req.prefill_todo)
+                req.prefill_todo -= chunk
+                prefilled += chunk
+                self.cache.commit(req.kv, req.prompt.num_tokens - req.prefill_todo)
                 continue
             generated += 1
             self._emit(req)
-        held = sum(max(0, r.prompt.num_tokens - r.prefill_left * ptps) + r.generated for r in self._running)
-        kv = held / (self.cfg.max_num_seqs * self.max_model_len)
-        self.stats.record(StepRecord(t=now(), running=len(batch), waiting=len(self._waiting), kv_usage=min(1.0, kv),
-                                     generated_tokens=generated, duration=took, prefill_tokens=prefilled),
-                          itl=[took] * generated)
+        queries, hits = self.cache.take_stats()
+        self.stats.record(StepRecord(t=now(), running=len(batch), waiting=len(self._waiting),
+                                     kv_usage=min(1.0, self.cache.usage()), generated_tokens=generated, duration=took,
+                                     prefill_tokens=prefilled),
+                          prefix_queries=queries, prefix_hits=hits, itl=[took] * generated)
+        self.cache.flush(self.kv_events)
 
     def _emit(self, req: _Req) -> None:
         """One decode step for `req`: append a word (or end it) and queue the delta."""
@@ -317,9 +338,10 @@ class FakeBackend:
         if (req.eos_after is not None and req.generated >= req.eos_after) or req.script_done():
             finish, tokens = "stop", 0  # `[[eos:0]]`: ends at once with nothing generated
         else:
-            ids, piece = (WORD_ID_BASE + req.word_index(),), req.word()
+            ids, piece = (outputs.WORD_ID_BASE + req.word_index(),), req.word()
             req.text += piece
             req.generated += 1
+            self.cache.append(req.kv, ids[0])
         sampling = req.sampling
         stops = sampling.stop
         hit = min((i for s in stops if s and (i := req.text.find(s)) >= 0), default=-1) if stops else -1
@@ -337,32 +359,30 @@ class FakeBackend:
                     if req.text.endswith(s[:k]):
                         safe = min(safe, len(req.text) - k)
                         break
-        delta = Delta(req.text[req.emitted:safe], tokens, finish, 0, ids,
-                      self._logprobs(req, ids, piece) if sampling.logprobs is not None else (),
+        delta = Delta(req.text[req.emitted:safe], tokens, finish, req.cached_out, ids,
+                      outputs.logprobs_of(ids, piece, sampling.logprobs),
                       self._prompt_logprobs(req) if sampling.prompt_logprobs is not None else None)
-        req.emitted = safe
+        req.emitted, req.cached_out = safe, 0
         if finish is not None:
             req.done = True
             self._running.remove(req)
+            self.cache.free(req.kv)
         req.queue.put_nowait(delta)
-
-    @staticmethod
-    def _logprobs(req: _Req, ids: tuple[int, ...], piece: str) -> tuple[TokenLogprob, ...]:
-        k = req.sampling.logprobs
-        if k is None or not ids:
-            return ()
-        return tuple(entry(i, piece, k, WORDS) for i in ids)
 
     def _prompt_logprobs(self, req: _Req) -> tuple[TokenLogprob, ...] | None:
         k = req.sampling.prompt_logprobs
         if k is None or req.prompt_sent:
             return None
         req.prompt_sent = True
-        return prompt_entries(req.prompt.token_ids, self.tokenizer.decode, k, WORDS)
+        return outputs.prompt_entries(req.prompt.token_ids, self.tokenizer.decode, k, outputs.WORDS)
 
     def _fail_all(self, err: BaseException) -> None:
         reqs = list(self._running) + [w[2] for w in self._waiting]
         self._running, self._waiting = [], []
+        for r in reqs:
+            self.cache.free(r.kv)
+        self.cache.clear()  # the engine's memory is gone with it
+        self.cache.flush(self.kv_events)
         for r in reqs:
             r.done = True
             r.queue.put_nowait(err)
@@ -373,30 +393,3 @@ class FakeBackend:
         if self._task is not None and self._task is not asyncio.current_task():
             self._task.cancel()
         self._fail_all(err)
-
-
-def _seed(token_ids: list[int]) -> int:
-    return int.from_bytes(hashlib.blake2b(repr(token_ids).encode(), digest_size=8).digest(), "big")
-
-
-def _continued(ids: list[int]) -> tuple[int, int]:
-    """(seed, words already said): a prompt that ends in the words this double generates for
-    its beginning (a resumed request: prompt + output so far) continues that text, as a real
-    model does at temperature 0; any other prompt starts afresh."""
-    n, run = len(ids), 0
-    while run < n - 1 and WORD_ID_BASE <= ids[n - 1 - run] < WORD_ID_BASE + len(WORDS):
-        run += 1
-    for k in range(run, 0, -1):
-        seed = _seed(ids[:n - k])
-        step = 1 + 2 * (seed % 7)
-        if all(ids[n - k + g] == WORD_ID_BASE + (seed + g * step) % len(WORDS) for g in range(k)):
-            return seed, k
-    return _seed(ids), 0
-
-
-def _script(say: re.Match[str] | None, sampling: Sampling) -> tuple[str, str] | None:
-    """What the double is scripted to say: a structured output's instance, or a prompt's marker."""
-    if sampling.structured is not None:
-        return ("say", instance(sampling.structured))
-    return (say.group(1), say.group(2).replace("|", "")) if say else None
-

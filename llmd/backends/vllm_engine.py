@@ -9,8 +9,9 @@ see exactly what the engine is computing.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +46,9 @@ from vllm.v1.engine.exceptions import EngineDeadError
 from vllm.v1.metrics.loggers import StatLoggerBase
 
 from llmd.backends import vllm_tools
+from llmd.backends.vllm_events import KvEventSubscriber, cleared
+
+log = logging.getLogger("llmd.backends.vllm_engine")
 
 
 def _prefill_tokens(scheduler_stats: Any, iteration_stats: Any) -> int:
@@ -106,6 +110,10 @@ class VllmBackend:
         self._engine: AsyncLLM | None = None
         self._tool_parser_cls: Any = None  # composed at start, against the engine's tokenizer
         self._chat_params = ChatParams(chat_template_kwargs={"add_generation_prompt": True})
+        # With cfg.kv_events: called on the event loop with each engine step's KV-cache events
+        # (vLLM's BlockStored / BlockRemoved / AllBlocksCleared, in order); set it before start().
+        self.kv_events: Callable[[list[Any]], None] | None = None
+        self._kv_sub: KvEventSubscriber | None = None
 
     # -- lifecycle -------------------------------------------------------
     def _engine_args(self) -> AsyncEngineArgs:
@@ -123,6 +131,8 @@ class VllmBackend:
             # Standby versions sleep (weights offloaded, KV freed) where the platform can.
             "enable_sleep_mode": current_platform.is_sleep_mode_available(),
         }
+        if self._kv_sub is not None:
+            kwargs["kv_events_config"] = self._kv_sub.config()
         kwargs.update(self.cfg.extra)
         return AsyncEngineArgs(**kwargs)
 
@@ -142,12 +152,35 @@ class VllmBackend:
             trust = bool(self.cfg.extra.get("trust_remote_code", False))
             self._tool_parser_cls = await asyncio.to_thread(vllm_tools.checked_parser, self.tool_parser,
                                                             str(tokenizer), trust, self.model_name)
-        self._engine = await asyncio.to_thread(self._build)
+        if self.cfg.kv_events:
+            loop = asyncio.get_running_loop()
+            self._kv_sub = KvEventSubscriber(lambda events: loop.call_soon_threadsafe(self._kv_emit, events))
+            self._kv_sub.start()  # before the engine binds: its first step's events are not lost
+            self._kv_emit(cleared())  # a new engine's cache is empty, whatever the last one held
+        try:
+            self._engine = await asyncio.to_thread(self._build)
+        except BaseException:
+            self._stop_kv_events()
+            raise
 
     async def stop(self) -> None:
         engine, self._engine = self._engine, None
         if engine is not None:
             await asyncio.to_thread(engine.shutdown)
+        self._stop_kv_events()
+
+    def _kv_emit(self, events: list[Any]) -> None:
+        if self.kv_events is not None:
+            try:
+                self.kv_events(events)
+            except Exception:  # a listener's bug must not stop the engine's events for good
+                log.exception("kv_events listener failed")
+
+    def _stop_kv_events(self) -> None:
+        sub, self._kv_sub = self._kv_sub, None
+        if sub is not None:
+            sub.stop()
+            self._kv_emit(cleared())
 
     async def sleep(self) -> bool:
         """Level 1: weights to host memory, KV cache dropped; False on a CPU (no sleep mode)."""

@@ -43,6 +43,9 @@ class ClusterConfig(_Strict):
     # "cluster": any node may run a request on any node; "local": this node runs what it
     # receives (an external router such as llm-d's endpoint picker chooses the node).
     routing: Literal["cluster", "local"] = "cluster"
+    # How a node is chosen: "score" (the lowest estimated time to first token from queue, cache
+    # and prefill rate, weighted by occupancy) or "round_robin" (the peer bench/cluster.py runs beside it).
+    placement: Literal["score", "round_robin"] = "score"
     # SWIM: probe one member per interval; no ack within the timeout: ask `indirect_probes`
     # others to probe it; still nothing: suspect; not refuted within suspicion_s: dead.
     probe_interval_s: Annotated[float, Field(gt=0)] = 0.5

@@ -90,6 +90,9 @@ class EngineConfig(_Strict):
     enforce_eager: bool = True
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
     cpu_threads_bind: str | None = None
+    # Publish vLLM's KV-cache events (blocks stored/removed) to `backend.kv_events`, so the
+    # cluster knows exactly which prefixes this engine holds (docs/cluster.md, "KV events").
+    kv_events: bool = False
     extra: dict[str, object] = Field(default_factory=dict)
     # A dead engine is rebuilt from the weight store: this many attempts in a row (0: it stays
     # dead), the first at once, then after restart_backoff_s, doubling; a request waits up to
@@ -108,6 +111,14 @@ class FakeEngineConfig(_Strict):
     prefill_tokens_per_step: Annotated[int, Field(gt=0)] = 2048
     sleep_mode: bool = False  # act as an engine with vLLM's sleep mode (a GPU) for the registry
     start_s: Annotated[float, Field(ge=0)] = 0.0  # how long start() takes, as an engine's load does
+    # Its KV cache (llmd/backends/fake_cache.py): blocks of block_tokens tokens, kv_blocks of them
+    # (unset: room for max_num_seqs sequences of max_model_len tokens), vLLM-style prefix caching.
+    block_tokens: Annotated[int, Field(gt=0)] = 16
+    kv_blocks: Annotated[int, Field(gt=0)] | None = None
+    prefix_caching: bool = True
+    # A step that prefills costs its uncached prompt tokens / this rate on top of its step time
+    # (a routing benchmark's prefill cost); 0: prefill is free, only step_ms counts.
+    prefill_tokens_per_s: Annotated[float, Field(ge=0)] = 0.0
 
 
 def _known_class(name: str) -> str:

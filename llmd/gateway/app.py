@@ -7,6 +7,7 @@ parses and frames; the node's collaborators (llmd/node.py) do the rest.
 from __future__ import annotations
 
 import asyncio
+import functools
 import math
 import re
 import uuid
@@ -15,7 +16,18 @@ from sanic import Request, Sanic
 from sanic.response import BaseHTTPResponse
 
 from llmd.auth import Principal, require_admin
-from llmd.gateway import batches, generate, node_routes, openapi, registry
+from llmd.cluster.registry_sync import snapshot
+from llmd.cluster.weights import WeightServer
+from llmd.gateway import (
+    batches,
+    generate,
+    internal,
+    internal_registry,
+    internal_weights,
+    node_routes,
+    openapi,
+    registry,
+)
 from llmd.gateway.connections import ConnectionGuard, GuardedProtocol
 from llmd.gateway.errors import OpenAIErrorHandler
 from llmd.gateway.guards import add_guards
@@ -56,6 +68,10 @@ def create_app(node: Node, name: str = "llmd", load_models: bool = True) -> App:
     node_routes.add_routes(app, node, principal, admin)
     batches.add_routes(app, node.batches, node.batch_runner, config.batch, principal)
     registry.add_routes(app, node.registry, admin)
+    internal.add_routes(app, node, admin)
+    if node.cluster is not None:  # one signer for every internal route: one replay window
+        internal_registry.mount(app, functools.partial(snapshot, node.registry), node.cluster.http_signer)
+        internal_weights.mount(app, WeightServer(node.registry.weights), node.cluster.http_signer)  # peers pull here
     openapi.add_routes(app)
     return app
 

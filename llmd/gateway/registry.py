@@ -2,7 +2,8 @@
 
     GET    /admin/models/{model}                          versions, states, split
     POST   /admin/models/{model}/versions                 {"version": ID_OR_PREFIX, "warm": true,
-                                                           "cpu_threads_bind": "2-3"}: load, standby
+                                                           "cpu_threads_bind": "2-3", "warm_pool": false}:
+                                                           load, standby (warm_pool: asleep until promoted)
     PUT    /admin/models/{model}/split                    {"weights": {VERSION: WEIGHT, ...}}
     POST   /admin/models/{model}/rollback                 restore the previous split
     POST   /admin/models/{model}/versions/{v}/drain       {"timeout_s": 30}
@@ -52,7 +53,8 @@ def add_routes(app: App, registry: Registry, admin: RequireAdmin) -> None:
             raise bad_request("cpu_threads_bind must be a string of cores, like '2-3'", "cpu_threads_bind")
 
         async def go() -> dict[str, Any]:
-            vid = await registry.load(name, version, warm=bool(body.get("warm", True)), cpu_threads_bind=bind)
+            vid = await registry.load(name, version, warm=bool(body.get("warm", True)), cpu_threads_bind=bind,
+                                      pool=bool(body.get("warm_pool", False)))
             return registry.describe(name) | {"loaded": vid}
         return await guarded(request, go)
 

@@ -159,6 +159,8 @@ class AdmissionController:
         self._state: dict[str, _TenantState] = {}
         self._serials = itertools.count(1)
         self._open: set[int] = set()  # serials of tickets not yet settled
+        # Tokens each tenant reserved here, corrected at settle: what this node tells its peers.
+        self.charged: Counter[str] = Counter()
         for t in tenants:
             self._state_for(t)
 
@@ -243,6 +245,7 @@ class AdmissionController:
                 f"available; retry after {whole_seconds(wait)}s.", retry_after_s=wait)
         if b is not None:
             b.try_take(cost)
+        self.charged[tenant.name] += cost
         if r is not None:
             r.try_take(1)
         st.inflight += 1
@@ -279,5 +282,13 @@ class AdmissionController:
         if st is None:
             return
         st.inflight = max(0, st.inflight - 1)
+        self.charged[ticket.tenant] += actual_tokens - ticket.reserved
         if st.bucket is not None:
             st.bucket.adjust(ticket.reserved - actual_tokens)
+
+    def charge_elsewhere(self, tenant: str, tokens: int) -> None:
+        """Tokens this tenant reserved (+) or was refunded (-) on another node of the cluster: one
+        quota across nodes, so N nodes do not give a tenant N times its tokens per minute."""
+        st = self._state.get(tenant)
+        if st is not None and st.bucket is not None:
+            st.bucket.adjust(-tokens)

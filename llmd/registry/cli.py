@@ -36,11 +36,13 @@ def status(api: Api, model: str) -> None:
 @click.argument("version")
 @click.option("--no-warm", is_flag=True, help="Skip the warm-up generations.")
 @click.option("--cpu-bind", default=None, help="CPU engines: the cores this one uses (e.g. 2-3).")
+@click.option("--warm-pool", is_flag=True, help="Cluster: asleep until the warm pool promotes it under load.")
 @click.pass_obj
-def load(api: Api, model: str, version: str, no_warm: bool, cpu_bind: str | None) -> None:
+def load(api: Api, model: str, version: str, no_warm: bool, cpu_bind: str | None, warm_pool: bool) -> None:
     """Load a stored VERSION (id or prefix) of MODEL on standby, out of rotation."""
     _show(api.call("POST", f"/admin/models/{model}/versions",
-                   json={"version": version, "warm": not no_warm, "cpu_threads_bind": cpu_bind}).json())
+                   json={"version": version, "warm": not no_warm, "cpu_threads_bind": cpu_bind,
+                         "warm_pool": warm_pool}).json())
 
 
 @registry.command()

@@ -19,6 +19,14 @@ class RoutingError(Exception):
     """A pin names no loaded version, or names several; or a model has no version in rotation."""
 
 
+class NotServedHere(RoutingError):
+    """The split picked a version this node does not serve (in a cluster, a peer does)."""
+
+    def __init__(self, model: str, version: str) -> None:
+        super().__init__(f"model {model!r}: version {version[:12]} of its split is not served on this node")
+        self.model, self.version = model, version
+
+
 def unit_point(key: str) -> float:
     """A stable point in [0, 1) for `key` (the same on every node and after every restart)."""
     return int.from_bytes(hashlib.sha256(key.encode("utf-8")).digest()[:8], "big") / 2**64
@@ -63,6 +71,10 @@ class RoutingView:
 
     splits: Mapping[str, Split] = field(default_factory=dict)
     loaded: Mapping[str, frozenset[str]] = field(default_factory=dict)  # pinnable versions per model
+    # Versions of a split not served here (a cluster split naming a version this node lacks):
+    # their part of [0, 1) stays theirs, so a conversation there is refused, never sent to other
+    # weights (the cluster router sends it to a node that holds its version).
+    absent: Mapping[str, frozenset[str]] = field(default_factory=dict)
 
     def route(self, model: str, key: str | None = None, pin: str | None = None) -> str:
         """The version id for a request to `model` (a pin is a version id or a unique prefix)."""
@@ -75,7 +87,13 @@ class RoutingView:
         split = self.splits.get(model)
         if split is None:
             raise RoutingError(f"model {model!r} has no version in rotation")
-        return split.pick(unit_point(key) if key else unit_point(uuid.uuid4().hex))
+        absent = self.absent.get(model, frozenset())
+        if not key and absent and (here := {v: w for v, w in split.weights if v not in absent}):
+            split = Split.of(here)  # no conversation to keep on one version: draw among those served here
+        version = split.pick(unit_point(key) if key else unit_point(uuid.uuid4().hex))
+        if version in absent:
+            raise NotServedHere(model, version)
+        return version
 
 
 def parse_model(name: str) -> tuple[str, str | None]:

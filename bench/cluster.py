@@ -1,0 +1,240 @@
+"""Issue J's cluster figures, on llmd processes with fake engines (a prefix cache, a prefill cost
+per uncached token): routing beside round robin, failover, a quota across nodes.
+
+  (a) routing: 3 nodes, multi-turn chats on a few long Zipf-popular system prompts, each
+      request entering at a random node; load swept from light to past round robin's capacity,
+      our placement and round robin in the same run; prefix hit rate beside a single shared
+      cache's (the same prompts through one LRU of the three nodes' size); TTFT p90 at 70 %;
+      then one hot prefix with half the traffic: queues stay even, nothing fails.
+  (b) failover: kill -9 of a node running >= 30 streams (bench/cluster_faults.py).
+  (d) one tenant's tokens per minute across 3 nodes.
+Gossip bandwidth and detection times (c): bench/cluster_gossip.py.
+
+  .venv/bin/python bench/cluster.py [--parts a,d] [--seconds 40]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import random
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from bench.lib import report, stats
+from bench.lib.cluster import INTRO, SECTION, Node, Workload, start_nodes, stop_nodes
+from bench.lib.prefix_oracle import prompt_ids, shared_cache_hit_rate
+from bench.lib.streams import Stream, new_client, stream
+
+LOADS = (0.3, 0.5, 0.7, 1.0, 1.3)
+PREFILL_TPS = 3000.0
+KV_BLOCKS = 1024
+
+
+async def chats(nodes: list[Node], wl: Workload, sessions_per_s: float, seconds: float,
+                rng: random.Random, log: list[tuple[dict[str, Any], Stream]]) -> None:
+    """Chat sessions arriving as a Poisson process; each sends its turns one after another
+    (1 s of thinking between), every turn to a random node, as a load balancer would."""
+    client = new_client(timeout=300)
+
+    async def session() -> None:
+        chat = wl.new_chat()
+        for _ in range(chat.turns):
+            body = wl.next_turn(chat)
+            node = rng.choice(nodes)
+            s = Stream("a", time.monotonic(), texts=[])
+            log.append((body, s))
+            await stream(client, node.srv.url + "/v1/chat/completions", s, body)
+            if not s.ok:
+                return
+            wl.answered(chat, "".join(s.texts or []))
+            await asyncio.sleep(1.0)
+
+    tasks: list[asyncio.Task[None]] = []
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        tasks.append(asyncio.create_task(session()))
+        await asyncio.sleep(rng.expovariate(sessions_per_s))
+    await asyncio.gather(*tasks)
+    await client.aclose()
+
+
+async def sample_queues(nodes: list[Node], stop: asyncio.Event, out: dict[str, list[int]]) -> None:
+    """Each node's requests waiting (llmd's queue and the engine's), every 0.25 s."""
+    async with httpx.AsyncClient(timeout=5) as h:
+        while not stop.is_set():
+            for n in nodes:
+                with contextlib.suppress(httpx.HTTPError, KeyError, IndexError, ValueError):
+                    st = (await h.get(n.srv.url + "/admin/cluster")).json()
+                    out.setdefault(n.name, []).append(int(st["self"]["queued"]))
+            await asyncio.sleep(0.25)
+
+
+def mean_prompt_tokens(wl: Workload, n: int = 200) -> float:
+    """The workload's mean prompt, in the fake engine's tokens (16-word answers assumed)."""
+    bodies = []
+    for _ in range(n // 4):
+        chat = wl.new_chat()
+        for _ in range(chat.turns):
+            bodies.append(wl.next_turn(chat))
+            wl.answered(chat, " ".join(["alpha"] * 16))
+    ids = prompt_ids(bodies)
+    return sum(map(len, ids)) / len(ids)
+
+
+async def one_run(tmp: Path, placement: str, req_per_s: float, seconds: float, hot: float | None = None,
+                  seed: int = 1) -> dict[str, Any]:
+    nodes = await asyncio.to_thread(start_nodes, tmp / f"{placement}-{req_per_s:.1f}-{hot}", 3, placement,
+                                    5.0, KV_BLOCKS, PREFILL_TPS)
+    log: list[tuple[dict[str, Any], Stream]] = []
+    queues: dict[str, list[int]] = {}
+    stop = asyncio.Event()
+    sampler = asyncio.create_task(sample_queues(nodes, stop, queues))
+    try:
+        wl = Workload(seed=seed, hot=hot)
+        await chats(nodes, wl, req_per_s / 4.0, seconds, random.Random(seed), log)
+    finally:
+        stop.set()
+        await sampler
+        await asyncio.to_thread(stop_nodes, nodes)
+    ok = [s for _, s in log if s.ok]
+    ttfts = [s.ttft for s in ok if s.ttft is not None]
+    prompt = sum(s.prompt_tokens or 0 for s in ok)
+    cached = sum(s.cached_tokens or 0 for s in ok)
+    means = {k: stats.mean(v) for k, v in queues.items() if v}
+    return {"placement": placement, "rate": req_per_s, "requests": len(log), "ok": len(ok),
+            "failed": len(log) - len(ok), "hit": cached / prompt if prompt else 0.0,
+            "oracle": shared_cache_hit_rate(prompt_ids(b for b, s in log if s.ok), 3 * KV_BLOCKS),
+            "ttft_p50": stats.pct(ttfts, 50) if ttfts else None, "ttft_p90": stats.pct(ttfts, 90) if ttfts else None,
+            "queue_max_over_mean": (max(means.values()) / stats.mean(means.values()))
+            if means and stats.mean(means.values()) > 0 else None, "queues": means}
+
+
+async def part_a(tmp: Path, seconds: float) -> list[str]:
+    wl = Workload(seed=99)
+    mean_p = mean_prompt_tokens(wl)
+    light = await one_run(tmp, "round_robin", 2.0, seconds)
+    capacity = 3 * PREFILL_TPS / (mean_p * (1 - light["hit"]))  # round robin's, in requests per second
+    print(f"mean prompt {mean_p:.0f} tokens; round robin's hit rate at light load {light['hit']:.2f}: "
+          f"capacity {capacity:.1f} req/s", flush=True)
+    runs = []
+    for load in LOADS:
+        for placement in ("round_robin", "score"):
+            r = await one_run(tmp, placement, load * capacity, seconds)
+            r["load"] = load
+            print(r, flush=True)
+            runs.append(r)
+    hot = await one_run(tmp, "score", 0.7 * capacity, seconds, hot=0.5)
+    print("hot", hot, flush=True)
+    return report_a(runs, hot, mean_p, capacity)
+
+
+def report_a(runs: list[dict[str, Any]], hot: dict[str, Any], mean_p: float, capacity: float) -> list[str]:
+    rows = [[f"{r['load']:.0%}", r["placement"], f"{r['rate']:.1f}", f"{r['ok']}/{r['requests']}",
+             f"{r['hit']:.2f}", f"{r['oracle']:.2f}", report.num(r["ttft_p50"], 3), report.num(r["ttft_p90"], 3),
+             report.num(r["queue_max_over_mean"], 2)] for r in runs]
+    by = {(r["load"], r["placement"]): r for r in runs}
+    hits = [(by[(ld, "score")]["hit"], by[(ld, "round_robin")]["hit"], by[(ld, "score")]["oracle"]) for ld in LOADS]
+    hit_x = min(a / b if b else float("inf") for a, b, _ in hits)
+    of_oracle = min(a / o if o else 0.0 for a, _, o in hits)
+    t70 = by[(0.7, "score")]["ttft_p90"], by[(0.7, "round_robin")]["ttft_p90"]
+    ttft_ok = t70[0] is not None and t70[1] is not None and t70[0] <= t70[1] / 3
+    hot_ok = hot["failed"] == 0 and (hot["queue_max_over_mean"] or 0) <= 1.5
+    lines = [f"Fake engines: prefill {PREFILL_TPS:.0f} uncached tokens/s per node, {KV_BLOCKS} blocks of 16 tokens "
+             f"of KV each; mean prompt {mean_p:.0f} tokens; round robin's capacity {capacity:.1f} req/s "
+             "(3 nodes' prefill over its uncached tokens at light load). Each request enters at a random node.", ""]
+    lines += report.table(["load", "placement", "req/s", "ok", "hit rate", "shared cache", "TTFT p50 s",
+                           "TTFT p90 s", "queue max/mean"], rows)
+    lines += ["", f"Hot prefix (half the traffic on one system prompt) at 70 %: {hot['ok']}/{hot['requests']} ok, "
+              f"queue max/mean {report.num(hot['queue_max_over_mean'], 2)}, per node {hot['queues']}.", ""]
+    lines += report.verdict_lines([
+        (f"prefix hit rate >= 3x round robin's at every load (worst {hit_x:.1f}x)", hit_x >= 3),
+        (f"prefix hit rate >= 90 % of a single shared cache's (worst {of_oracle:.0%})", of_oracle >= 0.9),
+        (f"TTFT p90 at 70 % load <= 1/3 of round robin's ({report.num(t70[0], 3)} vs {report.num(t70[1], 3)} s)",
+         ttft_ok),
+        ("a hot prefix with half the traffic: no failures, max queue <= 1.5x mean", hot_ok)])
+    return lines
+
+
+QUOTA_KEY = "sk-bench-cluster-quota"
+
+
+async def part_d(tmp: Path, seconds: float, quota: int = 6000) -> list[str]:
+    """One tenant, tokens_per_minute = quota, sending as fast as it is let to all 3 nodes in turn."""
+    from llmd.auth import hash_key
+
+    tenants = f'[[tenants]]\nname = "t"\nkeys = ["{hash_key(QUOTA_KEY)}"]\ntokens_per_minute = {quota}\n'
+    nodes = await asyncio.to_thread(start_nodes, tmp / "quota", 3, "score", 5.0, KV_BLOCKS, PREFILL_TPS, tenants)
+    served: list[tuple[float, int]] = []
+    refused = 0
+    t0 = time.monotonic()
+    turn = iter(range(10**9))
+
+    async def worker(client: httpx.AsyncClient) -> None:
+        nonlocal refused
+        while time.monotonic() - t0 < seconds:
+            node = nodes[next(turn) % len(nodes)]
+            s = Stream("t", time.monotonic())
+            await stream(client, node.srv.url + "/v1/chat/completions", s,
+                         {"model": "fake", "messages": [{"role": "user", "content": "tell me more " * 10}],
+                          "max_tokens": 100}, headers={"Authorization": f"Bearer {QUOTA_KEY}"})
+            if s.ok:
+                served.append((time.monotonic() - t0, (s.prompt_tokens or 0) + (s.completion_tokens or 0)))
+            else:
+                refused += 1
+                await asyncio.sleep(min(s.retry_after or 0.2, 1.0))
+
+    try:
+        client = new_client(timeout=120)
+        await asyncio.gather(*(worker(client) for _ in range(6)))
+        await client.aclose()
+    finally:
+        await asyncio.to_thread(stop_nodes, nodes)
+    total = sum(n for _, n in served)
+    allowance = quota + quota * seconds / 60  # a full bucket at the start, then its refill
+    steady = sum(n for t, n in served if t >= 30) / ((seconds - 30) / 60)
+    ratio = total / allowance
+    lines = [f"Tenant quota {quota} tokens/min; 6 clients sending in turn to 3 nodes for {seconds:.0f} s; "
+             f"{len(served)} served, {refused} refused (429).", "",
+             f"Served {total} tokens against a single bucket's allowance of {allowance:.0f} (full at start plus "
+             f"{seconds:.0f} s of refill): **{ratio:.2f}x**; after the first 30 s {steady:.0f} tokens/min "
+             f"= {steady / quota:.2f}x the quota.", ""]
+    lines += report.verdict_lines([(f"served <= 1.1x the tenant's quota across 3 nodes ({ratio:.2f}x)", ratio <= 1.1)])
+    return lines
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--parts", default="a,d")
+    ap.add_argument("--seconds", type=float, default=40.0, help="arrivals per load level (a)")
+    ap.add_argument("--quota-seconds", type=float, default=90.0)
+    args = ap.parse_args()
+    parts = set(args.parts.split(","))
+    t0 = time.monotonic()
+    sections: dict[str, tuple[str, list[str], float]] = {}
+    with tempfile.TemporaryDirectory(prefix="llmd-cluster-") as d:
+        tmp = Path(d)
+        if "a" in parts:
+            t = time.monotonic()
+            lines = asyncio.run(part_a(tmp, args.seconds))
+            sections["(a)"] = ("(a) Routing by load and prefix, beside round robin", lines, time.monotonic() - t)
+        if "d" in parts:
+            t = time.monotonic()
+            lines = asyncio.run(part_d(tmp, args.quota_seconds))
+            sections["(d)"] = ("(d) One tenant's quota across nodes", lines, time.monotonic() - t)
+    cmd = report.command()
+    subs = {k: [f"### {title}", "", report.stamp(version=None, cmd=cmd, took=f"this part took {sec / 60:.1f} min"),
+                "", *lines] for k, (title, lines, sec) in sections.items()}
+    for sub in subs.values():
+        print("\n".join(sub))
+    report.write_subsections(report.DOC, SECTION, [INTRO], subs)
+    print(f"wrote {SECTION} in {report.DOC} ({(time.monotonic() - t0) / 60:.1f} min)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,157 @@
+"""Clusters of llmd processes for bench/cluster.py: their configs, starting them together, and
+the multi-turn chat workload that shares a few long system prompts with skewed popularity."""
+
+from __future__ import annotations
+
+import random
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from bench.lib.servers import ServerProcess, free_port, spawn, stop, wait_ready
+
+SECRET = "bench-cluster-secret-0123456789abcdef"
+SECTION = "## Cluster (J)"
+INTRO = ("Issue J's cluster on llmd processes with fake engines on loopback (the engines' prefix cache and "
+         "prefill cost are simulated; routing, forwarding, gossip, metering and failover are the real code). "
+         "(a) and (d): `bench/cluster.py`; (b): `bench/cluster_faults.py`; (c): `bench/cluster_gossip.py`; "
+         "the real engine: tests/engine/test_cluster_engine.py. Each subsection names the run that produced it.")
+NODE_TOML = """
+[server]
+host = "127.0.0.1"
+port = {{port}}
+node = "{name}"
+db_path = "{{db}}"
+default_deadline_s = 120
+max_deadline_s = 600
+[cluster]
+enabled = true
+gossip_port = {gossip}
+seeds = [{seeds}]
+placement = "{placement}"
+{cluster_extra}
+[[models]]
+name = "fake"
+backend = "fake"
+max_output_tokens = 4096
+default_max_tokens = 16
+[models.engine]
+max_model_len = 16384
+[models.fake]
+step_ms = {step_ms}
+step_ms_per_seq = 0.05
+max_num_seqs = 32
+prefill_tokens_per_step = 100000
+block_tokens = 16
+kv_blocks = {kv_blocks}
+prefill_tokens_per_s = {prefill_tps}
+[models.scheduling]
+max_running = 32
+max_queue = 100000
+{tenants}
+"""
+
+
+@dataclass
+class Node:
+    name: str
+    srv: ServerProcess
+    gossip: int
+
+
+def start_nodes(tmp: Path, n: int, placement: str = "score", step_ms: float = 5.0, kv_blocks: int = 1024,
+                prefill_tps: float = 3000.0, tenants: str = "", cluster_extra: str = "",
+                names: list[str] | None = None) -> list[Node]:
+    """`n` llmd processes (fake engines) that find each other through the first one's gossip port;
+    returned once every one is ready and sees the others."""
+    gossip = [free_port() for _ in range(n)]
+    names = names or [f"n{i}" for i in range(n)]
+    procs = []
+    for i in range(n):
+        d = tmp / names[i]
+        d.mkdir(parents=True, exist_ok=True)
+        seeds = ", ".join(f'"127.0.0.1:{p}"' for j, p in enumerate(gossip) if j != i)
+        toml = NODE_TOML.format(name=names[i], gossip=gossip[i], seeds=seeds, placement=placement, step_ms=step_ms,
+                                kv_blocks=kv_blocks, prefill_tps=prefill_tps, tenants=tenants,
+                                cluster_extra=cluster_extra)
+        port = free_port()
+        cfg = d / "config.toml"
+        cfg.write_text(toml.format(port=port, db=d / "llmd.db"))
+        log = d / "server.log"
+        proc = spawn([sys.executable, "-m", "llmd", "serve", "--config", str(cfg)], log,
+                     {"LLMD_CLUSTER_SECRET": SECRET})
+        procs.append(Node(names[i], ServerProcess(f"http://127.0.0.1:{port}", proc, log), gossip[i]))
+    try:
+        for node in procs:
+            wait_ready(node.srv.proc, node.srv.url + "/ready", 120, node.srv.log_path)
+        _wait_joined(procs)
+    except BaseException:
+        stop_nodes(procs)
+        raise
+    return procs
+
+
+def _wait_joined(nodes: list[Node], timeout: float = 30.0) -> None:
+    import time
+
+    import httpx
+
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        ok = 0
+        for node in nodes:
+            st = httpx.get(node.srv.url + "/admin/cluster", timeout=5).json()
+            ok += sum(1 for m in st["members"] if m["state"] == "alive" and m["versions"]) == len(nodes) - 1
+        if ok == len(nodes):
+            return
+        time.sleep(0.3)
+    raise RuntimeError("the nodes did not see each other in time")
+
+
+def stop_nodes(nodes: list[Node]) -> None:
+    for node in nodes:
+        stop(node.srv.proc, grace=10)
+
+
+# -- the workload -------------------------------------------------------------------
+WORDS = ("river stone cloud lantern harbor meadow copper violet engine orbit signal garden thunder "  # noqa: SIM905
+         "marble falcon quiet amber winter canyon pepper silver window crystal mirror compass").split()
+
+
+def words(rng: random.Random, n: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(n))
+
+
+@dataclass
+class Chat:
+    system: int
+    turns: int
+    messages: list[dict[str, str]] = field(default_factory=list)
+
+
+class Workload:
+    """`n_systems` long system prompts, Zipf-popular (or one taking `hot` of the traffic), and
+    chats of a few turns on each; every turn's prompt is the system prompt plus the chat so far."""
+
+    def __init__(self, seed: int = 7, n_systems: int = 8, system_words: int = 700, zipf_s: float = 1.1,
+                 hot: float | None = None) -> None:
+        self.rng = random.Random(seed)
+        self.systems = [f"System prompt {i}. " + words(self.rng, system_words) for i in range(n_systems)]
+        if hot is not None:
+            rest = (1 - hot) / (n_systems - 1)
+            self.weights = [hot] + [rest] * (n_systems - 1)
+        else:
+            self.weights = [1 / (k + 1) ** zipf_s for k in range(n_systems)]
+
+    def new_chat(self) -> Chat:
+        i = self.rng.choices(range(len(self.systems)), weights=self.weights)[0]
+        return Chat(i, self.rng.randint(3, 5), [{"role": "system", "content": self.systems[i]}])
+
+    def next_turn(self, chat: Chat) -> dict[str, Any]:
+        chat.messages.append({"role": "user", "content": words(self.rng, 25) + "?"})
+        return {"model": "fake", "messages": list(chat.messages), "max_tokens": 16, "temperature": 0}
+
+    @staticmethod
+    def answered(chat: Chat, text: str) -> None:
+        chat.messages.append({"role": "assistant", "content": text})

@@ -1,0 +1,200 @@
+"""Which node starts this request soonest: the cluster's routing score, in tokens.
+
+A node's estimated time to first token is the prefill work ahead of the prompt (its waiting
+prompts, plus what this node sent it that its gossip does not show yet, plus this prompt's
+uncached tokens) over its prefill rate, plus a hop when it is not this node. The score weighs
+that by how full the node's KV cache is with running sequences (they slow each step and may
+be preempted): score = TTFT · (1 + γ · running_tokens / kv_capacity). docs/cluster.md,
+"Routing", says why and what each guard is for.
+
+Guards: *reservations* count what was just sent to a node until its gossip reflects it (a
+stale view would otherwise send a whole burst to the node that looked best); the pick is
+uniform among the candidates within `near_best` of the best score (no herding on ties or
+near-ties); a *sticky* candidate (this conversation's last turn ran there) keeps it unless
+it is clearly slower. Liveness is the caller's job; so is passing only the routed version.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+HOP_S = 0.005  # forwarding to a peer: a loopback/LAN round trip and a proxy, not free
+GAMMA = 1.0  # weight of KV occupancy by running sequences in the score
+NEAR_BEST = 0.1  # candidates within 10 % of the best score are equally good
+STICKY_SLACK = 0.5  # a conversation stays on its node unless that node's TTFT is over 1.5x the best
+FLOOR_TPS = 100.0  # a prefill rate nobody knows yet: slow, but never a division by zero
+
+
+@dataclass(frozen=True)
+class VersionLoad:
+    """One served version's load on one node, in tokens (what gossip carries)."""
+
+    model: str
+    version: str  # content hash (the store's version id)
+    kv_capacity_tokens: int
+    kv_free_tokens: int
+    running: int
+    running_tokens: int  # sequences and their tokens (prompt + output so far)
+    waiting_prefill_tokens: int  # the engine's waiting prompts plus llmd's queue
+    prefill_tps: float  # recent rates, tokens per second while busy; 0: unknown
+    decode_tps: float
+    draining: bool = False
+    standby: bool = False
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A node that serves the routed version, as this node last heard from it."""
+
+    node: str
+    load: VersionLoad
+    cached_tokens: int  # of this prompt, by the node's prefix summary
+    age_s: float  # how old the view is
+    local: bool
+    sticky: bool = False  # served this conversation's last turn
+
+
+class Reservations:
+    """Tokens sent to a node that its gossip has not reflected yet (stale views, herding).
+
+    A reservation ends after `ttl_s`, or once a state from the node newer than the last one
+    seen when it was made arrives (that state counts the request in its own queue)."""
+
+    def __init__(self, clock: Callable[[], float], ttl_s: float) -> None:
+        self._clock = clock
+        self.ttl_s = ttl_s
+        self._last_seq: dict[str, int] = {}
+        self._held: dict[str, list[tuple[float, int, int]]] = {}  # node -> [(expiry, seq seen then, tokens)]
+
+    def add(self, node: str, tokens: int) -> None:
+        if tokens > 0:
+            self._held.setdefault(node, []).append((self._clock() + self.ttl_s, self._last_seq.get(node, -1), tokens))
+
+    def of(self, node: str) -> int:
+        held = self._held.get(node)
+        if not held:
+            return 0
+        now = self._clock()
+        held[:] = [r for r in held if r[0] > now]
+        return sum(r[2] for r in held)
+
+    def seen(self, node: str, state_seq: int) -> None:
+        """A state from `node` arrived: the reservations made before the previous one was seen
+        are in it. The latest arrival wins (a restarted node counts from 0 again)."""
+        self._last_seq[node] = state_seq
+        held = self._held.get(node)
+        if held:
+            held[:] = [r for r in held if r[1] >= state_seq]
+
+    def forget(self, node: str) -> None:
+        """The node left or died."""
+        self._held.pop(node, None)
+        self._last_seq.pop(node, None)
+
+
+def uncached(c: Candidate, prompt_tokens: int) -> int:
+    return max(0, prompt_tokens - max(0, c.cached_tokens))
+
+
+def estimated_ttft(c: Candidate, prompt_tokens: int, reserved_tokens: int, hop_s: float,
+                   default_tps: float = FLOOR_TPS) -> float:
+    """Seconds until `c` would start this prompt's first token. A node whose prefill rate is
+    unknown (0) is taken to prefill at `default_tps`."""
+    rate = c.load.prefill_tps if c.load.prefill_tps > 0 else max(default_tps, 1e-9)
+    work = max(0, c.load.waiting_prefill_tokens) + max(0, reserved_tokens) + uncached(c, prompt_tokens)
+    return work / rate + (0.0 if c.local else hop_s)
+
+
+def occupancy(load: VersionLoad) -> float:
+    return max(0, load.running_tokens) / max(1, load.kv_capacity_tokens)
+
+
+def eligible(c: Candidate, prompt_tokens: int, expected_output: int, reserved_tokens: int) -> bool:
+    """Not draining, not on standby, and room in its KV cache for what this request adds."""
+    if c.load.draining or c.load.standby:
+        return False
+    return c.load.kv_free_tokens - reserved_tokens >= uncached(c, prompt_tokens) + max(0, expected_output)
+
+
+def _default_tps(cands: Sequence[Candidate], floor_tps: float) -> float:
+    """A node not yet measured is assumed as fast as its peers' median (a fresh node is not
+    shunned), or `floor_tps` when none is measured."""
+    known = [c.load.prefill_tps for c in cands if c.load.prefill_tps > 0]
+    return max(floor_tps, statistics.median(known)) if known else floor_tps
+
+
+def place(cands: Sequence[Candidate], prompt_tokens: int, expected_output: int,
+          reservations: Reservations, rng: random.Random, near_best: float = NEAR_BEST, *,
+          gamma: float = GAMMA, hop_s: float = HOP_S, sticky_slack: float = STICKY_SLACK,
+          floor_tps: float = FLOOR_TPS) -> Candidate | None:
+    """The node to run this request on, or None when no candidate has room (wait and retry).
+    The choice's uncached prompt tokens are reserved on it (`reservations`)."""
+    reserved = {c.node: reservations.of(c.node) for c in cands}
+    ok = [c for c in cands if eligible(c, prompt_tokens, expected_output, reserved[c.node])]
+    if not ok:
+        return None
+    default = _default_tps(ok, floor_tps)
+    ttft = {c.node: estimated_ttft(c, prompt_tokens, reserved[c.node], hop_s, default) for c in ok}
+    best_ttft = min(ttft.values())
+    sticky = [c for c in ok if c.sticky and ttft[c.node] <= best_ttft * (1 + sticky_slack)]
+    if sticky:
+        choice = sticky[0]
+    else:
+        score = {c.node: ttft[c.node] * (1 + gamma * occupancy(c.load)) for c in ok}
+        best = min(score.values())
+        choice = rng.choice([c for c in ok if score[c.node] <= best * (1 + near_best)])
+    reservations.add(choice.node, uncached(choice, prompt_tokens))
+    return choice
+
+
+def round_robin(cands: Sequence[Candidate], counter: int) -> Candidate | None:
+    """The comparison peer: what a load balancer that knows only readiness does. Cycles
+    through the nodes not draining and not on standby (by name), ignoring load and caches."""
+    ready = sorted((c for c in cands if not (c.load.draining or c.load.standby)), key=lambda c: c.node)
+    return ready[counter % len(ready)] if ready else None
+
+
+class RoutingPolicy(ABC):
+    """Where the ingress sends a request among the nodes serving its version."""
+
+    def __init__(self, reservations: Reservations, rng: random.Random) -> None:
+        self.reservations = reservations
+        self.rng = rng
+
+    @abstractmethod
+    def choose(self, cands: Sequence[Candidate], prompt_tokens: int, expected_output: int) -> Candidate | None:
+        """The node for this request, or None when none can take it now."""
+
+
+class ScoreRouting(RoutingPolicy):
+    """Lowest estimated TTFT weighted by occupancy, with reservations, a near-best pick and
+    session affinity (`place`)."""
+
+    def __init__(self, reservations: Reservations, rng: random.Random, near_best: float = NEAR_BEST,
+                 gamma: float = GAMMA, hop_s: float = HOP_S, sticky_slack: float = STICKY_SLACK) -> None:
+        super().__init__(reservations, rng)
+        self.near_best, self.gamma, self.hop_s, self.sticky_slack = near_best, gamma, hop_s, sticky_slack
+
+    def choose(self, cands: Sequence[Candidate], prompt_tokens: int, expected_output: int) -> Candidate | None:
+        return place(cands, prompt_tokens, expected_output, self.reservations, self.rng, self.near_best,
+                     gamma=self.gamma, hop_s=self.hop_s, sticky_slack=self.sticky_slack)
+
+
+class RoundRobinRouting(RoutingPolicy):
+    """`round_robin` with its own counter (the bench's baseline)."""
+
+    def __init__(self, reservations: Reservations, rng: random.Random) -> None:
+        super().__init__(reservations, rng)
+        self.counter = 0
+
+    def choose(self, cands: Sequence[Candidate], prompt_tokens: int, expected_output: int) -> Candidate | None:
+        choice = round_robin(cands, self.counter)
+        self.counter += 1
+        return choice
+
+
+POLICIES: dict[str, type[RoutingPolicy]] = {"score": ScoreRouting, "round_robin": RoundRobinRouting}

@@ -1,0 +1,184 @@
+"""The cluster's routing score (llmd/policy/placement.py): which node starts a request soonest,
+with reservations against stale views, a near-best random pick, session affinity, and the
+round-robin peer the bench compares it with. A fake clock throughout."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+from dataclasses import replace
+
+import pytest
+
+from llmd.policy.placement import (
+    POLICIES,
+    Candidate,
+    Reservations,
+    RoundRobinRouting,
+    ScoreRouting,
+    VersionLoad,
+    estimated_ttft,
+    place,
+    round_robin,
+)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def load(**kw: float | int | bool) -> VersionLoad:
+    base = VersionLoad(model="m", version="ab" * 32, kv_capacity_tokens=100_000, kv_free_tokens=100_000,
+                       running=0, running_tokens=0, waiting_prefill_tokens=0, prefill_tps=10_000.0,
+                       decode_tps=500.0)
+    return replace(base, **kw)  # type: ignore[arg-type]
+
+
+def cand(node: str, cached: int = 0, local: bool = False, sticky: bool = False, **kw: float | int | bool) -> Candidate:
+    return Candidate(node=node, load=load(**kw), cached_tokens=cached, age_s=0.1, local=local, sticky=sticky)
+
+
+@pytest.fixture
+def res() -> Reservations:
+    return Reservations(Clock(), ttl_s=2.0)
+
+
+def picks(cands: list[Candidate], n: int, prompt: int = 1000, out: int = 100, seed: int = 1,
+          ttl_s: float = 2.0) -> Counter[str]:
+    """Where `n` placements go, each with fresh reservations (no burst), varying the seed."""
+    got: Counter[str] = Counter()
+    for i in range(n):
+        c = place(cands, prompt, out, Reservations(Clock(), ttl_s), random.Random(seed + i))
+        got[c.node if c else "-"] += 1
+    return got
+
+
+def test_ttft_counts_waiting_reserved_uncached_and_hop() -> None:
+    c = cand("a", cached=300, waiting_prefill_tokens=2000, prefill_tps=1000.0)
+    assert estimated_ttft(c, 1300, 500, hop_s=0.005) == pytest.approx((2000 + 500 + 1000) / 1000 + 0.005)
+    local = replace(c, local=True)
+    assert estimated_ttft(local, 1300, 500, hop_s=0.005) == pytest.approx(3.5)
+    unknown = cand("b", prefill_tps=0.0)
+    assert estimated_ttft(unknown, 1000, 0, 0.0, default_tps=100.0) == pytest.approx(10.0)
+
+
+def test_prefix_holder_wins_at_equal_load() -> None:
+    cands = [cand("a"), cand("b", cached=900), cand("c")]
+    assert picks(cands, 50) == {"b": 50}
+
+
+def test_loaded_node_loses_to_empty_one_despite_cache() -> None:
+    cands = [cand("busy", cached=900, waiting_prefill_tokens=20_000), cand("idle")]
+    assert picks(cands, 50) == {"idle": 50}
+    # occupancy by running sequences counts too: the same TTFT, but a full KV cache
+    cands = [cand("full", running_tokens=90_000, kv_free_tokens=10_000), cand("empty")]
+    assert picks(cands, 50) == {"empty": 50}
+
+
+def test_local_node_preferred_over_an_equal_peer_by_the_hop() -> None:
+    cands = [cand("peer"), cand("me", local=True)]
+    assert picks(cands, 30, prompt=10) == {"me": 30}
+
+
+@pytest.mark.parametrize("bad", [{"kv_free_tokens": 50}, {"draining": True}, {"standby": True}])
+def test_kv_full_draining_and_standby_are_excluded(bad: dict[str, int | bool]) -> None:
+    cands = [cand("best", cached=1000, **bad), cand("other")]
+    assert picks(cands, 20) == {"other": 20}
+    assert place([cands[0]], 1000, 100, Reservations(Clock(), 2.0), random.Random(0)) is None
+
+
+def test_kv_room_counts_only_uncached_tokens_and_reservations() -> None:
+    c = cand("a", cached=900, kv_free_tokens=250)  # 100 uncached + 100 output fits in 250
+    r = Reservations(Clock(), ttl_s=2.0)
+    assert place([c], 1000, 100, r, random.Random(0)) is c
+    assert r.of("a") == 100  # its uncached prompt tokens are reserved on it
+    assert place([c], 1000, 100, r, random.Random(0)) is None  # 250 - 100 reserved < 200
+
+
+def test_reservations_spread_a_burst(res: Reservations) -> None:
+    """100 placements with no gossip in between: what was sent counts as queued there."""
+    cands = [cand("a", cached=500), cand("b"), cand("c")]
+    rng = random.Random(7)
+    got = Counter(c.node for c in (place(cands, 1000, 100, res, rng) for _ in range(100)) if c)
+    assert sum(got.values()) == 100
+    assert set(got) == {"a", "b", "c"}
+    assert max(got.values()) <= 60, got
+    assert got["a"] > got["b"] and got["a"] > got["c"]  # the cache still counts
+
+
+def test_reservations_expire_by_ttl() -> None:
+    clock = Clock()
+    r = Reservations(clock, ttl_s=2.0)
+    r.add("a", 100)
+    clock.t += 1.0
+    r.add("a", 50)
+    assert r.of("a") == 150
+    clock.t += 1.5
+    assert r.of("a") == 50
+    clock.t += 1.0
+    assert r.of("a") == 0
+
+
+def test_reservations_end_when_a_newer_state_arrives() -> None:
+    r = Reservations(Clock(), ttl_s=60.0)
+    r.add("a", 100)  # nothing seen from a yet
+    r.seen("a", 5)
+    assert r.of("a") == 0
+    r.add("a", 70)  # made after state 5
+    r.add("b", 30)
+    r.seen("a", 5)  # the same state again (a heartbeat): it cannot include the request
+    assert r.of("a") == 70
+    r.seen("a", 6)
+    assert r.of("a") == 0
+    assert r.of("b") == 30  # another node's state says nothing of b
+    r.forget("b")
+    assert r.of("b") == 0
+
+
+def test_near_best_picks_at_random_among_near_ties() -> None:
+    # a and b within 10 % of each other; c 50 % worse
+    cands = [cand("a", waiting_prefill_tokens=1000), cand("b", waiting_prefill_tokens=1150),
+             cand("c", waiting_prefill_tokens=2000)]
+    got = picks(cands, 200)
+    assert set(got) == {"a", "b"}
+    assert min(got.values()) > 60, got
+    strict = Counter(c.node for c in (place(cands, 1000, 100, Reservations(Clock(), 2.0), random.Random(i),
+                                            near_best=0.0) for i in range(50)) if c)
+    assert strict == {"a": 50}
+
+
+def test_unknown_rate_node_is_not_shunned() -> None:
+    """A node that has not prefilled yet is assumed as fast as its peers, not the floor."""
+    cands = [cand("known", waiting_prefill_tokens=5000), cand("fresh", prefill_tps=0.0)]
+    assert picks(cands, 20) == {"fresh": 20}
+
+
+def test_sticky_node_keeps_the_conversation_unless_clearly_slower() -> None:
+    slightly = [cand("best"), cand("mine", sticky=True, waiting_prefill_tokens=400)]  # TTFT 1.4x the best
+    assert picks(slightly, 30) == {"mine": 30}
+    much = [cand("best"), cand("mine", sticky=True, waiting_prefill_tokens=600)]  # 1.6x
+    assert picks(much, 30) == {"best": 30}
+    full = [cand("best"), cand("mine", sticky=True, kv_free_tokens=10)]
+    assert picks(full, 10) == {"best": 10}
+
+
+def test_round_robin_cycles_over_ready_nodes_ignoring_load() -> None:
+    cands = [cand("c"), cand("a", waiting_prefill_tokens=10**6), cand("b", cached=1000), cand("d", draining=True)]
+    assert [round_robin(cands, i).node for i in range(6)] == ["a", "b", "c", "a", "b", "c"]  # type: ignore[union-attr]
+    assert round_robin([cand("x", standby=True)], 0) is None
+
+
+def test_policies_table_swaps_routing() -> None:
+    assert set(POLICIES) == {"score", "round_robin"}
+    cands = [cand("a"), cand("b", cached=900)]
+    rr = POLICIES["round_robin"](Reservations(Clock(), 2.0), random.Random(0))
+    assert isinstance(rr, RoundRobinRouting)
+    assert [rr.choose(cands, 1000, 10).node for _ in range(4)] == ["a", "b", "a", "b"]  # type: ignore[union-attr]
+    score = POLICIES["score"](Reservations(Clock(), 2.0), random.Random(0))
+    assert isinstance(score, ScoreRouting)
+    assert score.choose(cands, 1000, 10).node == "b"  # type: ignore[union-attr]
+    assert score.reservations.of("b") == 100
