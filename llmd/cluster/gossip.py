@@ -185,6 +185,7 @@ class Gossip:
         if not isinstance(msg, dict) or v.sender == self.name:
             self._stats.dropped["malformed"] += 1
             return
+        self._swim.heard(v.sender)
         t, now = msg.get("t"), self._clock()
         if t == "st" and self._in.receive(v.sender, msg, blob, now) is None:
             if now - self._asked.get(v.sender, -1e9) >= self._out.heartbeat_s:  # lacks the keyframe: ask
@@ -212,7 +213,10 @@ class Gossip:
         for m in changes:
             info = _info(m)
             if self._loop is not None:
-                self._loop.call_soon_threadsafe(cb, info)
+                try:
+                    self._loop.call_soon_threadsafe(cb, info)
+                except RuntimeError:  # the loop was closed (shutting down): nobody is listening
+                    return
             else:
                 try:
                     cb(info)

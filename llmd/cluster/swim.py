@@ -3,18 +3,17 @@ pure state machine: no sockets, no threads, an injected clock and `random.Random
 feeds it messages (`receive`) and the passage of time (`tick`) and sends what they return, so
 every rule below is tested with a fake clock and a fake network.
 
-- One member is probed per interval, round-robin over a shuffled list. No ack within the probe
-  timeout: `indirect_probes` others ping it for us (ping-req), and answer with a nack when they
-  get nothing either. Still no ack by the end of the interval: it is suspected.
-- A suspect not refuted within the suspicion timeout (suspicion_s, a little longer with log N)
-  is dead. A member that hears itself suspected (or declared dead) refutes by raising its
+- One member is probed per interval, round-robin over a shuffled list, and at once any member
+  silent for 3 of its usual gaps (`heard`). No ack within the probe timeout: `indirect_probes`
+  others ping it for us (ping-req), and nack if they get nothing either. No ack by the end of
+  the interval: suspect. Not refuted within the suspicion timeout (suspicion_s, a little longer
+  with log N): dead. A member that hears itself suspected (or dead) refutes by raising its
   incarnation; for one incarnation, alive < suspect < dead < left.
 - Lifeguard: this node's health score rises with probes that fail without the others' nacks
   (the fault is probably ours), with refutations, and with stalls of its own thread; it scales
-  this node's probe and suspicion timeouts by (1 + score), so a starved node does not declare
-  healthy ones dead.
+  this node's timeouts by (1 + score), so a starved node does not declare healthy ones dead.
 - Updates ride on every message, each about 3·ln(N+1) times, and while any are pending they go
-  to 3 random members every 200 ms (as memberlist's gossip interval). Joins and the anti-entropy sync
+  to 3 random members every 200 ms (memberlist's gossip interval). Joins and anti-entropy
   exchange the whole member list (push-pull). Dead members are synced with now and then, so
   the halves of a healed partition find each other; `left` members are not.
 """
@@ -27,13 +26,14 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal, Protocol
 
+from llmd.cluster.broadcasts import Broadcasts
+
 State = Literal["alive", "suspect", "dead", "left"]
 Addr = tuple[str, int]
 Msg = dict[str, Any]
 Out = tuple[Addr, Msg]
 _RANK: dict[str, int] = {"alive": 0, "suspect": 1, "dead": 2, "left": 3}
 _CODE: dict[str, State] = {"a": "alive", "s": "suspect", "d": "dead", "l": "left"}
-UPDATE_BUDGET = 700  # bytes of piggybacked updates per message (JSON), so a datagram stays small
 
 
 class _Timings(Protocol):
@@ -88,7 +88,8 @@ class _Probe:
 class _Relay:  # a ping sent on another member's behalf (ping-req)
     to: Addr
     seq: int
-    nack_at: float
+    nack_at: float  # early enough to reach the asker before its probe ends (Lifeguard counts them)
+    expire_at: float  # a late ack is still forwarded until then
     done: bool = False
 
 
@@ -107,21 +108,20 @@ class Swim:
 
     def __post_init__(self) -> None:
         self._members: dict[str, Member] = {}
-        self._queue: dict[str, list[Any]] = {}  # member -> [update, transmissions left]
+        self._queue = Broadcasts()
         self._order: list[str] = []
-        self._probe: _Probe | None = None
+        self._probes: dict[int, _Probe] = {}  # seq -> the round-robin probe and any early ones
+        self._heard: dict[str, list[float]] = {}  # member -> [last datagram, its usual gap (EWMA)]
         self._relays: dict[int, _Relay] = {}
         self._seq = 0
-        now = self.clock()
-        self._last_tick = now
-        self._next_probe = self._next_dead_sync = self._next_gossip = now
+        now = self._last_tick = self._next_probe = self._next_dead_sync = self._next_gossip = self.clock()
+        self._next_join = now
         self._next_sync = now + self.timing.sync_s
         self._seeds: list[Addr] = []
-        self._next_join = now
         self.changes: list[Member] = []  # drained by the caller: members whose state changed
 
     # -- views --------------------------------------------------------------------------------
-    def members(self) -> list[Member]:
+    def members(self) -> list[Member]:  # copies
         return [replace(m) for m in self._members.values()]
 
     def alive(self) -> list[Member]:
@@ -134,9 +134,6 @@ class Swim:
         n = 1 + len(self.alive())
         return self.timing.suspicion_s * max(1.0, math.log10(n + 1)) * self.scale()
 
-    def _transmits(self) -> int:
-        return math.ceil(3 * math.log(len(self._members) + 2))
-
     # -- updates ------------------------------------------------------------------------------
     def _self_update(self, state: str = "a") -> Msg:
         return {"n": self.name, "s": state, "i": self.incarnation, "a": list(self.addr), "h": self.http_url,
@@ -147,24 +144,13 @@ class Swim:
         return {"n": m.name, "s": m.state[0], "i": m.incarnation, "a": list(m.addr), "h": m.http_url, "m": m.meta}
 
     def _gossip(self, update: Msg) -> None:
-        self._queue[update["n"]] = [update, self._transmits()]
+        self._queue.put(update, math.ceil(3 * math.log(len(self._members) + 2)))  # ~3·ln(N+1) copies
 
     def attach(self, msg: Msg, to: str | None = None) -> Msg:
         """Piggyback pending updates on `msg` (those about its recipient first), each counted."""
-        items = sorted(self._queue.items(), key=lambda kv: (kv[0] != to, -kv[1][1]))
-        picked, size = [], 0
         m = self._members.get(to) if to else None
-        if m is not None and m.state == "suspect" and to not in self._queue:  # it must hear it, to refute
-            picked, size = [self._update(m)], 60
-        for name, entry in items:
-            cost = len(str(entry[0])) + 2
-            if size + cost > UPDATE_BUDGET:
-                break
-            picked.append(entry[0])
-            size += cost
-            entry[1] -= 1
-            if entry[1] <= 0:
-                del self._queue[name]
+        first = [self._update(m)] if m is not None and m.state == "suspect" and to not in self._queue else []
+        picked = self._queue.take(to, first)  # a suspect must hear its suspicion, to refute it
         if picked:
             msg["u"] = picked
         return msg
@@ -212,13 +198,13 @@ class Swim:
         elif state == "alive" and inc > self.incarnation:  # a previous life of ours: outrank it
             self.incarnation = inc + 1
             self._gossip(self._self_update())
-        elif state != "alive" and self._queue.get(self.name) is None:  # stale news: say again who we are
+        elif state != "alive" and self.name not in self._queue:  # stale news: say again who we are
             self._gossip(self._self_update())
 
     def _hurt(self, delta: int) -> None:
         self.health = min(self.timing.max_health, max(0, self.health + delta))
 
-    def _mark(self, m: Member, state: State) -> None:
+    def _mark(self, m: Member, state: State) -> None:  # our own verdict, spread like anyone's
         self._apply({"n": m.name, "s": state[0], "i": m.incarnation})
 
     # -- messages -----------------------------------------------------------------------------
@@ -240,8 +226,8 @@ class Swim:
             out.append((src, self.attach({"t": "ack", "q": msg.get("q")}, to=sender)))
         elif t == "ack":
             self._on_ack(msg.get("q"), out)
-        elif t == "nack" and self._probe is not None and msg.get("q") == self._probe.seq:
-            self._probe.nacks += 1
+        elif t == "nack" and (p := self._probes.get(msg.get("q"))) is not None:  # type: ignore[arg-type]
+            p.nacks += 1
         elif t == "preq":
             self._relay(msg, src, out)
         elif t == "sync":
@@ -258,8 +244,8 @@ class Swim:
         return out
 
     def _on_ack(self, seq: Any, out: list[Out]) -> None:
-        if self._probe is not None and seq == self._probe.seq:
-            self._probe.acked = True
+        if (p := self._probes.get(seq)) is not None:
+            p.acked = True
         relay = self._relays.get(seq) if isinstance(seq, int) else None
         if relay is not None and not relay.done:
             relay.done = True
@@ -271,7 +257,8 @@ class Swim:
         except (KeyError, TypeError, ValueError, IndexError):
             return
         seq = self._next_seq()
-        self._relays[seq] = _Relay(src, msg.get("q", 0), self.clock() + self.timing.probe_timeout_s)
+        now, timeout = self.clock(), self.timing.probe_timeout_s
+        self._relays[seq] = _Relay(src, msg.get("q", 0), now + timeout / 2, now + timeout * 2)
         out.append((addr, self.attach({"t": "ping", "q": seq, "to": target}, to=target)))
 
     # -- time -----------------------------------------------------------------------------------
@@ -299,13 +286,16 @@ class Swim:
         for m in list(self._members.values()):
             if m.state == "suspect" and now >= m.deadline:
                 self._mark(m, "dead")
-        self._advance_probe(now, out)
-        if self._probe is None and now >= self._next_probe:
-            self._start_probe(now, out)
+        for p in list(self._probes.values()):
+            self._advance_probe(p, now, out)
+        if now >= self._next_probe:
+            self._start_probe(self._next_target(), now, out)
+        self._probe_the_silent(now, out)
         for seq, r in list(self._relays.items()):
-            if now >= r.nack_at:
-                if not r.done:
-                    out.append((r.to, {"t": "nack", "q": r.seq}))
+            if now >= r.nack_at and not r.done:
+                out.append((r.to, {"t": "nack", "q": r.seq}))
+                r.nack_at = r.expire_at
+            if now >= r.expire_at:
                 del self._relays[seq]
         self._syncs(now, out)
         return out
@@ -313,8 +303,7 @@ class Swim:
     def next_wakeup(self) -> float:
         times = [self._next_probe, self._next_sync, self._next_dead_sync]
         times += [m.deadline for m in self._members.values() if m.state == "suspect"]
-        if self._probe is not None:
-            times += [self._probe.timeout_at, self._probe.end_at]
+        times += [t for p in self._probes.values() for t in (p.timeout_at, p.end_at)]
         times += [r.nack_at for r in self._relays.values()]
         return min(times)
 
@@ -323,9 +312,11 @@ class Swim:
         for m in self._members.values():
             if m.state == "suspect":
                 m.deadline += gap
-        if self._probe is not None:
-            self._probe.timeout_at += gap
-            self._probe.end_at += gap
+        for p in self._probes.values():
+            p.timeout_at += gap
+            p.end_at += gap
+        for h in self._heard.values():
+            h[0] += gap
 
     def _next_target(self) -> Member | None:
         for _ in range(2):
@@ -337,22 +328,40 @@ class Swim:
             self.rng.shuffle(self._order)
         return None
 
-    def _start_probe(self, now: float, out: list[Out]) -> None:
-        m = self._next_target()
-        self._next_probe = now + self.timing.probe_interval_s * self.scale()
+    def heard(self, name: str) -> None:
+        """A genuine datagram came from `name`: a member that falls silent for several of its
+        usual gaps (the state it pushes every ~250 ms) is probed at once, not at its turn."""
+        now, h = self.clock(), self._heard.get(name)
+        if h is None:
+            self._heard[name] = [now, self.timing.probe_interval_s * 4]
+        else:
+            h[1] += 0.2 * (min(now - h[0], 10.0) - h[1])
+            h[0] = now
+
+    def _probe_the_silent(self, now: float, out: list[Out]) -> None:
+        probing = {p.target for p in self._probes.values()}
+        for name, (last, gap) in self._heard.items():
+            m = self._members.get(name)
+            if m is None or m.state != "alive" or name in probing:
+                continue
+            if now - last > max(3 * gap, self.timing.probe_timeout_s) * self.scale():
+                self._heard[name][0] = now  # once per silence, not at every tick
+                self._start_probe(m, now, out, regular=False)
+
+    def _start_probe(self, m: Member | None, now: float, out: list[Out], regular: bool = True) -> None:
+        end = now + self.timing.probe_interval_s * self.scale()
+        if regular:
+            self._next_probe = end
         if m is None:
             return
-        p = _Probe(m.name, self._next_seq(), now + self.timing.probe_timeout_s * self.scale(), self._next_probe)
-        self._probe = p
+        p = _Probe(m.name, self._next_seq(), now + self.timing.probe_timeout_s * self.scale(), end)
+        self._probes[p.seq] = p
         out.append((m.addr, self.attach({"t": "ping", "q": p.seq, "to": m.name}, to=m.name)))
 
-    def _advance_probe(self, now: float, out: list[Out]) -> None:
-        p = self._probe
-        if p is None:
-            return
+    def _advance_probe(self, p: _Probe, now: float, out: list[Out]) -> None:
         m = self._members.get(p.target)
         if p.acked or m is None or m.state in ("dead", "left"):
-            self._probe = None
+            del self._probes[p.seq]
             if p.acked:
                 self._hurt(-1)
             return
@@ -363,7 +372,7 @@ class Swim:
                 p.indirect += 1
             p.indirect = p.indirect or -1  # -1: none could be sent
         if now >= p.end_at:
-            self._probe = None
+            del self._probes[p.seq]
             self._hurt(p.indirect - p.nacks if p.indirect > 0 else 1)  # Lifeguard: missing nacks blame us
             if m.state == "alive":
                 self._mark(m, "suspect")
@@ -372,8 +381,8 @@ class Swim:
         if self._queue and now >= self._next_gossip:  # news spreads now, not on the next probe
             self._next_gossip = now + self.timing.gossip_s
             live = self.alive()
-            for m in self.rng.sample(live, min(self.timing.gossip_fanout, len(live))):
-                out.append((m.addr, self.attach({"t": "g"}, to=m.name)))
+            fanout = self.rng.sample(live, min(self.timing.gossip_fanout, len(live)))
+            out.extend((m.addr, self.attach({"t": "g"}, to=m.name)) for m in fanout)
         if self._seeds and not self.alive() and now >= self._next_join:
             out += self.join(self._seeds)
         if now >= self._next_dead_sync:

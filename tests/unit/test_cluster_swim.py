@@ -35,12 +35,12 @@ class Net:
         self.down: set[str] = set()
         self.inflight: list[tuple[str, str, str]] = []
         self.log: list[tuple[float, str, Member]] = []  # (time, observer, member as changed)
-        self.sent: list[tuple[str, str, str]] = []  # (src, dst, type)
+        self.sent: list[tuple[str, str, str, float]] = []  # (src, dst, type, time)
 
     def send(self, src: str, outs: list[tuple[tuple[str, int], dict]]) -> None:
         for addr, msg in outs:
             dst = self.by_addr[addr]
-            self.sent.append((src, dst, msg["t"]))
+            self.sent.append((src, dst, msg["t"], self.clock.t))
             if not self.drop(src, dst):
                 self.inflight.append((src, dst, json.dumps(msg)))
 
@@ -50,6 +50,7 @@ class Net:
             batch, self.inflight = self.inflight, []
             for src, dst, raw in batch:
                 if dst not in self.down:
+                    self.nodes[dst].heard(src)
                     self.send(dst, self.nodes[dst].receive(json.loads(raw), src, self.nodes[src].addr))
             for name, node in self.nodes.items():
                 if name not in self.down:
@@ -118,7 +119,7 @@ def test_indirect_probes_keep_a_member_alive_when_only_the_direct_path_is_lossy(
     net = _lossy_pair(indirect=2)
     assert "suspect" not in net.states_seen("n1", {"n0"}) and "suspect" not in net.states_seen("n0", {"n1"})
     assert net.views_of_all() == {"alive"}
-    assert any(t == "preq" for src, _, t in net.sent if src == "n0")
+    assert any(t == "preq" for src, _, t, _ in net.sent if src == "n0")
     # the same loss without indirect probes: n0 suspects n1
     assert "suspect" in _lossy_pair(indirect=0).states_seen("n1", {"n0"})
 
@@ -199,3 +200,25 @@ def test_membership_updates_piggyback_a_bounded_number_of_times() -> None:
         msg = a.attach({"t": "g"})
         copies += sum(1 for u in msg.get("u", []) if u["n"] == "n1")
     assert 3 <= copies <= 10
+
+
+def test_a_member_that_falls_silent_is_probed_at_once_not_at_its_turn() -> None:
+    net = Net(8)
+    net.join_all()
+    probed_n7: set[str] = set()  # the nodes that had a probe of their own on n7 in flight
+
+    def chatter(seconds: float) -> None:  # every node pushes its state to every other every 250 ms (as Gossip)
+        for _ in range(round(seconds / 0.25)):
+            for name, node in net.nodes.items():
+                if name not in net.down:
+                    net.send(name, [(o.addr, {"t": "st"}) for o in net.nodes.values() if o is not node])
+            net.run(0.25)
+            probed_n7.update(o for o, n in net.nodes.items() if any(p.target == "n7" for p in n._probes.values()))
+
+    chatter(5)
+    net.down.add("n7")
+    probed_n7.clear()
+    chatter(1.25)
+    # at its turn, n7 could wait 7 probe intervals (3.5 s) for a given node's probe; silent for
+    # ~3 of its usual gaps, it is probed by every node
+    assert probed_n7 == {f"n{i}" for i in range(7)}
