@@ -126,9 +126,10 @@ async def one_run(tmp: Path, placement: str, req_per_s: float, seconds: float, h
 async def part_a(tmp: Path, seconds: float, loads: tuple[float, ...] = LOADS) -> list[str]:
     wl = Workload(seed=99)
     mean_p = mean_prompt_tokens(wl)
-    light = await one_run(tmp, "round_robin", 2.0, seconds, warmup_s=seconds / 3)
-    capacity = 3 * PREFILL_TPS / (mean_p * (1 - light["hit"]))  # round robin's, in requests per second
-    print(f"mean prompt {mean_p:.0f} tokens; round robin's hit rate at light load {light['hit']:.2f}: "
+    bare = 3 * PREFILL_TPS / mean_p  # what the nodes' prefill serves with no cache at all, req/s
+    calib = await one_run(tmp, "round_robin", bare, seconds, warmup_s=seconds / 3)
+    capacity = bare / (1 - calib["hit"])  # round robin's, with the hit rate it gets at that load
+    print(f"mean prompt {mean_p:.0f} tokens; round robin's hit rate at {bare:.1f} req/s {calib['hit']:.2f}: "
           f"capacity {capacity:.1f} req/s", flush=True)
     runs = []
     for load in loads:
@@ -157,7 +158,8 @@ def report_a(runs: list[dict[str, Any]], hot: dict[str, Any], mean_p: float, cap
     hot_ok = hot["failed"] == 0 and (hot["queue_max_over_mean"] or 0) <= 1.5
     lines = [f"Fake engines: prefill {PREFILL_TPS:.0f} uncached tokens/s per node, {KV_BLOCKS} blocks of 16 tokens "
              f"of KV each; mean prompt {mean_p:.0f} tokens; round robin's capacity {capacity:.1f} req/s "
-             "(3 nodes' prefill over its uncached tokens at light load). Each request enters at a random node.", ""]
+             "(3 nodes' prefill over its uncached tokens, its hit rate measured at the load the nodes' prefill "
+             "serves without a cache). Each request enters at a random node.", ""]
     lines += report.table(["load", "placement", "req/s", "ok", "hit rate", "shared cache", "TTFT p50 s",
                            "TTFT p90 s", "queue max/mean"], rows)
     lines += ["", f"Hot prefix (half the traffic on one system prompt) at 70 %: {hot['ok']}/{hot['requests']} ok, "
