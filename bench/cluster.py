@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repositor
 from bench.lib import report, stats
 from bench.lib.cluster import INTRO, SECTION, Node, Workload, start_nodes, stop_nodes
 from bench.lib.prefix_oracle import prompt_ids, shared_cache_hit_rate
-from bench.lib.streams import Stream, new_client, stream
+from bench.lib.streams import Stream, new_client, statuses, stream
 
 LOADS = (0.3, 0.5, 0.7, 1.0, 1.3)
 PREFILL_TPS = 3000.0
@@ -115,7 +115,8 @@ async def one_run(tmp: Path, placement: str, req_per_s: float, seconds: float, h
     cached = sum(s.cached_tokens or 0 for s in ok)
     means = {k: stats.mean(v) for k, v in queues.items() if v}
     return {"placement": placement, "rate": req_per_s, "requests": len(log), "ok": len(done),
-            "failed": len(log) - len(done), "hit": cached / prompt if prompt else 0.0,
+            "failed": len(log) - len(done), "errors": statuses([s for _, s in log if not s.ok]),
+            "hit": cached / prompt if prompt else 0.0,
             "oracle": shared_cache_hit_rate(prompt_ids(b for b, _ in done), 3 * KV_BLOCKS,
                                             counted=[s.t_send >= t_warm for _, s in done]),
             "ttft_p50": stats.pct(ttfts, 50) if ttfts else None, "ttft_p90": stats.pct(ttfts, 90) if ttfts else None,

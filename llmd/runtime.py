@@ -151,6 +151,7 @@ class Job:
     # Where its choices run: None, this node's engine (dispatch.run); in a cluster, the router,
     # which runs each on the node that starts it soonest (llmd/cluster/forward.py).
     runner: Callable[[Job, Choice], AsyncGenerator[Delta, None]] | None = None
+    affinity: str | None = None  # X-Conversation-Id or `user`: a cluster runs its turns on one node when it can
 
     @property
     def record(self) -> RequestRecord:

@@ -168,7 +168,7 @@ class Service:
             headers[DEGRADED_HEADER] = record.degraded
         echo_logprobs = sampling.prompt_logprobs is not None
         return Job(life, rt, choices, deadline, headers, tools, echo_logprobs,
-                   self.router.run if self.router is not None else None)
+                   self.router.run if self.router is not None else None, conversation or req.user)
 
     def _place(self, record: RequestRecord, req: ChatRequest | CompletionRequest, tenant: TenantConfig,
                asked_class: str | None, conversation: str | None) -> tuple[ModelRuntime, str, str, int | None]:

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.lib.servers import ServerProcess, free_port, spawn, stop, wait_ready
+from llmd.auth import hash_key
 
 SECRET = "bench-cluster-secret-0123456789abcdef"
 SECTION = "## Cluster (J)"
@@ -17,7 +18,9 @@ INTRO = ("Issue J's cluster on llmd processes with fake engines on loopback (the
          "prefill cost are simulated; routing, forwarding, gossip, metering and failover are the real code). "
          "(a) and (d): `bench/cluster.py`; (b): `bench/cluster_faults.py`; (c): `bench/cluster_gossip.py`; "
          "the real engine: tests/engine/test_cluster_engine.py. Each subsection names the run that produced it.")
+ADMIN_KEY = "sk-bench-cluster-admin"
 NODE_TOML = """
+{auth}
 [server]
 host = "127.0.0.1"
 port = {{port}}
@@ -72,7 +75,9 @@ def start_nodes(tmp: Path, n: int, placement: str = "score", step_ms: float = 5.
         d = tmp / names[i]
         d.mkdir(parents=True, exist_ok=True)
         seeds = ", ".join(f'"127.0.0.1:{p}"' for j, p in enumerate(gossip) if j != i)
-        toml = NODE_TOML.format(name=names[i], gossip=gossip[i], seeds=seeds, placement=placement, step_ms=step_ms,
+        auth = f'[auth]\nadmin_keys = ["{hash_key(ADMIN_KEY)}"]' if tenants else ""
+        toml = NODE_TOML.format(auth=auth, name=names[i], gossip=gossip[i], seeds=seeds, placement=placement,
+                                step_ms=step_ms,
                                 kv_blocks=kv_blocks, prefill_tps=prefill_tps, tenants=tenants,
                                 cluster_extra=cluster_extra)
         port = free_port()
@@ -92,6 +97,9 @@ def start_nodes(tmp: Path, n: int, placement: str = "score", step_ms: float = 5.
     return procs
 
 
+ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}  # where the nodes have tenants (else open mode on loopback)
+
+
 def _wait_joined(nodes: list[Node], timeout: float = 30.0) -> None:
     import time
 
@@ -101,7 +109,7 @@ def _wait_joined(nodes: list[Node], timeout: float = 30.0) -> None:
     while time.monotonic() < end:
         ok = 0
         for node in nodes:
-            st = httpx.get(node.srv.url + "/admin/cluster", timeout=5).json()
+            st = httpx.get(node.srv.url + "/admin/cluster", timeout=5, headers=ADMIN).json()
             ok += sum(1 for m in st["members"] if m["state"] == "alive" and m["versions"]) == len(nodes) - 1
         if ok == len(nodes):
             return

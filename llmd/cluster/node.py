@@ -224,7 +224,12 @@ class ClusterNode:
         if state.registry_rev and (peer.sync_task is None or peer.sync_task.done()):
             peer.sync_task = asyncio.get_running_loop().create_task(self._sync(state.http_url, state.registry_rev))
         self.router.reservations.seen(peer.info.name, state.seq)
-        if state.prefix_delta and not peer.prefixes.apply(state.prefix_delta):
+        # A gap (missed pushes, a restarted peer) or a delta left out of a full state: the snapshot.
+        if state.prefix_delta:
+            in_step = peer.prefixes.apply(state.prefix_delta)
+        else:
+            in_step = state.prefix_seq in (0, peer.prefixes.seq)
+        if not in_step:
             self._fetch_prefixes(peer)
         for tenant, used in state.tenant_tokens.items():  # a tenant's quota holds across nodes
             # A peer's counts are cumulative since it started: the first state heard is the

@@ -18,8 +18,9 @@ from __future__ import annotations
 import contextlib
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import AsyncGenerator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from llmd import dispatch
 from llmd.backends.base import Delta, Prompt, Sampling
@@ -30,6 +31,7 @@ from llmd.policy.placement import Candidate, RoutingPolicy
 from llmd.runtime import Choice, Job
 from llmd.telemetry import log
 
+MAX_SESSIONS = 100_000  # conversations remembered for affinity (least recent forgotten)
 NODE_HEADER = "X-LLMD-Node"  # the node that ran the request (the first one, for a stream that failed over)
 Candidates = Callable[[Job, Prompt], list["Target"]]
 
@@ -53,14 +55,22 @@ class Router:
         self.max_failovers = max_failovers
         self._ran = ran  # (node, prompt, cached tokens the engine reported): what caches now hold
         self.failovers = 0
+        self._sessions: OrderedDict[str, str] = OrderedDict()  # conversation -> the node of its last turn
         self.placed: dict[str, int] = {}  # node -> choices placed there
 
     def pick(self, job: Job, prompt: Prompt, sampling: Sampling, excluded: set[str]) -> Target | None:
-        targets = [t for t in self._candidates(job, prompt) if t.candidate.node not in excluded]
+        last = self._sessions.get(job.affinity) if job.affinity else None
+        targets = [Target(replace(t.candidate, sticky=True), t.url) if t.candidate.node == last else t
+                   for t in self._candidates(job, prompt) if t.candidate.node not in excluded]
         chosen = self.policy.choose([t.candidate for t in targets], prompt.num_tokens, sampling.max_tokens)
         if chosen is None:
             return None
         target = next(t for t in targets if t.candidate.node == chosen.node)
+        if job.affinity:  # the conversation's next turn prefers this node (its cache holds this turn)
+            self._sessions[job.affinity] = chosen.node
+            self._sessions.move_to_end(job.affinity)
+            if len(self._sessions) > MAX_SESSIONS:
+                self._sessions.popitem(last=False)
         self.placed[chosen.node] = self.placed.get(chosen.node, 0) + 1
         return target
 

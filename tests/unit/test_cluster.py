@@ -17,6 +17,7 @@ from llmd.cluster.signing import Signer
 from tests.conftest import async_wait_until, free_port
 
 KEY = "sk-cluster-test-a"
+ADMIN = "sk-cluster-test-admin"
 JSON = {"content-type": "application/json"}
 
 
@@ -26,6 +27,8 @@ def cluster_toml(name: str, gossip: int, seeds: list[int], secret: Path, tpm: in
 
     quota = f"tokens_per_minute = {tpm}" if tpm else ""
     return f"""
+[auth]
+admin_keys = ["{hash_key(ADMIN)}"]
 [server]
 node = "{name}"
 default_deadline_s = 30
@@ -175,3 +178,34 @@ async def test_a_prompt_cached_on_one_node_runs_there_whichever_node_it_enters(m
         b.backend().render_chat([system]).token_ids)) > 0
     stats = [s.node.cluster.status() for s in (a, c)]
     assert all(st["placed"].get("n1", 0) >= 1 for st in stats)
+
+
+async def test_llmd_cluster_status_and_drain_from_the_command_line(make_server: Any, tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from llmd.cli import main
+
+    a, b = await start_cluster(make_server, tmp_path, n=2)
+    run = CliRunner().invoke
+    out = await asyncio.to_thread(run, main, ["cluster", "--url", a.url, "--api-key", ADMIN, "status"])
+    assert out.exit_code == 0, out.output
+    lines = out.output.splitlines()
+    assert any(line.startswith("n1") and "alive" in line and "fake@" in line for line in lines), out.output
+    out = await asyncio.to_thread(run, main, ["cluster", "--url", b.url, "--api-key", ADMIN, "drain"])
+    assert out.exit_code == 0 and b.node.cluster.draining, out.output
+    out = await asyncio.to_thread(run, main, ["cluster", "--url", b.url, "--api-key", KEY, "status"])
+    assert out.exit_code != 0 and "403" in out.output  # a tenant's key is not an admin's
+
+
+async def test_a_conversation_stays_on_its_node_while_that_node_is_not_much_slower(make_server: Any,
+                                                                                  tmp_path: Path) -> None:
+    a, b, c = await start_cluster(make_server, tmp_path, fake="prefill_tokens_per_s = 20000")
+    a.node.cluster.draining = True  # a forwards every turn: where each runs is the router's choice
+    await asyncio.sleep(0.6)
+    nodes = set()
+    for turn in range(8):  # short, different prompts: no prefix to follow, only the conversation
+        raw = await _client(a).chat.completions.with_raw_response.create(
+            model="fake", messages=[{"role": "user", "content": f"turn {turn} " + "word " * turn}], max_tokens=2,
+            extra_headers={"X-Conversation-Id": "chat-42"})
+        nodes.add(raw.headers["x-llmd-node"])
+    assert len(nodes) == 1, nodes
