@@ -34,8 +34,9 @@ from bench.lib import report, stats
 from bench.lib.cluster import INTRO, SECTION, Node, start_nodes, stop_nodes
 from bench.lib.streams import Stream, new_client, stream
 
-MAX_TOKENS = 300
+MAX_TOKENS = 600
 STEP_MS = 15.0
+SEATS = 32  # bench/lib/cluster.py's max_running: streams beyond it wait their turn on n2
 
 
 def body(i: int) -> dict[str, Any]:
@@ -69,10 +70,10 @@ async def trial(tmp: Path, n_streams: int, how: str) -> dict[str, Any]:
         results = [Stream("a", time.monotonic(), texts=[]) for _ in range(n_streams)]
         tasks = [asyncio.create_task(stream(client, nodes[i % 2].srv.url + "/v1/chat/completions", s, body(i)))
                  for i, s in enumerate(results)]
-        while sum(1 for s in results if s.chunks) < n_streams:
+        while sum(1 for s in results if s.chunks) < min(n_streams, SEATS):
             await asyncio.sleep(0.05)
-        await drain(nodes[:2], False)
-        await asyncio.sleep(1.0)
+        await drain(nodes[:2], False)  # the survivors take work again: the failovers' destination
+        await asyncio.sleep(0.5)
         in_flight = sum(1 for s in results if not s.done)
         t_fault = time.time()
         os.kill(victim.srv.proc.pid, signal.SIGKILL if how == "kill" else signal.SIGSTOP)
@@ -185,7 +186,7 @@ def report_lines(trials: list[dict[str, Any]], soaked: dict[str, Any] | None) ->
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--trials", type=int, default=5, help="kill -9 trials (and one SIGSTOP trial)")
-    ap.add_argument("--streams", type=int, default=36)
+    ap.add_argument("--streams", type=int, default=32)
     ap.add_argument("--soak-s", type=float, default=0.0)
     args = ap.parse_args()
     t0 = time.monotonic()

@@ -92,7 +92,8 @@ class EngineConfig(_Strict):
     cpu_threads_bind: str | None = None
     # Publish vLLM's KV-cache events (blocks stored/removed) to `backend.kv_events`, so the
     # cluster knows exactly which prefixes this engine holds (docs/cluster.md, "KV events").
-    kv_events: bool = False
+    # Unset: on when [cluster] is enabled, off otherwise (nothing else reads them).
+    kv_events: bool | None = None
     extra: dict[str, object] = Field(default_factory=dict)
     # A dead engine is rebuilt from the weight store: this many attempts in a row (0: it stays
     # dead), the first at once, then after restart_backoff_s, doubling; a request waits up to

@@ -55,6 +55,9 @@ class Config(_Strict):
                 if allowed != "*" and self.model(allowed) is None:
                     raise ValueError(f"tenant {t.name!r} allows unknown model {allowed!r}")
         self._check_filters()
+        for m in self.models:  # a clustered node's summary of its cache comes from the engine's events
+            if m.engine.kv_events is None:
+                m.engine.kv_events = self.cluster.enabled
         for m in self.models:
             fb = m.degradation.fallback_model
             if fb is not None and (fb == m.name or self.model(fb) is None):
