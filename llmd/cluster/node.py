@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
+import ssl
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -75,7 +76,11 @@ class ClusterNode:
         self.gossip = Gossip(self.name, (cc.gossip_host, cc.gossip_port), self.url,
                              [_addr(s) for s in cc.seeds],
                              Signer(self.name, secrets, time.time, cc.replay_window_s, purpose="gossip"), cc)
-        self.client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=1.0), verify=False)
+        # One connection per forwarded stream (no pool cap: a cap would queue streams here, out of
+        # every fair queue); reads wait as long as the request's deadline lets them.
+        verify: ssl.SSLContext | bool = ssl.create_default_context(cafile=str(cc.ca_file)) if cc.ca_file else True
+        self.client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=1.0), verify=verify,
+                                        limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
         self.forwarder = Forwarder(self.http_signer, self.client)
         # Keyed by the oldest secret: during a rotation ([new, old] on some nodes, [old] on the
         # rest) every node still names a prefix the same way.

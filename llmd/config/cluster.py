@@ -39,6 +39,8 @@ class ClusterConfig(_Strict):
     # first, then dropping the old). Files hold the secret as text; without files,
     # $LLMD_CLUSTER_SECRET is the one secret.
     secret_files: list[Path] = Field(default_factory=list, max_length=2)
+    # Peers' HTTPS certificates are verified against the system's CAs, or this bundle (a private CA).
+    ca_file: Path | None = None
     replay_window_s: Annotated[float, Field(gt=0)] = 5.0
     # "cluster": any node may run a request on any node; "local": this node runs what it
     # receives (an external router such as llm-d's endpoint picker chooses the node).
@@ -78,6 +80,13 @@ class ClusterConfig(_Strict):
             if len(p.read_bytes().strip()) < MIN_SECRET_BYTES:
                 raise ValueError(f"{p}: a cluster secret needs at least {MIN_SECRET_BYTES} bytes")
         return files
+
+    @field_validator("ca_file")
+    @classmethod
+    def _ca(cls, p: Path | None) -> Path | None:
+        if p is not None and not p.is_file():
+            raise ValueError(f"{p}: no such file")
+        return p
 
     @model_validator(mode="after")
     def _timing(self) -> ClusterConfig:
