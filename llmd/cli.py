@@ -49,8 +49,8 @@ def serve(config_path: str, host: str | None, port: int | None) -> None:
 
     configure_logging(cfg.server.log_level)
     store = WeightStore()
-    for m in cfg.models:  # fail fast on a missing model, before binding the port
-        if m.source:
+    for m in cfg.models:  # fail fast on a missing model, before binding the port (a cluster's node pulls it from peers)
+        if m.source and not cfg.cluster.enabled:
             try:
                 store.resolve(m.source, m.version)
             except StoreError as e:

@@ -19,6 +19,7 @@ from llmd.store import StoreError, WeightStore
 
 log = structlog.get_logger("llmd.cluster")
 PEER_WAIT_S = 20.0  # how long a joining node waits to hear of a peer serving the model
+ALL_PEERS_S = 2.0  # then how long it listens for more (each peer's state comes within a heartbeat)
 
 
 def holders(states: list[NodeState], m: ModelConfig) -> dict[str, list[str]]:
@@ -40,6 +41,9 @@ async def fetch_missing(models: list[ModelConfig], store: WeightStore, states: C
         if not m.source or _stored(store, m):
             continue
         found = await _heard(lambda: holders(states(), m), wait_s)  # noqa: B023 - awaited before the loop moves on
+        if found:  # the first state heard: the others' come within a heartbeat; pull from all at once
+            await asyncio.sleep(ALL_PEERS_S)
+            found = holders(states(), m)
         if not found:
             log.warning("cluster_weights_no_peer", model=m.name, source=m.source)
             continue
@@ -73,3 +77,4 @@ async def _heard(look: Callable[[], dict[str, list[str]]], wait_s: float) -> dic
         await asyncio.sleep(0.2)
         found = look()
     return found
+

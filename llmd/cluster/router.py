@@ -91,8 +91,10 @@ class Router:
                           else self._remote(job, choice, target, prompt, sampling))
                 async with contextlib.aclosing(source) as deltas:
                     async for d in deltas:
-                        if first and self._ran is not None:
-                            self._ran(node, prompt, d.cached_prompt_tokens)
+                        if first:
+                            self.reservations.release(node, max(0, prompt.num_tokens - target.candidate.cached_tokens))
+                            if self._ran is not None:
+                                self._ran(node, prompt, d.cached_prompt_tokens)
                         first = False
                         produced.extend(d.token_ids)
                         yield d

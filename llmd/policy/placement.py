@@ -90,6 +90,16 @@ class Reservations:
         if held:
             held[:] = [r for r in held if r[1] >= state_seq]
 
+    def release(self, node: str, tokens: int) -> None:
+        """The request behind a reservation of `tokens` has had its prefill (its first token
+        came): the node's queue no longer holds them, whatever its gossip says yet."""
+        held = self._held.get(node)
+        if held:
+            for i, r in enumerate(held):
+                if r[2] == tokens:
+                    del held[i]
+                    return
+
     def forget(self, node: str) -> None:
         """The node left or died."""
         self._held.pop(node, None)

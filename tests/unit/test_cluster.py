@@ -199,7 +199,7 @@ async def test_llmd_cluster_status_and_drain_from_the_command_line(make_server: 
 
 async def test_a_conversation_stays_on_its_node_while_that_node_is_not_much_slower(make_server: Any,
                                                                                   tmp_path: Path) -> None:
-    a, b, c = await start_cluster(make_server, tmp_path, fake="prefill_tokens_per_s = 20000")
+    a, _, _ = await start_cluster(make_server, tmp_path, fake="prefill_tokens_per_s = 20000")
     a.node.cluster.draining = True  # a forwards every turn: where each runs is the router's choice
     await asyncio.sleep(0.6)
     nodes = set()

@@ -23,7 +23,7 @@ def test_a_cluster_needs_a_secret_of_16_bytes(tmp_path: Path, monkeypatch: pytes
         _load(tmp_path, "enabled = true")
     short = tmp_path / "short.key"
     short.write_text("too short")
-    with pytest.raises(ConfigError, match=r"cluster.secret_files: .*short.key: a cluster secret needs at least 16 bytes"):
+    with pytest.raises(ConfigError, match=r"cluster.secret_files: .*short.key: a cluster secret needs at least 16"):
         _load(tmp_path, f'enabled = true\nsecret_files = ["{short}"]')
     monkeypatch.setenv("LLMD_CLUSTER_SECRET", "x" * 16)
     cfg = _load(tmp_path, "enabled = true")

@@ -182,3 +182,14 @@ def test_policies_table_swaps_routing() -> None:
     assert isinstance(score, ScoreRouting)
     assert score.choose(cands, 1000, 10).node == "b"  # type: ignore[union-attr]
     assert score.reservations.of("b") == 100
+
+
+def test_a_reservation_is_released_once_its_request_has_had_its_prefill(res: Reservations) -> None:
+    res.add("a", 500)
+    res.add("a", 300)
+    res.release("a", 500)
+    assert res.of("a") == 300
+    res.release("a", 999)  # nothing reserved that size: nothing changes
+    assert res.of("a") == 300
+    res.release("b", 300)
+    assert res.of("a") == 300
