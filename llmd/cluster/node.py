@@ -33,7 +33,7 @@ from llmd.cluster.registry_sync import RegistrySync
 from llmd.cluster.router import Router, Target
 from llmd.cluster.signing import Signer
 from llmd.cluster.warm_pool import WarmPool
-from llmd.config import Config, ModelConfig
+from llmd.config import Config, ConfigError, ModelConfig
 from llmd.policy.admission import AdmissionController
 from llmd.policy.placement import POLICIES, Candidate, Reservations
 from llmd.policy.warmpool import ClusterLoad
@@ -73,9 +73,13 @@ class ClusterNode:
         self.http_signer = Signer(self.name, secrets, time.time, cc.replay_window_s, purpose="http")
         scheme = "https" if srv.tls is not None else "http"
         self.url = cc.advertise_url or f"{scheme}://{srv.host}:{srv.port}"
-        self.gossip = Gossip(self.name, (cc.gossip_host, cc.gossip_port), self.url,
-                             [_addr(s) for s in cc.seeds],
-                             Signer(self.name, secrets, time.time, cc.replay_window_s, purpose="gossip"), cc)
+        try:
+            self.gossip = Gossip(self.name, (cc.gossip_host, cc.gossip_port), self.url,
+                                 [_addr(s) for s in cc.seeds],
+                                 Signer(self.name, secrets, time.time, cc.replay_window_s, purpose="gossip"), cc)
+        except OSError as e:  # the port is taken, or the address is not this host's
+            raise ConfigError(f"{config.path or 'config'}: cluster.gossip_host/gossip_port "
+                              f"{cc.gossip_host}:{cc.gossip_port}: cannot listen for gossip: {e.strerror}") from None
         # One connection per forwarded stream (no pool cap: a cap would queue streams here, out of
         # every fair queue); reads wait as long as the request's deadline lets them.
         verify: ssl.SSLContext | bool = ssl.create_default_context(cafile=str(cc.ca_file)) if cc.ca_file else True

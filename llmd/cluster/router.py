@@ -82,6 +82,9 @@ class Router:
         while True:
             target = self.pick(job, prompt, sampling, excluded)
             if target is None:
+                if not excluded and not self._candidates(job, prompt):  # nobody holds those weights now
+                    raise unavailable(f"no node of the cluster serves version {(job.record.version or '')[:12]} of "
+                                      f"model '{job.record.model}' now", "version_not_served_here", retry_after=1)
                 raise unavailable("no node in the cluster can run this request now", "node_failed", retry_after=5)
             node = target.candidate.node
             job.headers[NODE_HEADER] = node  # (a stream's headers leave with its first payload)

@@ -266,6 +266,7 @@ node = "{node}"
 db_path = "{db}"
 [cluster]
 enabled = true
+gossip_port = 0
 secret_files = ["{secret}"]
 [[models]]
 name = "m"
