@@ -45,7 +45,7 @@ READ_EVERY_S = 0.05  # how often peers' new states are decoded
 PREFIX_BLOCK_TOKENS = 64
 PREFIX_CAPACITY_BLOCKS = 65536
 PREFIX_DELTA_BYTES = 400
-PREFIX_RESEND = 4  # a push's prefix delta covers the changes since this many pushes back
+PREFIX_RESEND = 2  # a push's prefix delta covers the changes since this many pushes back
 RESERVATION_TTL_S = 2.0  # a reservation outlives any state push that could have missed it
 
 
