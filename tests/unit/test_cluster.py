@@ -210,3 +210,18 @@ async def test_a_conversation_stays_on_its_node_while_that_node_is_not_much_slow
             extra_headers={"X-Conversation-Id": "chat-42"})
         nodes.add(raw.headers["x-llmd-node"])
     assert len(nodes) == 1, nodes
+
+
+async def test_malformed_internal_and_admin_calls_get_openai_errors(make_server: Any, tmp_path: Path) -> None:
+    a, b = await start_cluster(make_server, tmp_path, n=2)
+    async with httpx.AsyncClient() as h:
+        body = b'{"request_id": "x"}'  # signed, but not a run request
+        headers = a.node.cluster.http_signer.headers("POST", "/internal/v1/run", body) | JSON
+        r = await h.post(b.url + "/internal/v1/run", content=body, headers=headers)
+        assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+        admin = {"Authorization": f"Bearer {ADMIN}"} | JSON
+        r = await h.post(b.url + "/admin/cluster/drain", json={"draining": "yes"}, headers=admin)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "draining"
+        r = await h.post(b.url + "/admin/cluster/drain", json={"draining": True})
+        assert r.status_code == 401 and "error" in r.json()
+    assert not b.node.cluster.draining
