@@ -128,8 +128,12 @@ def mean_prompt_tokens(wl: Workload, n: int = 200) -> float:
 
 async def one_run(tmp: Path, placement: str, req_per_s: float, seconds: float, hot: float | None = None,
                   seed: int = 1, warmup_s: float = 0.0) -> dict[str, Any]:
-    nodes = await asyncio.to_thread(start_nodes, tmp / f"{placement}-{req_per_s:.1f}-{hot}", 3, placement,
-                                    5.0, KV_BLOCKS, PREFILL_TPS)
+    # "single": one node with the three nodes' KV cache, prefill rate and seats together: the
+    # single shared cache the issue compares with, measured (running sequences pin its KV too)
+    n, scale = (1, 3) if placement == "single" else (3, 1)
+    nodes = await asyncio.to_thread(start_nodes, tmp / f"{placement}-{req_per_s:.1f}-{hot}", n,
+                                    "score" if placement == "single" else placement, 5.0, KV_BLOCKS * scale,
+                                    PREFILL_TPS * scale, seqs=32 * scale)
     log: list[tuple[dict[str, Any], Stream]] = []
     queues: dict[str, list[int]] = {}
     stop = asyncio.Event()
@@ -169,7 +173,7 @@ async def part_a(tmp: Path, seconds: float, loads: tuple[float, ...] = LOADS) ->
           f"capacity {capacity:.1f} req/s", flush=True)
     runs = []
     for load in loads:
-        for placement in ("round_robin", "score"):
+        for placement in ("round_robin", "score", "single"):
             r = await one_run(tmp, placement, load * capacity, seconds, warmup_s=seconds / 3)
             r["load"] = load
             print(r, flush=True)
@@ -185,9 +189,11 @@ def report_a(runs: list[dict[str, Any]], hot: dict[str, Any], mean_p: float, cap
              f"{r['hit']:.2f}", f"{r['oracle']:.2f}", report.num(r["ttft_p50"], 3), report.num(r["ttft_p90"], 3),
              report.num(r["queue_max_over_mean"], 2)] for r in runs]
     by = {(r["load"], r["placement"]): r for r in runs}
-    hits = [(by[(ld, "score")]["hit"], by[(ld, "round_robin")]["hit"], by[(ld, "score")]["oracle"]) for ld in loads]
-    hit_x = min(a / b if b else float("inf") for a, b, _ in hits)
-    of_oracle = min(a / o if o else 0.0 for a, _, o in hits)
+    hits = [(by[(ld, "score")]["hit"], by[(ld, "round_robin")]["hit"], by[(ld, "score")]["oracle"],
+             by[(ld, "single")]["hit"]) for ld in loads]
+    hit_x = min(a / b if b else float("inf") for a, b, _, _ in hits)
+    of_oracle = min(a / o if o else 0.0 for a, _, o, _ in hits)
+    of_single = min(a / one if one else 0.0 for a, _, _, one in hits)
     at70 = min(loads, key=lambda x: abs(x - 0.7))
     t70 = by[(at70, "score")]["ttft_p90"], by[(at70, "round_robin")]["ttft_p90"]
     ttft_ok = t70[0] is not None and t70[1] is not None and t70[0] <= t70[1] / 3
@@ -195,14 +201,20 @@ def report_a(runs: list[dict[str, Any]], hot: dict[str, Any], mean_p: float, cap
     lines = [f"Fake engines: prefill {PREFILL_TPS:.0f} uncached tokens/s per node, {KV_BLOCKS} blocks of 16 tokens "
              f"of KV each; mean prompt {mean_p:.0f} tokens; round robin's capacity {capacity:.1f} req/s "
              "(3 nodes' prefill over its uncached tokens, its hit rate measured at the load the nodes' prefill "
-             "serves without a cache). Each request enters at a random node.", ""]
+             "serves without a cache). Each request enters at a random node. `single`: one node with the three "
+             "nodes' KV cache, prefill rate and seats together (the single shared cache, measured); `shared cache`: "
+             "the hit rate of the same prompts through one LRU of the three caches' size (a bound: it ignores the "
+             "KV that running sequences pin, which past capacity evicts cached prefixes on every node).", ""]
     lines += report.table(["load", "placement", "req/s", "ok", "hit rate", "shared cache", "TTFT p50 s",
                            "TTFT p90 s", "queue max/mean"], rows)
     lines += ["", f"Hot prefix (half the traffic on one system prompt) at 70 %: {hot['ok']}/{hot['requests']} ok, "
               f"queue max/mean {report.num(hot['queue_max_over_mean'], 2)}, per node {hot['queues']}.", ""]
     lines += report.verdict_lines([
         (f"prefix hit rate >= 3x round robin's at every load (worst {hit_x:.1f}x)", hit_x >= 3),
-        (f"prefix hit rate >= 90 % of a single shared cache's (worst {of_oracle:.0%})", of_oracle >= 0.9),
+        (f"prefix hit rate >= 90 % of a single shared cache's, measured: one node with the three's cache, "
+         f"prefill and seats (worst {of_single:.0%})", of_single >= 0.9),
+        (f"prefix hit rate >= 90 % of the shared-cache bound: the same prompts through one LRU, no KV pinned by "
+         f"running sequences (worst {of_oracle:.0%})", of_oracle >= 0.9),
         (f"TTFT p90 at 70 % load <= 1/3 of round robin's ({report.num(t70[0], 3)} vs {report.num(t70[1], 3)} s)",
          ttft_ok),
         ("a hot prefix with half the traffic: no failures, max queue <= 1.5x mean", hot_ok)])

@@ -44,13 +44,13 @@ max_model_len = 16384
 [models.fake]
 step_ms = {step_ms}
 step_ms_per_seq = 0.05
-max_num_seqs = 32
+max_num_seqs = {seqs}
 prefill_tokens_per_step = 100000
 block_tokens = 16
 kv_blocks = {kv_blocks}
 prefill_tokens_per_s = {prefill_tps}
 [models.scheduling]
-max_running = 32
+max_running = {seqs}
 max_queue = 100000
 {tenants}
 """
@@ -65,7 +65,7 @@ class Node:
 
 def start_nodes(tmp: Path, n: int, placement: str = "score", step_ms: float = 5.0, kv_blocks: int = 1024,
                 prefill_tps: float = 3000.0, tenants: str = "", cluster_extra: str = "",
-                names: list[str] | None = None) -> list[Node]:
+                names: list[str] | None = None, seqs: int = 32) -> list[Node]:
     """`n` llmd processes (fake engines) that find each other through the first one's gossip port;
     returned once every one is ready and sees the others."""
     gossip = [free_port() for _ in range(n)]
@@ -78,7 +78,7 @@ def start_nodes(tmp: Path, n: int, placement: str = "score", step_ms: float = 5.
         auth = f'[auth]\nadmin_keys = ["{hash_key(ADMIN_KEY)}"]' if tenants else ""
         toml = NODE_TOML.format(auth=auth, name=names[i], gossip=gossip[i], seeds=seeds, placement=placement,
                                 step_ms=step_ms,
-                                kv_blocks=kv_blocks, prefill_tps=prefill_tps, tenants=tenants,
+                                kv_blocks=kv_blocks, prefill_tps=prefill_tps, tenants=tenants, seqs=seqs,
                                 cluster_extra=cluster_extra)
         port = free_port()
         cfg = d / "config.toml"

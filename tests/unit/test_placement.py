@@ -88,7 +88,19 @@ def test_local_node_preferred_over_an_equal_peer_by_the_hop() -> None:
 def test_kv_full_draining_and_standby_are_excluded(bad: dict[str, int | bool]) -> None:
     cands = [cand("best", cached=1000, **bad), cand("other")]
     assert picks(cands, 20) == {"other": 20}
-    assert place([cands[0]], 1000, 100, Reservations(Clock(), 2.0), random.Random(0)) is None
+    alone = place([cands[0]], 1000, 100, Reservations(Clock(), 2.0), random.Random(0))
+    # a full cache is a queue, not a refusal, when no node has room; draining/standby never take work
+    assert (alone is cands[0]) if "kv_free_tokens" in bad else alone is None
+
+
+def test_past_capacity_a_request_queues_on_its_cache_holder_not_nowhere() -> None:
+    """Every node's KV cache full of running sequences: the request still gets a node (the one
+    holding its prefix) and waits in that node's queue; None only for what no cache can ever hold."""
+    full = [cand("a", kv_free_tokens=0, waiting_prefill_tokens=9000), cand("b", kv_free_tokens=0, cached=900,
+                                                                           waiting_prefill_tokens=10_000)]
+    assert picks(full, 20) == {"b": 20}
+    tiny = [cand("a", kv_capacity_tokens=500, kv_free_tokens=500)]
+    assert place(tiny, 1000, 100, Reservations(Clock(), 2.0), random.Random(0)) is None
 
 
 def test_kv_room_counts_only_uncached_tokens_and_reservations() -> None:
@@ -96,7 +108,8 @@ def test_kv_room_counts_only_uncached_tokens_and_reservations() -> None:
     r = Reservations(Clock(), ttl_s=2.0)
     assert place([c], 1000, 100, r, random.Random(0)) is c
     assert r.of("a") == 100  # its uncached prompt tokens are reserved on it
-    assert place([c], 1000, 100, r, random.Random(0)) is None  # 250 - 100 reserved < 200
+    roomy = cand("b", kv_free_tokens=5000)
+    assert place([c, roomy], 1000, 100, r, random.Random(0)) is roomy  # 250 - 100 reserved < 200 on a
 
 
 def test_reservations_spread_a_burst(res: Reservations) -> None:
@@ -193,3 +206,20 @@ def test_a_reservation_is_released_once_its_request_has_had_its_prefill(res: Res
     assert res.of("a") == 300
     res.release("b", 300)
     assert res.of("a") == 300
+
+
+def test_cache_holder_keeps_its_prompts_under_deep_queues_unless_clearly_slower() -> None:
+    """Queues seconds deep: the node caching most of the prompt keeps it up to 1.5x the best TTFT
+    (the score alone would move it for a 0.1 s difference and lose the cache)."""
+    near = [cand("idle-ish", waiting_prefill_tokens=20_000), cand("holder", cached=900, waiting_prefill_tokens=27_000)]
+    assert picks(near, 30) == {"holder": 30}  # TTFT 2.71 s vs 2.1 s: 1.3x
+    far = [cand("idle-ish", waiting_prefill_tokens=20_000), cand("holder", cached=900, waiting_prefill_tokens=32_000)]
+    assert picks(far, 30) == {"idle-ish": 30}  # 3.2 s vs 2.1 s: over 1.5x
+    small = [cand("idle-ish", waiting_prefill_tokens=20_000), cand("holder", cached=400, waiting_prefill_tokens=21_000)]
+    assert picks(small, 30) == {"idle-ish": 30}  # under half the prompt cached: the score decides
+
+
+def test_near_best_band_is_capped_in_seconds_under_deep_queues() -> None:
+    # 10 % of a 5 s TTFT is 0.5 s, more than a cached prefix saves: only 50 ms counts as a tie
+    cands = [cand("a", waiting_prefill_tokens=49_000), cand("b", waiting_prefill_tokens=52_000)]
+    assert picks(cands, 40) == {"a": 40}
