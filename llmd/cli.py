@@ -14,6 +14,7 @@ from llmd.cluster.cli import cluster
 from llmd.config import ConfigError, load_config
 from llmd.registry.cli import registry
 from llmd.store import StoreError, WeightStore, describe
+from llmd.top.cli import top
 
 
 def _progress(msg: str) -> None:
@@ -350,6 +351,7 @@ def compare(model: str, version_a: str, version_b: str, db_path: Path | None) ->
 main.add_command(batch)
 main.add_command(registry)
 main.add_command(cluster)
+main.add_command(top)
 
 
 if __name__ == "__main__":

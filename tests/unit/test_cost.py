@@ -134,8 +134,8 @@ async def ask(c: openai.AsyncOpenAI, model: str, n: int) -> Any:
 
 async def serve_some(live: Any, v1: str, v2: str) -> None:
     """v1 alone serves a few; v2 loads beside it; both serve pinned requests; one refusal."""
-    a = openai.AsyncOpenAI(base_url=live.base, api_key=KEY_A, max_retries=0, timeout=30)
-    b = openai.AsyncOpenAI(base_url=live.base, api_key=KEY_B, max_retries=0, timeout=30)
+    a = openai.AsyncOpenAI(base_url=live.base, api_key=KEY_A, max_retries=0, timeout=120)
+    b = openai.AsyncOpenAI(base_url=live.base, api_key=KEY_B, max_retries=0, timeout=120)
     await asyncio.gather(*(ask(a, "m", 5) for _ in range(3)))
     await asyncio.sleep(0.5)
     async with httpx.AsyncClient(base_url=live.url, headers={"Authorization": f"Bearer {ADMIN}"}, timeout=30) as h:
@@ -200,3 +200,24 @@ async def test_admin_cost_endpoint(make_server, tmp_path: Path, store) -> None:
                               ({"bucket": "60", "since": "2000-01-01"}, "bucket")):
             r = await h.get("/admin/cost", params=params, headers=adm)
             assert r.status_code == 400 and r.json()["error"]["param"] == param, (params, r.text)
+
+
+async def test_uptime_stretches_follow_the_loaded_engines(tmp_path: Path) -> None:
+    from llmd.cost.uptime import EngineUptime, UptimeStore
+
+    now, loaded = [100.0], [("m", "v1")]
+    up = EngineUptime(UptimeStore(tmp_path / "u.db"), "n1", lambda: list(loaded), 60, clock=lambda: now[0])
+    await up.start()
+    await up.tick()
+    now[0], loaded[:] = 160.0, [("m", "v1"), ("m", "v2")]
+    await up.tick()
+    assert [(u.version, u.start, u.end) for u in up.live()] == [("v1", 100.0, 160.0), ("v2", 160.0, 160.0)]
+    now[0], loaded[:] = 220.0, [("m", "v2")]  # v1 unloaded: its stretch ends at its last sample
+    await up.tick()
+    now[0], loaded[:] = 280.0, [("m", "v1"), ("m", "v2")]  # loaded again: a new stretch
+    await up.tick()
+    now[0] = 300.0
+    await up.stop()  # the stop samples once more
+    rows = sqlite3.connect(tmp_path / "u.db").execute(
+        "SELECT version, t_start, t_end FROM engine_uptime ORDER BY version, t_start").fetchall()
+    assert rows == [("v1", 100.0, 160.0), ("v1", 280.0, 300.0), ("v2", 160.0, 300.0)]
