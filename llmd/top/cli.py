@@ -37,7 +37,7 @@ def top(url: str, key: str | None, interval: float, once: bool) -> None:
     prev = poller.poll()
     if once:
         time.sleep(interval)
-        width = None if sys.stdout.isatty() else 200
+        width = None if sys.stdout.isatty() else 100
         Console(width=width).print(render(compute(poller.poll(), prev)))
         return
     with Live(render(compute(prev, None)), auto_refresh=False) as live:
