@@ -145,3 +145,20 @@ async def test_frame_matches_the_node(make_server, tmp_path: Path, records: list
     assert res.exit_code == 0 and "SPEND TODAY (-)" in res.output, res.output
     res = await asyncio.to_thread(CliRunner().invoke, cli_main, ["top", "--once", "--url", "http://127.0.0.1:9"])
     assert res.exit_code == 1 and "cannot reach the server" in res.output, res.output
+
+
+async def test_cluster_members_are_shown(make_server, tmp_path: Path) -> None:
+    from tests.unit.test_cluster import ADMIN as CLUSTER_ADMIN
+    from tests.unit.test_cluster import start_cluster
+
+    n0, n1 = await start_cluster(make_server, tmp_path, n=2)
+    poller = Poller(Api(n0.url, CLUSTER_ADMIN, prefix=""))
+    frame = compute(await asyncio.to_thread(poller.poll), None)
+    members = n0.node.cluster.status()["members"]
+    assert frame.node == "n0" and [(m["name"], m["state"]) for m in frame.members] == [("n1", "alive")]
+    assert [m["url"] for m in frame.members] == [m["url"] for m in members] == [n1.url]
+    res = await asyncio.to_thread(CliRunner().invoke, cli_main, ["top", "--once", "--url", n0.url, "--key",
+                                                                 CLUSTER_ADMIN, "--interval", "0.1"])
+    assert res.exit_code == 0, res.output
+    line = next(x for x in res.output.splitlines() if x.strip().startswith("n1 "))
+    assert line.split()[:3] == ["n1", "alive", n1.url], line
