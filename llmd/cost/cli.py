@@ -33,7 +33,8 @@ def cost_report(config_path: str, db_path: Path | None, since: str | None, until
         bucket_s = parse_bucket(bucket)
         t_until = parse_time(until, end_of_day=True) if until else now
         t_since = parse_time(since) if since else (history_start(path) if path.is_file() else None)
-        summary = cost_summary(path, cfg.cost, t_since if t_since is not None else t_until, t_until, bucket_s, now)
+        summary = cost_summary(path, cfg.cost, t_since if t_since is not None else t_until, t_until, bucket_s, now,
+                               reach_s=cfg.server.max_deadline_s + 60)
     except FileNotFoundError:
         raise click.ClickException(f"no usage database at {path} (the server creates it; or pass --db)") from None
     except ValueError as e:

@@ -32,7 +32,7 @@ class Poller:
     def _optional(self, path: str, params: dict[str, str] | None) -> dict[str, Any] | None:
         """The view's JSON, or None where this node has none (or this key may not read it)."""
         try:
-            r = self.api.http.get(path, params=params)
+            r = self.api.http.get(path, params=params, headers={"Cache-Control": "no-cache"})
         except httpx.HTTPError:
             return None
         if r.status_code == 404 and path == "/admin/cluster":

@@ -193,6 +193,11 @@ async def test_admin_cost_endpoint(make_server, tmp_path: Path, store) -> None:
         # Live: the engines' uptime runs up to the request, past the last sample.
         assert costs[v1]["gpu_hours"] > costs[v2]["gpu_hours"] > 0
         assert costs[v2]["output_tokens"] == 6 * 7 and costs[v1]["output_tokens"] == 3 * 5 + 2 * 3
+        # Viewers polling at once share an answer for a few seconds, unless they ask for a fresh one.
+        again = (await h.get("/admin/cost", params={"bucket": "1m"}, headers=adm)).json()
+        assert again["now"] == body["now"] or again["now"] - body["now"] >= 5
+        fresh = (await h.get("/admin/cost", params={"bucket": "1m"}, headers=adm | {"Cache-Control": "no-cache"}))
+        assert fresh.json()["now"] > body["now"]
         r = await h.get("/admin/cost", headers={"Authorization": f"Bearer {KEY_A}"})
         assert r.status_code == 403 and r.json()["error"]["code"] == "admin_required"
         for params, param in (({"bucket": "fortnight"}, "bucket"), ({"since": "yesterday"}, "since"),
@@ -221,3 +226,38 @@ async def test_uptime_stretches_follow_the_loaded_engines(tmp_path: Path) -> Non
     rows = sqlite3.connect(tmp_path / "u.db").execute(
         "SELECT version, t_start, t_end FROM engine_uptime ORDER BY version, t_start").fetchall()
     assert rows == [("v1", 100.0, 160.0), ("v1", 280.0, 300.0), ("v2", 160.0, 300.0)]
+
+
+def test_settled_buckets_are_kept_and_give_the_same_figures(tmp_path: Path) -> None:
+    from llmd.config.cost import CostConfig, ModelCost
+    from llmd.cost.report import cost_summary
+    from llmd.cost.settled import Settled
+    from llmd.cost.uptime import SCHEMA
+    from llmd.metering import MIGRATIONS
+
+    db, now = tmp_path / "llmd.db", 1_796_000_000.0
+    conn = sqlite3.connect(db)
+    for m in MIGRATIONS:
+        conn.executescript(m)
+    rows = [(f"r{i}", "ab"[i % 2], "m", "v1", "ok", 10, 0, 5, 0.01, now - 60 * i, now - 60 * i + 1, now - 60 * i + 90)
+            for i in range(1, 12 * 60)]  # one request a minute for 12 hours, each 90 s long
+    conn.executemany("INSERT INTO usage (request_id, tenant, model, version, status, prompt_tokens, cached_tokens, "
+                     "output_tokens, cost, t_arrival, t_first_token, t_end) VALUES (?,?,?,?,?,?,?,?,?,?,?,?)", rows)
+    conn.commit()
+    up = sqlite3.connect(tmp_path / "llmd.uptime.db")
+    up.executescript(SCHEMA)
+    up.execute("INSERT INTO engine_uptime VALUES ('n', 'm', 'v1', ?, ?)", (now - 86400, now))
+    up.commit()
+    cfg = CostConfig(models={"m": ModelCost(gpu_hour_price=2.0)})
+    fresh = cost_summary(db, cfg, now - 86400, now, 3600, now, reach_s=660)
+    settled = Settled()
+    first = cost_summary(db, cfg, now - 86400, now, 3600, now, reach_s=660, settled=settled)
+    conn.execute("UPDATE usage SET output_tokens = 1000 WHERE t_arrival < ?", (now - 7200,))  # old rows: not read again
+    conn.commit()
+    again = cost_summary(db, cfg, now - 86400, now, 3600, now, reach_s=660, settled=settled)
+    assert fresh == first == again
+    t = fresh["models"][0]["total"]
+    assert t["requests"] == 12 * 60 - 1 and t["output_tokens"] == 5 * t["requests"]
+    # Back to back, one busy stretch: from the first arrival to the window's end (the last request ends after it).
+    assert t["busy_fraction"] == pytest.approx((12 * 3600 - 60) / 86400)
+    assert t["cost"] == pytest.approx(48.0)
