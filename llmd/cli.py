@@ -14,6 +14,7 @@ from llmd.cluster.cli import cluster
 from llmd.config import ConfigError, load_config
 from llmd.registry.cli import registry
 from llmd.store import StoreError, WeightStore, describe
+from llmd.top.cli import top
 
 
 def _progress(msg: str) -> None:
@@ -277,15 +278,27 @@ def keys_new(tenant: str, admin: bool, metrics: bool) -> None:
 @click.option("--by", "by", default="tenant,model,day", show_default=True,
               help="Group by any of tenant, model, day, status, version (comma-separated).")
 @click.option("--csv", "as_csv", is_flag=True, help="CSV with a header row.")
+@click.option("--cost", "serving_cost", is_flag=True,
+              help="Serving cost instead: GPU-hours x the config's [cost] prices per model, version and bucket.")
+@click.option("--bucket", default="1h", show_default=True, help="With --cost: bucket size (seconds, 15m, 1h, 1d).")
+@click.option("--json", "as_json", is_flag=True, help="With --cost: the JSON GET /admin/cost answers.")
+@click.option("--config", "config_path", envvar="LLMD_CONFIG", default="config.toml", show_default=True,
+              type=click.Path(dir_okay=False), help="With --cost: the config with the prices (and the database).")
 def usage(db_path: Path | None, tenant: str | None, since: str | None, until: str | None, by: str,
-          as_csv: bool) -> None:
-    """Billed usage from the ledger: requests, tokens and cost per group."""
+          as_csv: bool, serving_cost: bool, bucket: str, as_json: bool, config_path: str) -> None:
+    """Billed usage from the ledger: requests, tokens and cost per group; with --cost, what serving cost."""
     import csv
     import io
 
     from llmd.metering import usage_report
     from llmd.store import home
 
+    if serving_cost or as_json:
+        if not serving_cost or tenant or as_csv:
+            raise click.UsageError("--json goes with --cost; --tenant and --csv do not")
+        from llmd.cost.cli import cost_report
+
+        return cost_report(config_path, db_path, since, until, bucket, as_json)
     path = db_path or home() / "llmd.db"
     groups = [g.strip() for g in by.split(",") if g.strip()]
     try:
@@ -338,6 +351,7 @@ def compare(model: str, version_a: str, version_b: str, db_path: Path | None) ->
 main.add_command(batch)
 main.add_command(registry)
 main.add_command(cluster)
+main.add_command(top)
 
 
 if __name__ == "__main__":

@@ -74,6 +74,8 @@ MIGRATIONS: list[str] = [
     CREATE INDEX usage_idempotency ON usage(tenant, idempotency_key) WHERE idempotency_key IS NOT NULL;""",
     # 6: how often a request was carried over an engine's death (re-queued or resumed)
     """ALTER TABLE requests ADD COLUMN resumed INTEGER NOT NULL DEFAULT 0;""",
+    # 7: windows of time across tenants (serving cost, spend today: llmd/cost/report.py)
+    """CREATE INDEX usage_time ON usage(t_arrival);""",
 ]
 SCHEMA_VERSION = len(MIGRATIONS)
 BATCH_WINDOW_S = 0.1  # longest a queued op waits (bench/metering.py: fewer round trips)

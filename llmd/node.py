@@ -23,6 +23,7 @@ from llmd.batch.store import BatchStore
 from llmd.cluster.metrics import ClusterCollector
 from llmd.cluster.node import ClusterNode
 from llmd.config import Config, ConfigError
+from llmd.cost.uptime import EngineUptime, UptimeStore, uptime_path
 from llmd.exposure import check_exposure
 from llmd.filters import Filters
 from llmd.filters.guard import Guard
@@ -59,6 +60,7 @@ class Node:
     auth: Authenticator
     supervisor: Supervisor
     cluster: ClusterNode | None = None  # [cluster] enabled: gossip, routing between nodes, failover
+    uptime: EngineUptime | None = None  # which engines were loaded when: what serving costs (llmd/cost/)
 
     async def open(self) -> None:
         await self.runs.store.start()  # first: the ledger's recovery reads the finals kept with outcomes
@@ -67,6 +69,8 @@ class Node:
             log.warning("ledger_recovered", interrupted_rows=recovered)
         await self.registry.store.start()
         await self.batches.start()
+        if self.uptime is not None:
+            await self.uptime.start()
         await self.batch_runner.start()  # unfinished batches resume (their items wait for the models)
         if self.cluster is not None:
             await self.cluster.start()  # joins at once; peers route here once its versions are loaded
@@ -78,11 +82,15 @@ class Node:
             await self.cluster.fetch_weights(self.config.models)  # a joining node's weights come from its peers
         await self.registry.load_configured()
         await self.registry.restore()
+        if self.uptime is not None:
+            await self.uptime.tick()  # their uptime counts from now, not from the next sample
 
     async def close(self) -> None:
         if self.cluster is not None:
             await self.cluster.stop()  # leave first: peers stop routing here before anything stops
         await self.supervisor.stop()  # no engine is rebuilt while the node stops
+        if self.uptime is not None:
+            await self.uptime.stop()  # the engines' uptime up to now, before they stop
         await self.batch_runner.stop()  # its items in flight are metered as interrupted
         await self.runs.stop()
         await self.runs.store.stop()
@@ -153,7 +161,13 @@ def build_node(config: Config, store: WeightStore | None = None, ledger: Ledger 
         node.cluster = ClusterNode(config, registry, admission)
         service.router = node.cluster.runner()
         metrics.registry.register(ClusterCollector(node.cluster))
+    node.uptime = EngineUptime(UptimeStore(uptime_path(db)), config.server.node, functools.partial(_loaded, registry),
+                               config.cost.sample_s)
     return node
+
+
+def _loaded(registry: Registry) -> list[tuple[str, str]]:
+    return [(model, version) for model, versions in registry.runtimes.items() for version in versions]
 
 
 def _prices(config: Config) -> dict[str, Price]:

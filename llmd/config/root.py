@@ -10,6 +10,7 @@ from pathlib import Path
 from pydantic import Field, ValidationError, model_validator
 
 from llmd.config.cluster import ClusterConfig
+from llmd.config.cost import CostConfig
 from llmd.config.parts import (
     DEFAULT_CONFIG_ENV,
     AuthConfig,
@@ -32,6 +33,7 @@ class Config(_Strict):
     filters: list[FilterSpec] = Field(default_factory=list)
     batch: BatchConfig = Field(default_factory=BatchConfig)
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
+    cost: CostConfig = Field(default_factory=CostConfig)  # GPU-hour prices: what serving costs
     path: Path | None = Field(default=None, exclude=True)
 
     @model_validator(mode="after")
@@ -55,6 +57,8 @@ class Config(_Strict):
                 if allowed != "*" and self.model(allowed) is None:
                     raise ValueError(f"tenant {t.name!r} allows unknown model {allowed!r}")
         self._check_filters()
+        if (why := self.cost.unknown({m.name for m in self.models})) is not None:
+            raise ValueError(why)
         for m in self.models:  # a clustered node's summary of its cache comes from the engine's events
             if m.engine.kv_events is None:
                 m.engine.kv_events = self.cluster.enabled

@@ -20,6 +20,7 @@ from llmd.cluster.registry_sync import snapshot
 from llmd.cluster.weights import WeightServer
 from llmd.gateway import (
     batches,
+    cost,
     generate,
     internal,
     internal_registry,
@@ -68,6 +69,7 @@ def create_app(node: Node, name: str = "llmd", load_models: bool = True) -> App:
     node_routes.add_routes(app, node, principal, admin)
     batches.add_routes(app, node.batches, node.batch_runner, config.batch, principal)
     registry.add_routes(app, node.registry, admin)
+    cost.add_routes(app, node, admin)
     internal.add_routes(app, node, admin)
     if node.cluster is not None:  # one signer for every internal route: one replay window
         internal_registry.mount(app, functools.partial(snapshot, node.registry), node.cluster.http_signer)

@@ -102,6 +102,11 @@ OPERATIONS: tuple[Op, ...] = (
     Op("get", "/openapi.json", "openapi", "This document", "public", "OpenAPI"),
     Op("get", "/admin/engines", "engines", "Live engine and queue stats per model", "admin", "Engines",
        params=(query("since", _TIME, "add the per-step history after this moment"),)),
+    Op("get", "/admin/cost", "cost_summary", "Serving cost (GPU-hours x [cost] prices) per model, version and "
+       "time bucket, per million tokens; each tenant's spend today", "admin", "CostSummary",
+       params=(query("since", _TIME, "from this moment (default: 24 hours ago)"),
+               query("until", _TIME, "up to this moment (default: now)"),
+               query("bucket", {"type": "string"}, "bucket size: seconds, or 15m, 1h, 1d (default 1h)"))),
     Op("get", "/admin/models/{name}", "describe", "A model's loaded versions, their states and the split",
        "admin", "RegistryModel", params=(_MODEL,), errors=(409,)),
     Op("post", "/admin/models/{name}/versions", "load", "Load a stored version, warm it, keep it on standby",

@@ -84,6 +84,9 @@ RESPONSES: dict[str, JSON] = {
                               {"version": STR, "state": nullable(STR), "weight": NUM, "configured": BOOL})}},
                          {"loaded": STR}),
     "Drained": obj({"version": STR, "in_flight": INT, "drained": BOOL}),
+    "CostSummary": obj({"object": {"const": "cost_summary"}, "currency": STR, "since": NUM, "until": NUM,
+                        "bucket_s": NUM, "models": {"type": "array", "items": OBJ}, "total": OBJ,
+                        "tenants_today": {"type": "array", "items": OBJ}}),
     "OpenAPI": obj({"openapi": STR, "info": OBJ, "paths": OBJ}),
 }
 
