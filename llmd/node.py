@@ -15,6 +15,7 @@ import functools
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from llmd.auth import Authenticator
 from llmd.backends import build_backend, unknown_tool_parser
@@ -23,6 +24,7 @@ from llmd.batch.store import BatchStore
 from llmd.cluster.metrics import ClusterCollector
 from llmd.cluster.node import ClusterNode
 from llmd.config import Config, ConfigError
+from llmd.dashboard import Dashboard
 from llmd.exposure import check_exposure
 from llmd.filters import Filters
 from llmd.filters.guard import Guard
@@ -58,6 +60,7 @@ class Node:
     batch_runner: BatchRunner
     auth: Authenticator
     supervisor: Supervisor
+    dashboard: Dashboard  # /dashboard's data: live views, 2-s samples, the request inspector
     cluster: ClusterNode | None = None  # [cluster] enabled: gossip, routing between nodes, failover
 
     async def open(self) -> None:
@@ -66,6 +69,7 @@ class Node:
         if recovered:
             log.warning("ledger_recovered", interrupted_rows=recovered)
         await self.registry.store.start()
+        await self.dashboard.open()  # today's spend per tenant, before anything runs
         await self.batches.start()
         await self.batch_runner.start()  # unfinished batches resume (their items wait for the models)
         if self.cluster is not None:
@@ -137,7 +141,12 @@ def build_node(config: Config, store: WeightStore | None = None, ledger: Ledger 
                         config.server.node, config.cluster.enabled)
     admission = AdmissionController(config.tenants, time.monotonic)
     metrics = Metrics(registry)
-    lifecycle = Lifecycle(ledger, admission, metrics.observe)
+
+    def observe(rec: dict[str, Any]) -> None:  # each finished request: Prometheus, then the dashboard
+        metrics.observe(rec)
+        dashboard.observe(rec)
+
+    lifecycle = Lifecycle(ledger, admission, observe)
     filters = Filters(config, Guard(lambda model: service.route(model).backend))
     service = Service(config.server.node, registry, admission, filters, degraders(config.models),
                       PromptPool(config.server.prompt_workers))
@@ -147,12 +156,14 @@ def build_node(config: Config, store: WeightStore | None = None, ledger: Ledger 
     batches = BatchStore(db.with_suffix(".batches.db"), config.batch.data_dir or _files_dir(db),
                          ttl * 86400 if ttl is not None else None)
     runner = BatchRunner(batches, config, lifecycle, service)
+    dashboard = Dashboard(registry, ledger, lifecycle.in_flight, batches, runner)
     node = Node(config, ledger, registry, admission, metrics, lifecycle, service, runs, batches, runner,
-                Authenticator(config), supervisor)
+                Authenticator(config), supervisor, dashboard)
     if config.cluster.enabled:
         node.cluster = ClusterNode(config, registry, admission)
         service.router = node.cluster.runner()
         metrics.registry.register(ClusterCollector(node.cluster))
+        dashboard.cluster = node.cluster
     return node
 
 

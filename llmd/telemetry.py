@@ -95,12 +95,13 @@ class RequestRecord:
         d = dict(self.__dict__)  # shallow: every field is a scalar but `itl`, which is handed on as is
         t0 = d.pop("t_arrival")
         disp, first, end = d.pop("t_dispatch"), d.pop("t_first_token"), d.pop("t_end")
-        d.pop("t_last_token")
+        last = d.pop("t_last_token")
         itl = d.pop("itl")
         d["queue_time_s"] = _r(disp - t0) if disp is not None else None
         d["prefill_s"] = _r(first - disp) if first is not None and disp is not None else None
         d["ttft_s"] = _r(first - t0) if first is not None else None
         d["total_time_s"] = _r((end or time.monotonic()) - t0)
+        d["last_token_s"] = _r(last - t0) if last is not None else None  # the inspector's timeline
         d["itl_mean_s"] = _r(sum(itl) / len(itl)) if itl else None
         d["itl_p95_s"] = _r(sorted(itl)[min(len(itl) - 1, int(0.95 * len(itl)))]) if itl else None
         d["itl_samples"] = itl

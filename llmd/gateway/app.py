@@ -20,6 +20,7 @@ from llmd.cluster.registry_sync import snapshot
 from llmd.cluster.weights import WeightServer
 from llmd.gateway import (
     batches,
+    dashboard,
     generate,
     internal,
     internal_registry,
@@ -69,6 +70,7 @@ def create_app(node: Node, name: str = "llmd", load_models: bool = True) -> App:
     batches.add_routes(app, node.batches, node.batch_runner, config.batch, principal)
     registry.add_routes(app, node.registry, admin)
     internal.add_routes(app, node, admin)
+    dashboard.add_routes(app, node)
     if node.cluster is not None:  # one signer for every internal route: one replay window
         internal_registry.mount(app, functools.partial(snapshot, node.registry), node.cluster.http_signer)
         internal_weights.mount(app, WeightServer(node.registry.weights), node.cluster.http_signer)  # peers pull here
