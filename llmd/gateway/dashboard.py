@@ -58,6 +58,10 @@ def add_routes(app: App, node: Node) -> None:
         auth = node.config.auth
         return node.config.open_mode and not auth.admin_keys and not auth.dashboard_keys
 
+    def signed_in(request: Request) -> bool:
+        kid = sessions.verify(request.cookies.get(COOKIE))
+        return kid is not None and kid in node.auth.viewer_ids()
+
     def viewer(request: Request) -> None:
         """Raises 401 (no key, an unknown one, no valid session) or 403 (a tenant's key)."""
         if open_to_all():
@@ -68,8 +72,7 @@ def add_routes(app: App, node: Node) -> None:
             if isinstance(found, APIError):
                 raise found
             return
-        kid = sessions.verify(request.cookies.get(COOKIE))
-        if kid is None or kid not in node.auth.viewer_ids():
+        if not signed_in(request):
             found = node.auth.dashboard_viewer(None)
             assert isinstance(found, APIError)
             raise found
@@ -101,6 +104,12 @@ def add_routes(app: App, node: Node) -> None:
         resp.add_cookie(COOKIE, sessions.issue(found), path="/dashboard", httponly=True, samesite="Strict",
                         secure=request.scheme == "https", max_age=TTL_S)
         return resp
+
+    @app.get("/dashboard/session", name="dashboard_session")
+    async def session(request: Request) -> HTTPResponse:
+        """Whether this browser's session is valid (the page asks before it polls: no 401 to log)."""
+        return json_response({"ok": open_to_all() or signed_in(request), "open": open_to_all()},
+                             headers={"Cache-Control": "no-store"})
 
     @app.post("/dashboard/logout", name="dashboard_logout")
     async def logout(request: Request) -> HTTPResponse:

@@ -125,6 +125,8 @@ OPERATIONS: tuple[Op, ...] = (
        media=("text/javascript", "text/css", "text/plain")),
     Op("post", "/dashboard/login", "dashboard_login", "Trade an admin or dashboard key for a session cookie",
        "public", "DashboardSession", "DashboardLogin", errors=(401, 403)),
+    Op("get", "/dashboard/session", "dashboard_session", "Whether this browser's dashboard session is valid",
+       "public", "DashboardSession"),
     Op("post", "/dashboard/logout", "dashboard_logout", "End the dashboard session", "public", "DashboardSession"),
     Op("get", "/dashboard/api/overview", "dashboard_overview", "The dashboard's live views and chart points "
        "(an admin or dashboard key)", "admin", "DashboardOverview",

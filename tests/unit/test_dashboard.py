@@ -110,11 +110,13 @@ async def test_login_gives_a_signed_httponly_strict_cookie(live: LiveServer) -> 
         # A form post (what a cross-site page could send without asking) is refused before the handler.
         assert (await c.post("/dashboard/login", data={"key": VIEWER})).status_code == 415
         assert c.cookies.get(COOKIE) is None
+        assert (await c.get("/dashboard/session")).json() == {"ok": False, "open": False}
         r = await c.post("/dashboard/login", json={"key": VIEWER})
         assert r.status_code == 200
         header = r.headers["set-cookie"].lower()
         assert "httponly" in header and "samesite=strict" in header and "path=/dashboard" in header
         assert (await c.get(OVERVIEW)).status_code == 200  # the cookie alone
+        assert (await c.get("/dashboard/session")).json() == {"ok": True, "open": False}
         good = c.cookies.get(COOKIE)
         assert good is not None
         tampered = good[:-1] + ("0" if good[-1] != "0" else "1")

@@ -8,8 +8,8 @@
   const state = { since: null, points: [], charts: {}, keys: {}, timer: null, last: null };
   window.llmdDashboard = state; // read by the browser test: the charts and the data they hold
 
-  const fmt = (v, d = 2) => (v === null || v === undefined || Number.isNaN(v)) ? "–" :
-    (typeof v === "number" ? (Math.abs(v) >= 1000 ? v.toFixed(0) : v.toFixed(d)) : String(v));
+  const fmt = (v, d = 2) => (v === null || v === undefined || Number.isNaN(v)) ? "–" : typeof v !== "number" ? String(v)
+    : Number.isInteger(v) ? String(v) : Math.abs(v) >= 1000 ? v.toFixed(0) : Math.abs(v) < 0.01 ? v.toPrecision(3) : v.toFixed(d);
   const ms = (v) => (v === null || v === undefined) ? "–" : (v * 1000).toFixed(1) + " ms";
   const esc = (s) => String(s ?? "").replace(/[&<>"']/g, (c) => ({ "&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;", "'": "&#39;" }[c]));
 
@@ -78,7 +78,7 @@
         chart = new uPlot({
           width: width(el), height: 200, scales, axes, legend: { live: false },
           series: [{}].concat(spec.series.map((s, i) => ({ label: s.label, scale: s.scale || "y", dash: s.dash,
-            stroke: COLORS[i % COLORS.length], width: 1.5, spanGaps: true, points: { show: false } }))),
+            stroke: COLORS[i % COLORS.length], width: 1.5, spanGaps: true }))),
         }, spec.data, el);
         state.charts[name] = chart; state.keys[name] = key;
       } else {
@@ -132,7 +132,7 @@
       d.cluster.members.map((m) => [m.name, m.state, m.queued ?? "–", m.versions.reduce((a, v) => a + v.running, 0),
         m.versions.map((v) => `${v.model}: ${v.kv_free_tokens}/${v.kv_capacity_tokens}`).join(", ") || "–", m.age_s ?? "–"]));
     table($("#tbl-recent"), ["request", "model", "tenant", "status", "TTFT", "tokens"],
-      d.recent.map((r) => [{ html: `<a class="rid" data-id="${esc(r.request_id)}">${esc(r.client_request_id || r.request_id)}</a>` },
+      d.recent.slice(0, 15).map((r) => [{ html: `<a class="rid" data-id="${esc(r.request_id)}">${esc(r.client_request_id || r.request_id)}</a>` },
         r.model, r.tenant, r.status, ms(r.ttft_s), r.output_tokens ?? 0]));
   }
 
@@ -162,6 +162,7 @@
       $("#status").textContent = "updated " + new Date(d.now * 1000).toLocaleTimeString();
     } catch (e) {
       $("#status").textContent = "unreachable: " + e.message;
+      console.error("dashboard poll failed:", e); // a bug in this page shows in the console (and fails the test)
     }
     state.timer = setTimeout(poll, POLL_MS);
   }
@@ -202,5 +203,8 @@
     $("#inspect-id").value = a.dataset.id; inspect(a.dataset.id);
   });
 
-  poll();
+  // Ask first whether this browser is signed in: a page that polled blind would log a 401.
+  fetch("/dashboard/session", { credentials: "same-origin" }).then((r) => r.json()).then((s) => {
+    if (s.ok) poll(); else { show("login"); $("#status").textContent = "signed out"; }
+  }).catch((e) => { $("#status").textContent = "unreachable: " + e.message; });
 })();
