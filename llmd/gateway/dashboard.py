@@ -50,33 +50,40 @@ def _files() -> dict[str, tuple[bytes, str]]:
     return out
 
 
-def add_routes(app: App, node: Node) -> None:
-    files, sessions = _files(), Sessions()
-    board: Dashboard = node.dashboard
+class _Access:
+    """Who may read the dashboard's JSON: see the module docstring."""
 
-    def open_to_all() -> bool:
-        auth = node.config.auth
-        return node.config.open_mode and not auth.admin_keys and not auth.dashboard_keys
+    def __init__(self, node: Node) -> None:
+        self.node, self.sessions = node, Sessions()
 
-    def signed_in(request: Request) -> bool:
-        kid = sessions.verify(request.cookies.get(COOKIE))
-        return kid is not None and kid in node.auth.viewer_ids()
+    def open_to_all(self) -> bool:
+        cfg = self.node.config
+        return cfg.open_mode and not cfg.auth.admin_keys and not cfg.auth.dashboard_keys
 
-    def viewer(request: Request) -> None:
+    def signed_in(self, request: Request) -> bool:
+        kid = self.sessions.verify(request.cookies.get(COOKIE))
+        return kid is not None and kid in self.node.auth.viewer_ids()
+
+    def check(self, request: Request) -> None:
         """Raises 401 (no key, an unknown one, no valid session) or 403 (a tenant's key)."""
-        if open_to_all():
+        if self.open_to_all():
             return
         header = request.headers.get("authorization")
-        if header is not None:
-            found = node.auth.dashboard_viewer(bearer_token(header))
-            if isinstance(found, APIError):
-                raise found
+        if header is None and self.signed_in(request):
             return
-        if not signed_in(request):
-            found = node.auth.dashboard_viewer(None)
-            assert isinstance(found, APIError)
+        found = self.node.auth.dashboard_viewer(bearer_token(header))
+        if isinstance(found, APIError):
             raise found
 
+
+def add_routes(app: App, node: Node) -> None:
+    access = _Access(node)
+    _page(app, _files())
+    _sessions(app, node, access)
+    _api(app, node.dashboard, access)
+
+
+def _page(app: App, files: dict[str, tuple[bytes, str]]) -> None:
     @app.get("/dashboard", name="dashboard")
     async def page(request: Request) -> HTTPResponse:
         body, ctype = files["index.html"]
@@ -89,26 +96,28 @@ def add_routes(app: App, node: Node) -> None:
         body, ctype = files[name]
         return HTTPResponse(body, content_type=ctype, headers=SECURITY | {"Cache-Control": "max-age=300"})
 
+
+def _sessions(app: App, node: Node, access: _Access) -> None:
     @app.post("/dashboard/login", name="dashboard_login")
     async def login(request: Request) -> HTTPResponse:
         """Trade a key for a session cookie: 401 for an unknown key, 403 for a tenant's."""
         body = request.json
         if not isinstance(body, dict) or not isinstance(body.get("key"), str) or not body["key"]:
             raise bad_request("send {\"key\": \"<an admin or dashboard key>\"}", "key")
-        if open_to_all():
+        if access.open_to_all():
             return json_response({"ok": True, "open": True})
         found = node.auth.dashboard_viewer(body["key"])
         if isinstance(found, APIError):
             raise found
         resp = json_response({"ok": True, "open": False})
-        resp.add_cookie(COOKIE, sessions.issue(found), path="/dashboard", httponly=True, samesite="Strict",
+        resp.add_cookie(COOKIE, access.sessions.issue(found), path="/dashboard", httponly=True, samesite="Strict",
                         secure=request.scheme == "https", max_age=TTL_S)
         return resp
 
     @app.get("/dashboard/session", name="dashboard_session")
     async def session(request: Request) -> HTTPResponse:
         """Whether this browser's session is valid (the page asks before it polls: no 401 to log)."""
-        return json_response({"ok": open_to_all() or signed_in(request), "open": open_to_all()},
+        return json_response({"ok": access.open_to_all() or access.signed_in(request), "open": access.open_to_all()},
                              headers={"Cache-Control": "no-store"})
 
     @app.post("/dashboard/logout", name="dashboard_logout")
@@ -117,10 +126,12 @@ def add_routes(app: App, node: Node) -> None:
         resp.delete_cookie(COOKIE, path="/dashboard")
         return resp
 
+
+def _api(app: App, board: Dashboard, access: _Access) -> None:
     @app.get("/dashboard/api/overview", name="dashboard_overview")
     async def overview(request: Request) -> HTTPResponse:
         """Live views and the chart points after `?since=` (unix time; all kept ones without it)."""
-        viewer(request)
+        access.check(request)
         raw = request.args.get("since")
         try:
             since = float(raw) if raw is not None else None
@@ -132,8 +143,8 @@ def add_routes(app: App, node: Node) -> None:
     @app.get("/dashboard/api/requests/<request_id:path>", name="dashboard_request")
     async def inspect(request: Request, request_id: str) -> HTTPResponse:
         """One request's timeline by our id (req-...) or the client's X-Request-ID."""
-        viewer(request)
-        found = await board.inspect(request_id[:MAX_ID]) if len(request_id) <= MAX_ID else None
+        access.check(request)
+        found = await board.inspect(request_id) if len(request_id) <= MAX_ID else None
         if found is None:
             raise not_found(f"No request {request_id[:MAX_ID]!r} in flight or in the log", "request_not_found",
                             "request_id")

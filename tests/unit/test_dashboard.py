@@ -61,8 +61,9 @@ async def burst(live: LiveServer, n: int = 6) -> list[str]:
         async with openai.AsyncOpenAI(base_url=live.base, api_key=key) as client:
             for i in range(n):
                 rid = f"dash-{tenant}-{i}"
-                r = await client.chat.completions.create(model="fake", max_tokens=8, extra_headers={"X-Request-ID": rid},
-                                                         messages=[{"role": "user", "content": f"hello {i}"}])
+                r = await client.chat.completions.create(
+                    model="fake", max_tokens=8, extra_headers={"X-Request-ID": rid},
+                    messages=[{"role": "user", "content": f"hello {i}"}])
                 assert r.choices[0].message.content
                 ids.append(rid)
     return ids
