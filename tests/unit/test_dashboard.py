@@ -272,3 +272,24 @@ async def test_polls_between_closes_do_no_work_per_viewer(live: LiveServer) -> N
     assert all(a.status_code == 200 for a in answers) and len(calls) == 1
     assert len({len(a.json()["points"]) for a in answers}) == 1
     assert time.time() > 0
+
+
+async def test_cluster_members_and_the_node_that_ran_a_request(make_server: Any, tmp_path: Any) -> None:
+    from tests.unit.test_cluster import ADMIN as CLUSTER_ADMIN
+    from tests.unit.test_cluster import KEY as CLUSTER_KEY
+    from tests.unit.test_cluster import start_cluster
+
+    a, _ = await start_cluster(make_server, tmp_path, n=2)
+    a.node.cluster.draining = True  # its requests run on the other node
+    await asyncio.sleep(0.6)  # the peer hears it
+    async with openai.AsyncOpenAI(base_url=a.base, api_key=CLUSTER_KEY, max_retries=0) as client:
+        await client.chat.completions.create(model="fake", max_tokens=4, extra_headers={"X-Request-ID": "far"},
+                                             messages=[{"role": "user", "content": "run me elsewhere"}])
+    async with httpx.AsyncClient(base_url=a.url, timeout=30, headers=bearer(CLUSTER_ADMIN)) as c:
+        cl = (await c.get(OVERVIEW)).json()["cluster"]
+        assert cl["node"] == "n0" and cl["draining"] is True
+        members = {m["name"]: m for m in cl["members"]}
+        assert set(members) == {"n0", "n1"} and members["n1"]["state"] == "alive"
+        assert [v["model"] for v in members["n1"]["versions"]] == ["fake"]
+        d = (await c.get(REQUESTS + "far")).json()
+        assert d["replica"].startswith("n1/fake@") and d["status"] == "ok"
