@@ -76,7 +76,8 @@ MIGRATIONS: list[str] = [
     """ALTER TABLE requests ADD COLUMN resumed INTEGER NOT NULL DEFAULT 0;""",
     # 7: the dashboard's request inspector: found by the client's X-Request-ID too; the rest of its timeline
     "".join(f"ALTER TABLE requests ADD COLUMN {c};" for c in ("client_request_id TEXT", "endpoint TEXT",
-            "stream INTEGER", "filter TEXT", "redacted TEXT", "last_token_s REAL", "cost REAL", "degraded TEXT"))
+            "stream INTEGER", "filter TEXT", "redacted TEXT", "last_token_s REAL", "cost REAL", "degraded TEXT",
+            "marks TEXT"))
     + "CREATE INDEX requests_client_id ON requests(client_request_id) WHERE client_request_id IS NOT NULL;",
 ]
 SCHEMA_VERSION = len(MIGRATIONS)

@@ -19,8 +19,21 @@ FIELDS = ("request_id", "client_request_id", "endpoint", "model", "version", "te
           "replica", "cost", "itl_mean_s", "itl_p95_s")
 
 
+def _marks(raw: str | None) -> list[tuple[str, float]]:
+    """The `marks` column ("preempted@0.41,resumed@0.52") as (event, offset) pairs."""
+    out = []
+    for part in (raw or "").split(","):
+        event, _, at = part.rpartition("@")
+        try:
+            out.append((event, float(at)))
+        except ValueError:
+            continue
+    return out
+
+
 def _stages(queue: float | None, ttft: float | None, last: float | None, end: float | None,
-            live: bool) -> list[dict[str, Any]]:
+            live: bool, marks: list[tuple[str, float]]) -> list[dict[str, Any]]:
+    """In time order; events during the run (preempted, resumed, failover:<node>) among them."""
     out: list[dict[str, Any]] = [{"stage": "arrived", "at_s": 0.0}]
     if queue is not None:
         out.append({"stage": "dispatched", "at_s": queue, "detail": f"queued {queue * 1000:.1f} ms"})
@@ -30,9 +43,11 @@ def _stages(queue: float | None, ttft: float | None, last: float | None, end: fl
                     "detail": f"prefill {prefill * 1000:.1f} ms" if prefill is not None else None})
     if last is not None and last != ttft:
         out.append({"stage": "last_token", "at_s": last})
+    out += [{"stage": event.partition(":")[0], "at_s": round(at, 6), "detail": event.partition(":")[2] or None}
+            for event, at in marks]
     if end is not None:
         out.append({"stage": "running" if live else "ended", "at_s": end})
-    return out
+    return sorted(out, key=lambda s: s["at_s"])
 
 
 def from_record(rec: RequestRecord, now: float | None = None) -> dict[str, Any]:
@@ -47,7 +62,8 @@ def from_record(rec: RequestRecord, now: float | None = None) -> dict[str, Any]:
     out = {f: getattr(rec, f, None) for f in FIELDS}
     out |= {"cached_tokens": rec.cached_prompt_tokens, "status": "running", "http_status": None, "live": True,
             "ts": rec.ts, "itl_mean_s": sum(itl) / len(itl) if itl else None, "itl_p95_s": None}
-    out["stages"] = _stages(off(rec.t_dispatch), off(rec.t_first_token), off(rec.t_last_token), off(now), True)
+    out["stages"] = _stages(off(rec.t_dispatch), off(rec.t_first_token), off(rec.t_last_token), off(now), True,
+                            [(e, t - t0) for e, t in rec.marks])
     return out
 
 
@@ -57,5 +73,5 @@ def from_row(row: dict[str, Any]) -> dict[str, Any]:
     out |= {"live": False, "ts": row.get("ts"), "stream": bool(row["stream"]) if row.get("stream") is not None
             else None}
     out["stages"] = _stages(row.get("queue_s"), row.get("ttft_s"), row.get("last_token_s"), row.get("total_s"),
-                            False)
+                            False, _marks(row.get("marks")))
     return out

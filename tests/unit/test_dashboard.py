@@ -293,3 +293,14 @@ async def test_cluster_members_and_the_node_that_ran_a_request(make_server: Any,
         assert [v["model"] for v in members["n1"]["versions"]] == ["fake"]
         d = (await c.get(REQUESTS + "far")).json()
         assert d["replica"].startswith("n1/fake@") and d["status"] == "ok"
+
+
+def test_a_finished_requests_events_are_in_its_timeline() -> None:
+    from llmd.dashboard.timeline import from_row
+
+    d = from_row({"request_id": "req-1", "queue_s": 0.01, "ttft_s": 0.05, "last_token_s": 0.9, "total_s": 0.91,
+                  "marks": "preempted@0.3,failover:n2@0.4,resumed@0.45,bad", "stream": 1})
+    assert [(s["stage"], s["at_s"]) for s in d["stages"]] == [
+        ("arrived", 0.0), ("dispatched", 0.01), ("first_token", 0.05), ("preempted", 0.3), ("failover", 0.4),
+        ("resumed", 0.45), ("last_token", 0.9), ("ended", 0.91)]
+    assert d["stages"][4]["detail"] == "n2" and d["stream"] is True and not d["live"]
