@@ -66,7 +66,7 @@ def _invalid() -> APIError:
     )
 
 
-def _bearer_token(authorization: str | None) -> str | None:
+def bearer_token(authorization: str | None) -> str | None:
     """The key from `Bearer <key>` (scheme case-insensitive), or None if absent or malformed."""
     if not authorization:
         return None
@@ -87,6 +87,7 @@ class Authenticator:
             (h, None) for h in config.auth.admin_keys
         ] + [(h, t) for t in config.tenants for h in t.keys]
         # Who may read /metrics and /ready's details: a metrics key or an admin key; anyone if unset.
+        self._viewers = [*config.auth.admin_keys, *config.auth.dashboard_keys]
         self._metrics = [*config.auth.metrics_keys, *config.auth.admin_keys] if config.auth.metrics_keys else None
 
     def _lookup(self, key: str) -> Principal | None:
@@ -102,7 +103,7 @@ class Authenticator:
         errors), or why not: with `[auth] metrics_keys` set, that takes one of them or an admin key."""
         if self._metrics is None:
             return None
-        key = _bearer_token(authorization)
+        key = bearer_token(authorization)
         if key is None:
             return _missing()
         digest = hash_key(key).encode("ascii")
@@ -114,9 +115,30 @@ class Authenticator:
         return APIError(403, "This endpoint needs a metrics key ([auth] metrics_keys) or an admin key.",
                         "permission_error", "metrics_key_required")
 
+    def dashboard_viewer(self, key: str | None) -> str | APIError:
+        """The key id of an admin or `[auth] dashboard_keys` key (it may read the dashboard), or why
+        not: 401 for no key or an unknown one, 403 for a tenant's key."""
+        if key is None:
+            return _missing()
+        digest = hash_key(key).encode("ascii")
+        viewer: str | None = None
+        for stored in self._viewers:  # every entry, always: no early exit
+            if hmac.compare_digest(stored.encode("ascii"), digest):
+                viewer = key_id(stored)
+        if viewer is not None:
+            return viewer
+        if self._lookup(key) is not None:
+            return APIError(403, "The dashboard needs an admin key or a dashboard key ([auth] dashboard_keys).",
+                            "permission_error", "dashboard_key_required")
+        return _invalid()
+
+    def viewer_ids(self) -> frozenset[str]:
+        """Key ids that may read the dashboard now (a session of a key removed by a reload ends)."""
+        return frozenset(key_id(h) for h in self._viewers)
+
     def authenticate(self, authorization: str | None) -> Principal:
         """The caller's Principal, or APIError 401 (missing/malformed header, unknown key)."""
-        key = _bearer_token(authorization)
+        key = bearer_token(authorization)
         if self.open_mode:
             # Single-user mode: anyone is the implicit tenant, but an admin key still counts.
             if key is not None:

@@ -245,7 +245,8 @@ def keys() -> None:
 @click.argument("tenant")
 @click.option("--admin", is_flag=True, help="An admin key (for [auth] admin_keys); TENANT is then just a label.")
 @click.option("--metrics", is_flag=True, help="A metrics key (for [auth] metrics_keys); TENANT is then just a label.")
-def keys_new(tenant: str, admin: bool, metrics: bool) -> None:
+@click.option("--dashboard", is_flag=True, help="A key that opens only /dashboard (for [auth] dashboard_keys).")
+def keys_new(tenant: str, admin: bool, metrics: bool, dashboard: bool) -> None:
     """Print a fresh key for TENANT (once: it is not stored) and its config.toml line (stderr)."""
     from pydantic import ValidationError
 
@@ -265,6 +266,8 @@ def keys_new(tenant: str, admin: bool, metrics: bool) -> None:
         click.echo(f'admin_keys = ["{h}"]   # under [auth] (admin key for {tenant})', err=True)
     elif metrics:
         click.echo(f'metrics_keys = ["{h}"]   # under [auth] (metrics key for {tenant})', err=True)
+    elif dashboard:
+        click.echo(f'dashboard_keys = ["{h}"]   # under [auth] (dashboard key for {tenant})', err=True)
     else:
         click.echo(f'keys = ["{h}"]   # in [[tenants]] name = "{tenant}"', err=True)
 

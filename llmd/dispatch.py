@@ -87,6 +87,7 @@ async def run(job: Job, choice: Choice, prompt: Prompt | None = None,
             await _engine_back(job, choice, backend, dead, bool(produced))
         elif preempted:
             rec.preemptions += 1
+            rec.mark("preempted")
         else:
             return
         attempt += 1
@@ -126,6 +127,7 @@ async def _engine_back(job: Job, choice: Choice, backend: Backend, dead: EngineD
     if not await job.runtime.watch.back(job.deadline - time.monotonic() - margin):
         raise unavailable(str(dead), "engine_dead", retry_after=30) from None
     job.record.resumed += 1
+    job.record.mark("resumed")  # on the rebuilt engine
     job.runtime.watch.carried(delivered)
 
 

@@ -36,7 +36,8 @@ from typing import Any
 REQUEST_COLS = ("request_id", "ts", "tenant", "model", "version", "status", "http_status", "error_code",
                 "finish_reason", "decision", "priority_class", "prompt_tokens", "cached_tokens",
                 "output_tokens", "queue_s", "prefill_s", "ttft_s", "itl_mean_s", "itl_p95_s", "total_s",
-                "preemptions", "replica", "resumed")
+                "preemptions", "replica", "resumed", "client_request_id", "endpoint", "stream", "filter",
+                "redacted", "last_token_s", "cost", "degraded", "marks")
 RETRIES = (0.05, 0.25, 1.0)  # back-off for a batch whose transaction itself fails
 
 _OPEN_SQL = """INSERT INTO usage (request_id, tenant, key_id, model, version, node, status, prompt_tokens,

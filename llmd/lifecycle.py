@@ -155,6 +155,7 @@ class Lifecycle:
         self.commit_first = True  # RequestLife.finish waits for the commit (off: bench/metering.py's baseline)
         self._admission = admission
         self._observe = observe
+        self.in_flight: dict[str, RequestRecord] = {}  # by request id, while a life owns it (the inspector)
 
     def request(self, record: RequestRecord) -> contextlib.AbstractAsyncContextManager[RequestLife]:
         """A new life for `record`, ended when the block exits (unless handed off or dropped)."""
@@ -162,6 +163,7 @@ class Lifecycle:
 
     @contextlib.asynccontextmanager
     async def own(self, life: RequestLife) -> AsyncIterator[RequestLife]:
+        self.in_flight[life.record.request_id] = life.record
         try:
             yield life
         except BaseException as e:
@@ -170,6 +172,8 @@ class Lifecycle:
             raise
         finally:
             life.end()
+            if life._state != "handed_off":  # else its new owner's block removes it
+                self.in_flight.pop(life.record.request_id, None)
 
     def opened(self, life: RequestLife) -> None:
         r = life.record

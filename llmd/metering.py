@@ -76,6 +76,11 @@ MIGRATIONS: list[str] = [
     """ALTER TABLE requests ADD COLUMN resumed INTEGER NOT NULL DEFAULT 0;""",
     # 7: windows of time across tenants (serving cost, spend today: llmd/cost/report.py)
     """CREATE INDEX usage_time ON usage(t_arrival);""",
+    # 8: the dashboard's request inspector: found by the client's X-Request-ID too; the rest of its timeline
+    "".join(f"ALTER TABLE requests ADD COLUMN {c};" for c in ("client_request_id TEXT", "endpoint TEXT",
+            "stream INTEGER", "filter TEXT", "redacted TEXT", "last_token_s REAL", "cost REAL", "degraded TEXT",
+            "marks TEXT"))
+    + "CREATE INDEX requests_client_id ON requests(client_request_id) WHERE client_request_id IS NOT NULL;",
 ]
 SCHEMA_VERSION = len(MIGRATIONS)
 BATCH_WINDOW_S = 0.1  # longest a queued op waits (bench/metering.py: fewer round trips)
@@ -327,6 +332,12 @@ class Ledger:
         where, params = _where(tenant, since, None)
         sql = f"SELECT * FROM usage{where} ORDER BY t_arrival DESC, rowid DESC LIMIT ?"
         return [dict(r) for r in await self._read(sql, [*params, limit])]
+
+    async def find_request(self, rid: str) -> dict[str, Any] | None:
+        """One request's telemetry row, by our id or the client's X-Request-ID (the newest): two indexes."""
+        rows = await self._read("SELECT * FROM requests WHERE request_id = ?1 OR client_request_id = ?1 "
+                                "ORDER BY ts DESC LIMIT 1", [rid])
+        return dict(rows[0]) if rows else None
 
     async def get(self, request_id: str) -> dict[str, Any] | None:
         rows = await self._read("SELECT * FROM usage WHERE request_id = ?", [request_id])

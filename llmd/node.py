@@ -15,6 +15,7 @@ import functools
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from llmd.auth import Authenticator
 from llmd.backends import build_backend, unknown_tool_parser
@@ -24,6 +25,7 @@ from llmd.cluster.metrics import ClusterCollector
 from llmd.cluster.node import ClusterNode
 from llmd.config import Config, ConfigError
 from llmd.cost.uptime import EngineUptime, UptimeStore, uptime_path
+from llmd.dashboard import Dashboard
 from llmd.exposure import check_exposure
 from llmd.filters import Filters
 from llmd.filters.guard import Guard
@@ -59,6 +61,7 @@ class Node:
     batch_runner: BatchRunner
     auth: Authenticator
     supervisor: Supervisor
+    dashboard: Dashboard  # /dashboard's data: live views, 2-s samples, the request inspector
     cluster: ClusterNode | None = None  # [cluster] enabled: gossip, routing between nodes, failover
     uptime: EngineUptime | None = None  # which engines were loaded when: what serving costs (llmd/cost/)
 
@@ -68,6 +71,7 @@ class Node:
         if recovered:
             log.warning("ledger_recovered", interrupted_rows=recovered)
         await self.registry.store.start()
+        await self.dashboard.open()  # today's spend per tenant, before anything runs
         await self.batches.start()
         if self.uptime is not None:
             await self.uptime.start()
@@ -145,7 +149,12 @@ def build_node(config: Config, store: WeightStore | None = None, ledger: Ledger 
                         config.server.node, config.cluster.enabled)
     admission = AdmissionController(config.tenants, time.monotonic)
     metrics = Metrics(registry)
-    lifecycle = Lifecycle(ledger, admission, metrics.observe)
+
+    def observe(rec: dict[str, Any]) -> None:  # each finished request: Prometheus, then the dashboard
+        metrics.observe(rec)
+        dashboard.observe(rec)
+
+    lifecycle = Lifecycle(ledger, admission, observe)
     filters = Filters(config, Guard(lambda model: service.route(model).backend))
     service = Service(config.server.node, registry, admission, filters, degraders(config.models),
                       PromptPool(config.server.prompt_workers))
@@ -155,12 +164,14 @@ def build_node(config: Config, store: WeightStore | None = None, ledger: Ledger 
     batches = BatchStore(db.with_suffix(".batches.db"), config.batch.data_dir or _files_dir(db),
                          ttl * 86400 if ttl is not None else None)
     runner = BatchRunner(batches, config, lifecycle, service)
+    dashboard = Dashboard(registry, ledger, lifecycle.in_flight, batches, runner)
     node = Node(config, ledger, registry, admission, metrics, lifecycle, service, runs, batches, runner,
-                Authenticator(config), supervisor)
+                Authenticator(config), supervisor, dashboard)
     if config.cluster.enabled:
         node.cluster = ClusterNode(config, registry, admission)
         service.router = node.cluster.runner()
         metrics.registry.register(ClusterCollector(node.cluster))
+        dashboard.cluster = node.cluster
     node.uptime = EngineUptime(UptimeStore(uptime_path(db)), config.server.node, functools.partial(_loaded, registry),
                                config.cost.sample_s)
     return node

@@ -74,6 +74,11 @@ class RequestRecord:
     t_end: float | None = None
     t_last_token: float | None = None
     itl: list[float] = field(default_factory=list)  # seconds per token after the first
+    marks: list[tuple[str, float]] = field(default_factory=list)  # (event, monotonic time): preempted, resumed, ...
+
+    def mark(self, event: str) -> None:
+        """An event in the request's run, for the dashboard's inspector (its timeline)."""
+        self.marks.append((event, time.monotonic()))
 
     def on_tokens(self, n: int, now: float, prev: float | None) -> None:
         """`n` tokens of one choice arriving together at `now` (engines merge deltas under load);
@@ -95,12 +100,15 @@ class RequestRecord:
         d = dict(self.__dict__)  # shallow: every field is a scalar but `itl`, which is handed on as is
         t0 = d.pop("t_arrival")
         disp, first, end = d.pop("t_dispatch"), d.pop("t_first_token"), d.pop("t_end")
-        d.pop("t_last_token")
+        last = d.pop("t_last_token")
         itl = d.pop("itl")
+        marks = d.pop("marks")
+        d["marks"] = ",".join(f"{e}@{t - t0:.6f}" for e, t in marks) or None  # "preempted@0.41,resumed@0.52"
         d["queue_time_s"] = _r(disp - t0) if disp is not None else None
         d["prefill_s"] = _r(first - disp) if first is not None and disp is not None else None
         d["ttft_s"] = _r(first - t0) if first is not None else None
         d["total_time_s"] = _r((end or time.monotonic()) - t0)
+        d["last_token_s"] = _r(last - t0) if last is not None else None  # the inspector's timeline
         d["itl_mean_s"] = _r(sum(itl) / len(itl)) if itl else None
         d["itl_p95_s"] = _r(sorted(itl)[min(len(itl) - 1, int(0.95 * len(itl)))]) if itl else None
         d["itl_samples"] = itl

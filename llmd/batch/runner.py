@@ -49,6 +49,11 @@ class BatchRunner:
         self._slots: dict[tuple[str, str], asyncio.Semaphore] = {}
         self._stopping = False
 
+    @property
+    def active(self) -> list[str]:
+        """Batches being driven now (validating, running, finalizing): the dashboard's list."""
+        return list(self._drivers)
+
     async def start(self) -> None:
         """Resume every batch a stop or crash left unfinished."""
         for b in await self.store.unfinished():

@@ -110,6 +110,7 @@ class Router:
                 if len(excluded) > self.max_failovers or (produced and not choice.flow.preemptible):
                     raise unavailable(f"the node running this request failed ({lost.why}) and it cannot be "
                                       "resumed elsewhere", "node_failed", retry_after=5) from None
+                job.record.mark(f"failover:{node}")
                 if produced:
                     job.record.resumed += 1
                     prompt, sampling = dispatch.resumed(choice.prompt, choice.sampling, produced)

@@ -368,3 +368,5 @@ class AuthConfig(_Strict):
     # Set: /metrics needs one of these keys (or an admin key), and /ready answers only its status
     # without one: tenant names and costs are business data.
     metrics_keys: list[Annotated[str, Field(pattern=KEY_HASH)]] = Field(default_factory=list)
+    # Keys that open only the dashboard (/dashboard): read-only views for on-call people (an admin key opens it too).
+    dashboard_keys: list[Annotated[str, Field(pattern=KEY_HASH)]] = Field(default_factory=list)

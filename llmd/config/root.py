@@ -44,7 +44,7 @@ class Config(_Strict):
                 raise ValueError(f"model name {m.name!r} appears twice")
             seen.add(m.name)
         names: set[str] = set()
-        keys: set[str] = set(self.auth.admin_keys)
+        keys: set[str] = {*self.auth.admin_keys, *self.auth.dashboard_keys}  # a tenant key never opens the dashboard
         for t in self.tenants:
             if t.name in names:
                 raise ValueError(f"tenant name {t.name!r} appears twice")

@@ -21,6 +21,7 @@ from llmd.cluster.weights import WeightServer
 from llmd.gateway import (
     batches,
     cost,
+    dashboard,
     generate,
     internal,
     internal_registry,
@@ -71,6 +72,7 @@ def create_app(node: Node, name: str = "llmd", load_models: bool = True) -> App:
     registry.add_routes(app, node.registry, admin)
     cost.add_routes(app, node, admin)
     internal.add_routes(app, node, admin)
+    dashboard.add_routes(app, node)
     if node.cluster is not None:  # one signer for every internal route: one replay window
         internal_registry.mount(app, functools.partial(snapshot, node.registry), node.cluster.http_signer)
         internal_weights.mount(app, WeightServer(node.registry.weights), node.cluster.http_signer)  # peers pull here

@@ -41,6 +41,8 @@ def _responses(op: Op) -> JSON:
     ok: JSON = {"description": "OK"}
     if op.ok is not None:
         ok["content"] = {"application/json": {"schema": ref(op.ok)}}
+    elif op.media:
+        ok["content"] = {m: {"schema": {"type": "string"}} for m in op.media}
     elif op.name == "metrics":
         ok["content"] = {"text/plain": {"schema": {"type": "string"}}}
     else:

@@ -27,6 +27,7 @@ class Op:
     params: tuple[JSON, ...] = ()
     errors: tuple[int, ...] = ()  # besides 401/403 (from access) and 400/404/405/413/5xx (everywhere)
     status: int = 200
+    media: tuple[str, ...] = ()  # a success body that is not JSON: its content types
 
 
 def path(name: str, desc: str) -> JSON:
@@ -121,4 +122,21 @@ OPERATIONS: tuple[Op, ...] = (
        "admin", "Drained", params=(_MODEL, _VERSION,
                                    query("timeout_s", {"type": "number", "minimum": 0, "maximum": 3600},
                                          "how long to drain")), errors=(409,)),
+    # The dashboard (llmd/gateway/dashboard.py): its page and files are public (they hold no data),
+    # its JSON needs an admin or dashboard key, as a Bearer header or the login's session cookie.
+    Op("get", "/dashboard", "dashboard", "The dashboard page", "public", None, media=("text/html",)),
+    Op("get", "/dashboard/static/{name}", "dashboard_static", "The dashboard's script, styles and vendored uPlot",
+       "public", None, params=(path("name", "a file of the page, like app.js"),),
+       media=("text/javascript", "text/css", "text/plain")),
+    Op("post", "/dashboard/login", "dashboard_login", "Trade an admin or dashboard key for a session cookie",
+       "public", "DashboardSession", "DashboardLogin", errors=(401, 403)),
+    Op("get", "/dashboard/session", "dashboard_session", "Whether this browser's dashboard session is valid",
+       "public", "DashboardSession"),
+    Op("post", "/dashboard/logout", "dashboard_logout", "End the dashboard session", "public", "DashboardSession"),
+    Op("get", "/dashboard/api/overview", "dashboard_overview", "The dashboard's live views and chart points "
+       "(an admin or dashboard key)", "admin", "DashboardOverview",
+       params=(query("since", {"type": "number"}, "only chart points after this unix time"),)),
+    Op("get", "/dashboard/api/requests/{request_id}", "dashboard_request", "One request's timeline by its id or "
+       "the client's X-Request-ID (an admin or dashboard key)", "admin", "DashboardRequest",
+       params=(path("request_id", "req-... or the client's X-Request-ID"),)),
 )

@@ -88,6 +88,12 @@ RESPONSES: dict[str, JSON] = {
                         "bucket_s": NUM, "models": {"type": "array", "items": OBJ}, "total": OBJ,
                         "tenants_today": {"type": "array", "items": OBJ}}),
     "OpenAPI": obj({"openapi": STR, "info": OBJ, "paths": OBJ}),
+    "DashboardSession": obj({"ok": BOOL}, {"open": BOOL}),
+    "DashboardOverview": obj({"now": NUM, "interval_s": NUM, "points": {"type": "array", "items": OBJ},
+                              "models": OBJ, "latency": {"type": "array", "items": OBJ}, "spend_today": OBJ},
+                             {"cost": nullable(OBJ), "cluster": nullable(OBJ), "batches": {"type": "array"}}),
+    "DashboardRequest": obj({"request_id": STR, "live": BOOL, "stages": {"type": "array", "items": obj(
+        {"stage": STR, "at_s": NUM})}}, {"status": nullable(STR), "replica": nullable(STR)}),
 }
 
 # Bodies that handlers check field by field (no pydantic model parses them).
@@ -107,4 +113,5 @@ BODIES: dict[str, JSON] = {
     "Split": obj({"weights": {"type": "object", "minProperties": 1, "additionalProperties": NUM,
                               "description": "version id (or prefix) -> weight"}}),
     "Drain": obj({}, {"timeout_s": {"type": "number", "minimum": 0, "maximum": 3600}}),
+    "DashboardLogin": obj({"key": {"type": "string", "minLength": 1, "description": "an admin or dashboard key"}}),
 }

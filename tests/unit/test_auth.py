@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 from click.testing import CliRunner
+from pydantic import ValidationError
 
 from llmd import auth
 from llmd.auth import Authenticator, Principal, generate_key, hash_key, require_admin
@@ -141,3 +142,27 @@ def test_keys_new_admin_cli_roundtrip() -> None:
 def test_keys_new_rejects_bad_tenant_name() -> None:
     res = CliRunner().invoke(main, ["keys", "new", "not a name"])
     assert res.exit_code != 0 and "invalid tenant name" in res.output
+
+
+def test_keys_new_dashboard_key_opens_only_the_dashboard() -> None:
+    res = CliRunner().invoke(main, ["keys", "new", "oncall", "--dashboard"])
+    assert res.exit_code == 0, res.output
+    key = res.stdout.strip()
+    m = re.search(r'dashboard_keys = \["(sha256:[0-9a-f]{64})"\].*\[auth\]', res.stderr)
+    assert m, res.stderr
+    tenant, admin = generate_key(), generate_key()
+    cfg = Config.model_validate({"models": MODELS, "tenants": [{"name": "acme", "keys": [hash_key(tenant)]}],
+                                 "auth": {"admin_keys": [hash_key(admin)], "dashboard_keys": [m.group(1)]}})
+    au = Authenticator(cfg)
+    assert au.dashboard_viewer(key) == m.group(1).removeprefix("sha256:")[:12]
+    assert isinstance(au.dashboard_viewer(admin), str)
+    for who, status in ((tenant, 403), ("sk-llmd-unknown", 401), (None, 401)):
+        refused = au.dashboard_viewer(who)
+        assert isinstance(refused, APIError) and refused.status == status
+    with pytest.raises(APIError) as e:  # nothing else: not a tenant, not an admin
+        au.authenticate(f"Bearer {key}")
+    assert e.value.status == 401
+    # A hash both a tenant's key and a dashboard key would let a tenant in: refused at start.
+    with pytest.raises(ValidationError, match="used twice"):
+        Config.model_validate({"models": MODELS, "tenants": [{"name": "acme", "keys": [m.group(1)]}],
+                               "auth": {"dashboard_keys": [m.group(1)]}})

@@ -263,7 +263,8 @@ async def test_a_sequence_preempted_before_it_reached_the_engine_is_requeued(mak
     assert (await z).usage.completion_tokens == 5
     ours = [e for e, c in zip(be.submitted, client_ids(be.submitted, records), strict=True) if c == "x"]
     assert len(ours) == 1 and ours[0].endswith("-r1")  # only the resumed run reached the engine
-    assert next(x for x in records if x["client_request_id"] == "x")["preemptions"] == 1
+    rec = next(x for x in records if x["client_request_id"] == "x")
+    assert rec["preemptions"] == 1 and rec["marks"].startswith("preempted@")  # the inspector's timeline
     assert rt.scheduler.preempted == 1
     hog.cancel()
     await asyncio.gather(hog, return_exceptions=True)

@@ -90,7 +90,8 @@ async def _alpha_creates(c: httpx.AsyncClient) -> Alpha:
     markers = {SECRET, "alpha-secret.jsonl", "alpha-meta", TENANT_MARK, idem.json()["id"], *owned.values(),
                *(r["request_id"] for r in usage)}
     # A model only alpha may use (its name and version are the node's, not secrets: a 404 may echo them).
-    return Alpha(owned | {"name": "fake-alpha", "version": "fake-fake-alpha"}, markers, b["status"])
+    return Alpha(owned | {"name": "fake-alpha", "version": "fake-fake-alpha", "request_id": usage[0]["request_id"]},
+                 markers, b["status"])
 
 
 # What bravo sends in place of each kind of input, and the status that proves it got nothing of alpha's.
@@ -102,7 +103,7 @@ def _bodies(alpha: Alpha) -> dict[str, tuple[dict[str, Any], int]]:
                          "completion_window": "24h"}, 404),
         "FileUpload": ({}, 200),  # bravo's own upload: nothing of alpha's in it (checked below)
         "LoadVersion": ({"version": "fake-alpha"}, 403), "Split": ({"weights": {"fake-alpha": 1}}, 403),
-        "Drain": ({"timeout_s": 0}, 403),
+        "Drain": ({"timeout_s": 0}, 403), "DashboardLogin": ({"key": KEY_B}, 403),
     }
 
 
