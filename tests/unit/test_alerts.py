@@ -79,12 +79,12 @@ def test_every_expression_parses() -> None:
 async def test_every_metric_they_read_is_exported(make_server: Any, tmp_path: Path) -> None:
     """A cluster node (it exports llmd:cluster_* too) after a few real requests, one a 5xx."""
     (node,) = await start_cluster(make_server, tmp_path, n=1)
-    c = openai.AsyncOpenAI(base_url=node.base, api_key="sk-cluster-test-a", max_retries=0)
+    c = openai.AsyncOpenAI(base_url=node.base, api_key="sk-cluster-test-a", max_retries=3)  # see _traffic
     await c.chat.completions.create(model="fake", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
     async for _ in await c.completions.create(model="fake", prompt="hello", max_tokens=4, stream=True):
         pass
     with pytest.raises(openai.APIStatusError):
-        await c.completions.create(model="fake", prompt="late", max_tokens=4000,
+        await c.with_options(max_retries=0).completions.create(model="fake", prompt="late", max_tokens=4000,
                                    extra_headers={"X-Request-Timeout": "0.001"})
     exported = await exported_names(node.url)
     own = recorded() | PROMETHEUS_OWN
@@ -113,8 +113,8 @@ SLO_TOML = """
 [server]
 default_deadline_s = 30
 [slo]
-ttft_p95_s = 0.25
-itl_p95_s = 0.1
+ttft_p95_s = 0.5
+itl_p95_s = 0.2
 availability = 0.99
 [[models]]
 name = "fake"
@@ -131,8 +131,10 @@ PAGES = ("LlmdTTFTBudgetBurn", "LlmdITLBudgetBurn", "LlmdAvailabilityBudgetBurn"
 
 
 async def _traffic(live: Any, late: int = 0) -> None:
-    """Eight interactive streams (a chat turn each), and `late` requests whose deadline passes (504)."""
-    c = openai.AsyncOpenAI(base_url=live.base, api_key="none", max_retries=0, timeout=60)
+    """Eight interactive streams (a chat turn each), and `late` requests whose deadline passes (5xx)."""
+    # Retries: a new connection to an in-process server sometimes reads a reset before any response
+    # (seen on main too, a second server in the process; reported): the numbers, not that, are tested here.
+    c = openai.AsyncOpenAI(base_url=live.base, api_key="none", max_retries=3, timeout=60)
 
     async def stream(i: int) -> None:
         async for _ in await c.chat.completions.create(model="fake", max_tokens=6, stream=True,
@@ -145,7 +147,7 @@ async def _traffic(live: Any, late: int = 0) -> None:
         with pytest.raises(openai.APIStatusError) as e:
             await late.completions.create(model="fake", prompt=f"late {i}", max_tokens=64,
                                        extra_headers={"X-Request-Timeout": "0.2"})
-        assert e.value.status_code == 504
+        assert e.value.status_code in (503, 504)  # shed (the wait exceeds its deadline) or dropped at it
 
     await asyncio.gather(*(stream(i) for i in range(8)), *(too_late(i) for i in range(late)))
 
@@ -184,7 +186,7 @@ async def test_slo_pages_fire_on_a_breach_and_clear_on_recovery(make_server: Any
     scrapes = [await scrape(live.url)]
     await _traffic(live)
     scrapes.append(await scrape(live.url))
-    engine.step_ms = 150  # a first token after ~0.3 s (> 0.25), a token every 0.15 s (> 0.1)
+    engine.step_ms = 300  # a first token after ~0.6 s (> 0.5), a token every 0.3 s (> 0.2)
     await _traffic(live, late=4)
     scrapes.append(await scrape(live.url))
     engine.step_ms = 2
