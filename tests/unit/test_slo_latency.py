@@ -70,3 +70,24 @@ async def test_non_streaming_text_is_timed_when_the_filters_release_it(make_serv
     (rec,) = [r for r in records if r["endpoint"] == "/v1/completions"]
     assert rec["ttft_s"] >= rec["queue_time_s"] + rec["prefill_s"] + (HELD - 1) * STEP_S, rec
     assert rec["ttft_s"] < rec["total_time_s"]
+
+
+async def test_a_reload_changes_the_slo_series(make_server: Any) -> None:
+    import tomllib
+
+    from llmd.config import Config
+
+    live = await make_server(TOML)
+
+    async def targets() -> dict[str, tuple[str, float]]:
+        async with httpx.AsyncClient() as h:
+            text = (await h.get(live.url + "/metrics")).text
+        return {f.name: (f.samples[0].labels.get("le", ""), f.samples[0].value)
+                for f in text_string_to_metric_families(text) if f.name.startswith("llmd:slo_")}
+
+    assert await targets() == {"llmd:slo_ttft_p95_seconds": ("1.0", 1.0), "llmd:slo_itl_p95_seconds": ("0.2", 0.2),
+                               "llmd:slo_availability": ("", 0.995)}
+    new = Config.model_validate(tomllib.loads(TOML + "[slo.models.fake]\nttft_p95_s = 2.5\navailability = 0.99\n"))
+    live.node.reload(new)
+    assert await targets() == {"llmd:slo_ttft_p95_seconds": ("2.5", 2.5), "llmd:slo_itl_p95_seconds": ("0.2", 0.2),
+                               "llmd:slo_availability": ("", 0.99)}
