@@ -144,7 +144,7 @@ async def _screened(job: Job, choice: Choice, window: OutputWindow,
                     source: AsyncGenerator[Delta, None]) -> AsyncGenerator[Delta, None]:
     async with contextlib.aclosing(source) as deltas:
         async for d in deltas:
-            seen = len(window.redactions)
+            seen, held = len(window.redactions), window.held_tokens
             text, hit = window.feed(d.text, d.num_tokens, d.finish_reason is not None)
             if len(window.redactions) != seen:  # only when this delta redacted something
                 job.record.redacted = ",".join(dict.fromkeys(window.redactions))
@@ -154,17 +154,19 @@ async def _screened(job: Job, choice: Choice, window: OutputWindow,
                 job.life.fail(stop)
                 raise stop
             if text or d.finish_reason is not None or d.logprobs or d.prompt_logprobs:
-                yield replace(d, text=text)
+                # its tokens: those whose text it releases (held ones included), for the sent ITL
+                yield replace(d, text=text, num_tokens=max(0, held + d.num_tokens - window.held_tokens))
 
 
 def account(job: Job, choice: Choice, delta: Delta, here: bool = True) -> None:
     """The one place a delta's tokens are counted: the record (all choices' total), the
-    choice's gaps for ITL, the scheduler's fairness charge, the ledger's progress. `here`:
+    choice's gaps for the ITL controller, the scheduler's fairness charge, the ledger's progress
+    (the client-observed gaps are timed as tokens are sent: ChoiceOutput.sent). `here`:
     this node's engine made them (a peer's are charged and timed in the peer's own queue)."""
     rec, n = job.record, delta.num_tokens
     now = time.monotonic()
     prev = choice.t_last_token
-    rec.on_tokens(n, now, prev)
+    rec.on_tokens(n, now)
     if n:
         choice.t_last_token = now
         if here and prev is not None and job.runtime.cfg.scheduling.target_itl_ms:

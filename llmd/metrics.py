@@ -8,13 +8,24 @@ vLLM registers its metrics in prometheus_client's global one, in this same proce
 Two sources: `observe` takes each finished request record (a telemetry sink), and a
 custom collector reads queues, schedulers and engine stats at scrape time, so live
 gauges are never stale and no background task is needed.
+
+The SLO series are the client's view. llmd:time_to_first_token_seconds and
+llmd:inter_token_latency_seconds time tokens as the gateway sends them, after the output
+filters' holdback (RequestRecord.on_sent), by model, tenant and priority class: they kept their
+names rather than gaining "client" twins, since at the gateway the engine-side times have no
+consumer the client-side ones do not serve better (the engine's part is
+llmd:request_prefill_time_seconds; vLLM's own metrics are the engine's view). A non-streaming
+response's text is timed when the filters release it (the body itself leaves at the end: that
+wait is llmd:e2e_request_latency_seconds). llmd:requests carries the HTTP `code`, so
+availability is 5xx over all; the llmd:slo_* gauges carry the configured targets ([slo]), the
+latency ones with the bucket edge as `le`, so a rule selects the bucket to count against it.
 """
 
 from __future__ import annotations
 
 from bisect import bisect_left
 from collections import defaultdict
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from itertools import accumulate
 from typing import Any, Protocol
 
@@ -22,21 +33,18 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, H
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.utils import floatToGoString
 
+from llmd.config.slo import ITL_BUCKETS, TTFT_BUCKETS, SLOConfig
 from llmd.policy.classes import CLASSES
 from llmd.runtime import ModelRuntime
 from llmd.telemetry import log
 
-# vLLM's defaults (vllm/v1/metrics/buckets.py); ITL gets three finer buckets below
-# 10 ms, since a small model on a GPU decodes faster than vLLM's lowest bucket.
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
-                10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
-ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
-               2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+# TTFT_BUCKETS and ITL_BUCKETS are in llmd/config/slo.py: an SLO's target must be one of their edges.
 LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
                    120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, *LATENCY_BUCKETS)  # most waits are sub-0.3 s
 
 MT = ("model", "tenant")
+MTC = ("model", "tenant", "class")  # the SLO histograms: by priority class too (batch work is not judged by latency)
 
 
 class Served(Protocol):
@@ -45,6 +53,18 @@ class Served(Protocol):
     def primaries(self) -> Mapping[str, ModelRuntime | None]: ...
 
     def versions(self, model: str) -> Mapping[str, ModelRuntime]: ...
+
+
+def _slo_families() -> dict[str, GaugeMetricFamily]:
+    g = GaugeMetricFamily
+    return {
+        "ttft": g("llmd:slo_ttft_p95_seconds", "The TTFT objective ([slo]): 95% of requests' first token "
+                  "within this; `le` is its bucket edge in llmd:time_to_first_token_seconds.", labels=["model", "le"]),
+        "itl": g("llmd:slo_itl_p95_seconds", "The ITL objective ([slo]): 95% of inter-token gaps within this; "
+                 "`le` is its bucket edge in llmd:inter_token_latency_seconds.", labels=["model", "le"]),
+        "avail": g("llmd:slo_availability", "The availability objective ([slo]): the fraction of requests "
+                   "not answered 5xx.", labels=["model"]),
+    }
 
 
 def _label(v: Any) -> str:
@@ -96,8 +116,8 @@ class _Live:
             "info": g("llmd:model_info", "1 per loaded version of a model (in rotation or on standby).",
                       labels=["model", "version"]),
             "itl": HistogramMetricFamily("llmd:inter_token_latency_seconds", "Histogram of inter-token latency in "
-                                         "seconds (one observation per gap between streamed tokens).",
-                                         labels=list(MT)),
+                                         "seconds as sent to the client (one observation per token after the "
+                                         "first).", labels=list(MTC)),
             # The names llm-d's endpoint picker (Gateway API Inference Extension) reads from a vLLM
             # model server, so a node behind it is scored as a vLLM pod: the waiting count includes
             # llmd's own queue, where requests wait before the engine (docs/cluster.md).
@@ -111,9 +131,19 @@ class _Live:
                      "(prompt + generated) since start: llmd:cost_total / those requests' tokens x 1e6; "
                      "only requests that carried a cost count.", labels=list(MT)),
         }
+        slo = _slo_families()
         if live:
             self._fill(f)
-        return list(f.values())
+            self._fill_slo(slo)
+        return [*f.values(), *slo.values()]
+
+    def _fill_slo(self, f: dict[str, GaugeMetricFamily]) -> None:
+        config = self.m.slo()
+        for name in self.m.served.primaries():
+            o = config.slo_for(name)
+            f["ttft"].add_metric([name, floatToGoString(o.ttft_p95_s)], o.ttft_p95_s)
+            f["itl"].add_metric([name, floatToGoString(o.itl_p95_s)], o.itl_p95_s)
+            f["avail"].add_metric([name], o.availability)
 
     def _fill(self, f: dict[str, Any]) -> None:
         for name, rt in self.m.served.primaries().items():
@@ -148,22 +178,24 @@ class _Live:
         les = [floatToGoString(b) for b in ITL_BUCKETS] + ["+Inf"]
         for key, counts in self.m._itl_counts.items():
             f["itl"].add_metric(list(key), list(zip(les, accumulate(counts), strict=True)), self.m._itl_sum[key])
-        for key, cost in self.m._cost.items():
-            tokens = self.m._cost_tokens[key]
+        for mt, cost in self.m._cost.items():
+            tokens = self.m._cost_tokens[mt]
             if tokens:
-                f["cpm"].add_metric(list(key), cost / tokens * 1e6)
+                f["cpm"].add_metric(list(mt), cost / tokens * 1e6)
 
 
 class Metrics:
     """All of llmd's metrics for one node; `observe` takes each finished request record."""
 
-    def __init__(self, served: Served) -> None:
+    def __init__(self, served: Served, slo: Callable[[], SLOConfig] = SLOConfig) -> None:
+        """`slo`: the objectives in force (read at each scrape: a reload changes them)."""
         self.served = served
+        self.slo = slo
         self.registry = CollectorRegistry()
         r = self.registry
         self.ttft = Histogram("llmd:time_to_first_token_seconds", "Histogram of time to first token in seconds "
-                              "(arrival at the gateway to first generated token, queueing included).",
-                              MT, registry=r, buckets=TTFT_BUCKETS)
+                              "(arrival at the gateway to the first token sent to the client, queueing and "
+                              "the output filters' holdback included).", MTC, registry=r, buckets=TTFT_BUCKETS)
         self.tpot = Histogram("llmd:request_time_per_output_token_seconds", "Histogram of time_per_output_token_"
                               "seconds per request (its mean inter-token gap).", MT, registry=r, buckets=ITL_BUCKETS)
         self.e2e = Histogram("llmd:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds, "
@@ -177,7 +209,8 @@ class Metrics:
         self.cached = Counter("llmd:prompt_tokens_cached", "Number of cached prompt tokens.", MT, registry=r)
         self.generation = Counter("llmd:generation_tokens", "Number of generation tokens processed.", MT, registry=r)
         self.requests = Counter("llmd:requests", "Finished requests by outcome (ok, shed, rejected, deadline, "
-                                "cancelled, error).", (*MT, "status"), registry=r)
+                                "cancelled, error, filtered), priority class and HTTP status code (availability: "
+                                "code 5xx over all).", (*MTC, "status", "code"), registry=r)
         self.shed = Counter("llmd:requests_shed", "Requests refused by admission control, by reason.",
                             ("model", "reason"), registry=r)
         self.cost = Counter("llmd:cost", "Accumulated cost of requests, in the metering's currency unit.",
@@ -191,8 +224,8 @@ class Metrics:
                                       ("model", "version"), registry=r)
         # ITL is bucketed here and exposed by the collector: a record carries one sample per
         # token, and Histogram.observe per sample costs ~4x as much on the event loop.
-        self._itl_counts: dict[tuple[str, str], list[int]] = {}
-        self._itl_sum: dict[tuple[str, str], float] = defaultdict(float)
+        self._itl_counts: dict[tuple[str, str, str], list[int]] = {}
+        self._itl_sum: dict[tuple[str, str, str], float] = defaultdict(float)
         self._cost: dict[tuple[str, str], float] = defaultdict(float)
         self._cost_tokens: dict[tuple[str, str], int] = defaultdict(int)
         r.register(_Live(self))
@@ -208,7 +241,8 @@ class Metrics:
         key = (_label(rec.get("model")), _label(rec.get("tenant")))
         status = _label(rec.get("status"))
         decision = rec.get("decision") or ""
-        self.requests.labels(*key, status).inc()
+        kc = (*key, _label(rec.get("priority_class")))
+        self.requests.labels(*kc, status, _label(rec.get("http_status"))).inc()
         if version := rec.get("version"):
             vkey = (key[0], _label(version)[:12])
             self.by_version.labels(*vkey, status, _label(rec.get("finish_reason"))).inc()
@@ -222,16 +256,17 @@ class Metrics:
         admitted = bool(decision) and not decision.startswith("shed:")
         if admitted and rec.get("total_time_s") is not None:
             self.e2e.labels(*key).observe(rec["total_time_s"])
-        for hist, field in ((self.ttft, "ttft_s"), (self.queue, "queue_time_s"), (self.prefill, "prefill_s"),
-                            (self.tpot, "itl_mean_s")):
+        if rec.get("ttft_s") is not None:
+            self.ttft.labels(*kc).observe(rec["ttft_s"])
+        for hist, field in ((self.queue, "queue_time_s"), (self.prefill, "prefill_s"), (self.tpot, "itl_mean_s")):
             if rec.get(field) is not None:
                 hist.labels(*key).observe(rec[field])
         if samples := rec.get("itl_samples"):
             total = sum(samples)
-            counts = self._itl_counts.setdefault(key, [0] * (len(ITL_BUCKETS) + 1))
+            counts = self._itl_counts.setdefault(kc, [0] * (len(ITL_BUCKETS) + 1))
             for gap in samples:
                 counts[bisect_left(ITL_BUCKETS, gap)] += 1  # le is inclusive, as bisect_left's index
-            self._itl_sum[key] += total
+            self._itl_sum[kc] += total
         prompt, out = rec.get("prompt_tokens") or 0, rec.get("output_tokens") or 0
         if rec.get("queue_time_s") is not None:  # dispatched: the engine prefilled it
             self.prompt.labels(*key).inc(prompt)

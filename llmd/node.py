@@ -148,7 +148,7 @@ def build_node(config: Config, store: WeightStore | None = None, ledger: Ledger 
                         lambda cfg, backend: build_runtime(cfg, backend, node.config.tenants, watch=supervisor.watch),
                         config.server.node, config.cluster.enabled)
     admission = AdmissionController(config.tenants, time.monotonic)
-    metrics = Metrics(registry)
+    metrics = Metrics(registry, lambda: node.config.slo)  # read at each scrape: a reload changes it
 
     def observe(rec: dict[str, Any]) -> None:  # each finished request: Prometheus, then the dashboard
         metrics.observe(rec)

@@ -9,6 +9,7 @@ with its text blanked and no alternatives.
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 
 from llmd.backends.base import Delta, TokenLogprob
@@ -30,6 +31,8 @@ class ChoiceOutput:
         self._called = False  # tool_choice auto: the parser found a call (finish_reason tool_calls)
         self._offset = 0  # characters of this choice's text already sent (completions' text_offset)
         self._started = False
+        self._unsent = 0  # tokens taken and not yet sent (`sent`)
+        self._t_sent: float | None = None  # when this choice's last tokens went to the client
         self.wants_logprobs = choice.sampling.logprobs is not None
         # The common case (text only) is encoded from templates: per token, one string escape.
         self.plain = not self.wants_logprobs and job.tools is None and not choice.prompt_only
@@ -40,6 +43,7 @@ class ChoiceOutput:
     # -- taking deltas -----------------------------------------------------
     def take(self, d: Delta) -> list[TokenLogprob]:
         """Record a screened delta; returns the logprob entries that may go out with it."""
+        self._unsent += d.num_tokens
         if self.choice.prompt_only:  # echo with max_tokens 0: the prompt (and its logprobs) is all
             scored = list(d.prompt_logprobs or ()) if self.wants_logprobs else []
             self.logprobs += scored
@@ -62,6 +66,16 @@ class ChoiceOutput:
         self._held = []
         self.logprobs += entries
         return entries
+
+    def sent(self) -> None:
+        """The tokens taken since the last call go to the client now: a stream's chunk is being
+        written, or a response body's text was released by the filters (that body leaves whole
+        at the end: its wait is e2e latency). They time the client-observed TTFT and ITL."""
+        if n := self._unsent:
+            self._unsent = 0
+            now = time.monotonic()
+            self.job.record.on_sent(n, now, self._t_sent)
+            self._t_sent = now
 
     @property
     def text(self) -> str:

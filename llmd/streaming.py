@@ -75,6 +75,7 @@ async def complete(job: Job, req: ChatRequest | CompletionRequest) -> dict[str, 
         try:
             async for d in dispatch.screened(job, out.choice):
                 out.take(d)
+                out.sent()
         except ContentFiltered:
             out.finish = "content_filter"  # the text that passed every filter, as OpenAI does
 
@@ -117,6 +118,7 @@ async def _choice_chunks(job: Job, shape: _Shape, choice: Choice) -> AsyncIterat
         async for d in dispatch.screened(job, choice):
             piece = out.chunk_json(d, out.take(d))
             if piece is not None:
+                out.sent()
                 yield shape.chunk(piece)
     except ContentFiltered:
         yield _stopped_chunk(shape, choice, out)
@@ -131,6 +133,7 @@ async def _emit_choice(job: Job, shape: _Shape, choice: Choice, emit: Emit) -> N
         async for d in dispatch.screened(job, choice):
             piece = out.chunk_json(d, out.take(d))
             if piece is not None:
+                out.sent()  # handed to the connection now; a client slow to read delays the next
                 await emit(shape.chunk(piece))
     except ContentFiltered:
         await emit(_stopped_chunk(shape, choice, out))

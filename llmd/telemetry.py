@@ -70,26 +70,35 @@ class RequestRecord:
     ts: float = field(default_factory=time.time)  # wall-clock arrival, for the ledger
     t_arrival: float = field(default_factory=time.monotonic)
     t_dispatch: float | None = None
-    t_first_token: float | None = None
+    t_first_token: float | None = None  # the engine's first token (billing, prefill time)
     t_end: float | None = None
     t_last_token: float | None = None
-    itl: list[float] = field(default_factory=list)  # seconds per token after the first
+    t_first_sent: float | None = None  # the first token sent to the client (client-observed TTFT)
+    itl: list[float] = field(default_factory=list)  # seconds per token after the first, as sent
     marks: list[tuple[str, float]] = field(default_factory=list)  # (event, monotonic time): preempted, resumed, ...
 
     def mark(self, event: str) -> None:
         """An event in the request's run, for the dashboard's inspector (its timeline)."""
         self.marks.append((event, time.monotonic()))
 
-    def on_tokens(self, n: int, now: float, prev: float | None) -> None:
-        """`n` tokens of one choice arriving together at `now` (engines merge deltas under load);
-        `prev`: when that choice's previous tokens came (None: these are its first)."""
+    def on_tokens(self, n: int, now: float) -> None:
+        """`n` tokens of one choice came from the engine at `now`."""
+        if n:
+            if self.t_first_token is None:
+                self.t_first_token = now
+            self.t_last_token = now
+
+    def on_sent(self, n: int, now: float, prev: float | None) -> None:
+        """`n` tokens of one choice went to the client together at `now` (engines merge deltas
+        under load, output filters hold some back and release them at once); `prev`: when that
+        choice's previous tokens went (None: these are its first). The SLO's TTFT and ITL are
+        these times, not the engine's: what the client waits for includes the holdback."""
         if not n:
             return
-        if self.t_first_token is None:
-            self.t_first_token = now
+        if self.t_first_sent is None:
+            self.t_first_sent = now
         if prev is not None:
             self.itl.extend([(now - prev) / n] * n)
-        self.t_last_token = now
 
     def finish(self) -> None:
         if self.t_end is None:
@@ -100,13 +109,14 @@ class RequestRecord:
         d = dict(self.__dict__)  # shallow: every field is a scalar but `itl`, which is handed on as is
         t0 = d.pop("t_arrival")
         disp, first, end = d.pop("t_dispatch"), d.pop("t_first_token"), d.pop("t_end")
+        sent = d.pop("t_first_sent")
         last = d.pop("t_last_token")
         itl = d.pop("itl")
         marks = d.pop("marks")
         d["marks"] = ",".join(f"{e}@{t - t0:.6f}" for e, t in marks) or None  # "preempted@0.41,resumed@0.52"
         d["queue_time_s"] = _r(disp - t0) if disp is not None else None
         d["prefill_s"] = _r(first - disp) if first is not None and disp is not None else None
-        d["ttft_s"] = _r(first - t0) if first is not None else None
+        d["ttft_s"] = _r(sent - t0) if sent is not None else None  # as the client saw it
         d["total_time_s"] = _r((end or time.monotonic()) - t0)
         d["last_token_s"] = _r(last - t0) if last is not None else None  # the inspector's timeline
         d["itl_mean_s"] = _r(sum(itl) / len(itl)) if itl else None

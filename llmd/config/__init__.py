@@ -28,11 +28,12 @@ from llmd.config.parts import (
     TLSConfig,
 )
 from llmd.config.root import Config, load_config
+from llmd.config.slo import SLO, SLOConfig, slo_for
 
 __all__ = [
-    "DEFAULT_CONFIG_ENV", "KEY_HASH", "PII_KINDS", "AuthConfig", "BatchConfig", "ClusterConfig", "Config",
+    "DEFAULT_CONFIG_ENV", "KEY_HASH", "PII_KINDS", "SLO", "AuthConfig", "BatchConfig", "ClusterConfig", "Config",
     "ConfigError",
     "DegradationConfig", "EngineConfig", "FakeEngineConfig", "FilterSpec", "FilteringConfig", "ModelConfig",
-    "PIIKind", "PricingConfig", "PriorityClass", "SchedulingConfig", "ServerConfig", "TLSConfig", "TenantConfig",
-    "WarmPoolConfig", "load_config",
+    "PIIKind", "PricingConfig", "PriorityClass", "SLOConfig", "SchedulingConfig", "ServerConfig", "TLSConfig",
+    "TenantConfig", "WarmPoolConfig", "load_config", "slo_for",
 ]

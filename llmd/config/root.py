@@ -22,6 +22,7 @@ from llmd.config.parts import (
     TenantConfig,
     _Strict,
 )
+from llmd.config.slo import SLOConfig
 
 
 class Config(_Strict):
@@ -34,6 +35,7 @@ class Config(_Strict):
     batch: BatchConfig = Field(default_factory=BatchConfig)
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
     cost: CostConfig = Field(default_factory=CostConfig)  # GPU-hour prices: what serving costs
+    slo: SLOConfig = Field(default_factory=SLOConfig)
     path: Path | None = Field(default=None, exclude=True)
 
     @model_validator(mode="after")
@@ -66,6 +68,9 @@ class Config(_Strict):
             fb = m.degradation.fallback_model
             if fb is not None and (fb == m.name or self.model(fb) is None):
                 raise ValueError(f"model {m.name!r} degradation.fallback_model {fb!r} must be another configured model")
+        for name in self.slo.models:
+            if self.model(name) is None:
+                raise ValueError(f"slo.models.{name}: no model {name!r} is configured")
         return self
 
     def _check_filters(self) -> None:

@@ -79,6 +79,11 @@ def test_good_config_and_env_var(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
         (GOOD + '[[filters]]\nname = "x"\ntype = "no_such_pkg.mod:Filter"\n', "cannot load filter class"),
         (GOOD + '[[tenants]]\nname = "t"\nclasses = ["urgent"]\n', "tenants[0].classes[0]"),
         (GOOD + '[[tenants]]\nname = "t"\ndefault_class = "urgent"\n', "unknown priority class 'urgent'"),
+        (GOOD + "[slo]\nttft_p95_s = 0.3\n", "slo.ttft_p95_s: 0.3 is not a bucket edge"),
+        (GOOD + "[slo]\navailability = 1.0\n", "slo.availability"),
+        (GOOD + "[slo]\nlatency_s = 1.0\n", "slo.latency_s: unknown key"),
+        (GOOD + "[slo.models.ghost]\nitl_p95_s = 0.1\n", "slo.models.ghost: no model 'ghost' is configured"),
+        (GOOD + "[slo.models.m]\nitl_p95_s = 0.12\n", "slo.models.m.itl_p95_s: 0.12 is not a bucket edge"),
     ],
 )
 def test_errors_name_file_and_key(tmp_path: Path, text: str, expected: str) -> None:
@@ -87,6 +92,19 @@ def test_errors_name_file_and_key(tmp_path: Path, text: str, expected: str) -> N
         load_config(p)
     assert str(p) in str(e.value)
     assert expected in str(e.value)
+
+
+def test_slo_defaults_and_per_model_overrides(tmp_path: Path) -> None:
+    from llmd.config import slo_for
+
+    example = load_config(REPO / "config.toml").slo
+    assert (example.ttft_p95_s, example.itl_p95_s, example.availability) == (1.0, 0.2, 0.995)
+    assert slo_for(load_config(write(tmp_path, GOOD)).slo, "m").ttft_p95_s == 1.0  # no [slo]: the defaults
+    cfg = load_config(write(tmp_path, GOOD + '[[models]]\nname = "n"\nbackend = "fake"\n'
+                            "[slo]\nttft_p95_s = 2.5\navailability = 0.99\n[slo.models.n]\nitl_p95_s = 0.1\n"))
+    m, n = slo_for(cfg.slo, "m"), slo_for(cfg.slo, "n")
+    assert (m.ttft_p95_s, m.itl_p95_s, m.availability) == (2.5, 0.2, 0.99)
+    assert (n.ttft_p95_s, n.itl_p95_s, n.availability) == (2.5, 0.1, 0.99)
 
 
 def test_missing_file(tmp_path: Path) -> None:

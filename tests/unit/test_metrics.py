@@ -255,3 +255,44 @@ def test_itl_matches_prometheus_histogram(svc: Served) -> None:
     assert got.keys() == ref.keys()
     for k, v in ref.items():
         assert got[k] == pytest.approx(v), k
+
+
+def test_slo_series_by_class_and_code(svc: Served) -> None:
+    """The SLO histograms are by priority class; llmd:requests carries the HTTP code (availability)."""
+    m = Metrics(svc)
+    m.observe(rec(priority_class="interactive", http_status=200))
+    m.observe(rec(priority_class="batch", http_status=200, ttft_s=30.0, itl_samples=[2.0]))
+    m.observe(rec(priority_class="interactive", status="deadline", http_status=504, ttft_s=None, itl_samples=None))
+    f = scrape(m)
+    ttft, itl = "llmd:time_to_first_token_seconds", "llmd:inter_token_latency_seconds"
+    inter, batch = {"class": "interactive"}, {"class": "batch"}
+    assert value(f, ttft, ttft + "_count", model="m", tenant="a", **inter) == 1
+    assert value(f, ttft, ttft + "_bucket", model="m", tenant="a", le="20.0", **batch) == 0
+    assert value(f, itl, itl + "_count", model="m", tenant="a", **inter) == 4
+    assert value(f, itl, itl + "_count", model="m", tenant="a", **batch) == 1
+    req = "llmd:requests_total"
+    assert value(f, "llmd:requests", req, model="m", status="deadline", code="504", **inter) == 1
+    assert value(f, "llmd:requests", req, model="m", status="ok", code="200", **batch) == 1
+
+
+def test_slo_targets_are_series_read_at_scrape(svc: Served) -> None:
+    """The configured objectives as gauges, the latency ones with their bucket edge as `le`, so a
+    rule can select the bucket to count against; a reload's new objectives show at the next scrape."""
+    from llmd.config import SLOConfig
+
+    config = [SLOConfig()]
+    m = Metrics(svc, lambda: config[0])
+    f = scrape(m)
+    assert value(f, "llmd:slo_ttft_p95_seconds", "llmd:slo_ttft_p95_seconds", model="m", le="1.0") == 1.0
+    assert value(f, "llmd:slo_itl_p95_seconds", "llmd:slo_itl_p95_seconds", model="loading", le="0.2") == 0.2
+    assert value(f, "llmd:slo_availability", "llmd:slo_availability", model="m") == 0.995
+    config[0] = SLOConfig.model_validate({"ttft_p95_s": 2.5, "models": {"m": {"itl_p95_s": 0.05}}})
+    f = scrape(m)
+    assert value(f, "llmd:slo_ttft_p95_seconds", "llmd:slo_ttft_p95_seconds", model="m", le="2.5") == 2.5
+    assert value(f, "llmd:slo_itl_p95_seconds", "llmd:slo_itl_p95_seconds", model="m", le="0.05") == 0.05
+    assert value(f, "llmd:slo_itl_p95_seconds", "llmd:slo_itl_p95_seconds", model="loading", le="0.2") == 0.2
+    # the edge is the histogram's own `le` text for that bucket
+    m.observe(rec(ttft_s=2.5))
+    f = scrape(m)
+    ttft = "llmd:time_to_first_token_seconds"
+    assert value(f, ttft, ttft + "_bucket", model="m", tenant="a", le="2.5") == 1
