@@ -24,6 +24,7 @@ from llmd.batch.store import BatchStore
 from llmd.cluster.metrics import ClusterCollector
 from llmd.cluster.node import ClusterNode
 from llmd.config import Config, ConfigError
+from llmd.cost.summaries import CostSummaries
 from llmd.cost.uptime import EngineUptime, UptimeStore, uptime_path
 from llmd.dashboard import Dashboard
 from llmd.exposure import check_exposure
@@ -64,6 +65,7 @@ class Node:
     dashboard: Dashboard  # /dashboard's data: live views, 2-s samples, the request inspector
     cluster: ClusterNode | None = None  # [cluster] enabled: gossip, routing between nodes, failover
     uptime: EngineUptime | None = None  # which engines were loaded when: what serving costs (llmd/cost/)
+    costs: CostSummaries | None = None  # GET /admin/cost and the dashboard's cost panel
 
     async def open(self) -> None:
         await self.runs.store.start()  # first: the ledger's recovery reads the finals kept with outcomes
@@ -172,8 +174,12 @@ def build_node(config: Config, store: WeightStore | None = None, ledger: Ledger 
         service.router = node.cluster.runner()
         metrics.registry.register(ClusterCollector(node.cluster))
         dashboard.cluster = node.cluster
-    node.uptime = EngineUptime(UptimeStore(uptime_path(db)), config.server.node, functools.partial(_loaded, registry),
-                               config.cost.sample_s)
+    node.uptime = uptime = EngineUptime(UptimeStore(uptime_path(db)), config.server.node,
+                                        functools.partial(_loaded, registry), config.cost.sample_s)
+    node.costs = CostSummaries(lambda: database(node.config), lambda: node.config.cost, ledger.flush, uptime.live,
+                               lambda: node.config.server.max_deadline_s + 60)
+    dashboard.cost = node.costs.today
+    dashboard.slo = lambda model: node.config.slo.slo_for(model).model_dump()  # read per poll: a reload changes it
     return node
 
 

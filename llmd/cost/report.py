@@ -77,7 +77,14 @@ def cost_summary(db: Path, cost: CostConfig, since: float, until: float, bucket_
     models = _models(cost, served(stretches, since, until, bucket_s), usage, bucket_s)
     return {"object": "cost_summary", "currency": cost.currency, "since": since, "until": until,
             "bucket_s": bucket_s, "now": now, "models": models,
-            "total": _sum([m["total"] for m in models]), "day_start": day_start(now), "tenants_today": _today(hours)}
+            "total": _window_total(models), "day_start": day_start(now), "tenants_today": _today(hours)}
+
+
+def _window_total(models: list[dict[str, Any]]) -> dict[str, Any]:
+    """The window's total over the priced models (cost per million tokens divides their cost by
+    their tokens only), or over all when none has a price."""
+    priced = [m["total"] for m in models if m["gpu_hour_price"] is not None]
+    return _sum(priced or [m["total"] for m in models])
 
 
 def _today(hours: dict[float, dict[str, list[float]]]) -> list[dict[str, Any]]:

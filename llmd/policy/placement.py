@@ -29,7 +29,7 @@ NEAR_BEST = 0.1  # candidates within 10 % of the best score are equally good ...
 NEAR_BEST_MAX_S = 0.05  # ... but never more than 50 ms apart: under deep queues 10 % of the score
 # outweighs what a cached prefix saves, and a wide band would scatter prompts off their cache
 STICKY_SLACK = 0.5  # a conversation stays on its node unless that node's TTFT is over 1.5x the best
-AFFINITY_SLACK = 0.5  # likewise a node holding most of the prompt in cache (see `_cache_holder`)
+AFFINITY_SLACK = 1.0  # a node holding most of the prompt in cache keeps it up to 2x the best TTFT (`_cache_holders`)
 AFFINITY_MIN_MATCH = 0.5  # "most": at least half the prompt's tokens (SGLang's match threshold)
 FLOOR_TPS = 100.0  # a prefill rate nobody knows yet: slow, but never a division by zero
 
@@ -169,37 +169,35 @@ def place(cands: Sequence[Candidate], prompt_tokens: int, expected_output: int,
     ttft = {c.node: estimated_ttft(c, prompt_tokens, reserved[c.node], hop_s, default) for c in ok}
     best_ttft = min(ttft.values())
     sticky = [c for c in ok if c.sticky and ttft[c.node] <= best_ttft * (1 + sticky_slack)]
-    holder = _cache_holder(ok, ttft, prompt_tokens, best_ttft, affinity_slack)
     if sticky:
         choice = sticky[0]
-    elif holder is not None:
-        choice = holder
     else:
-        score = {c.node: ttft[c.node] * (1 + gamma * occupancy(c.load)) for c in ok}
+        pool = _cache_holders(ok, ttft, prompt_tokens, best_ttft, affinity_slack) or ok
+        score = {c.node: ttft[c.node] * (1 + gamma * occupancy(c.load)) for c in pool}
         best = min(score.values())
         band = min(best * near_best, NEAR_BEST_MAX_S)
-        choice = rng.choice([c for c in ok if score[c.node] <= best + band])
+        choice = rng.choice([c for c in pool if score[c.node] <= best + band])
     reservations.add(choice.node, uncached(choice, prompt_tokens))
     return choice
 
 
-def _cache_holder(ok: Sequence[Candidate], ttft: dict[str, float], prompt_tokens: int, best_ttft: float,
-                  slack: float) -> Candidate | None:
-    """The node caching the most of this prompt, when that is at least AFFINITY_MIN_MATCH of it
-    and its TTFT is within `slack` of the best; the fastest of several such holders.
+def _cache_holders(ok: Sequence[Candidate], ttft: dict[str, float], prompt_tokens: int, best_ttft: float,
+                   slack: float) -> list[Candidate]:
+    """The nodes caching (nearly) the most of this prompt, when that is at least AFFINITY_MIN_MATCH
+    of it, whose TTFT is within `slack` of the best: the pick is made among them (empty: among all).
 
     Why not the score alone: minimising each request's own TTFT is myopic under deep queues.
     A cached prefix saves its prefill (a few hundred ms) while queues differ by seconds, so
     the score scatters prompts off their caches; every miss then adds prefill work, queues
-    grow, and the hit rate collapses towards round robin's (bench (a), 100 % load: 0.38 vs
-    0.26). Like SGLang's router, stay with the cache unless the load is clearly unbalanced."""
+    grow, and the hit rate collapses towards round robin's. Like SGLang's router, stay with
+    the cache unless the load is clearly unbalanced; several holders of a hot prefix still
+    share its traffic by score."""
     if slack <= 0 or prompt_tokens <= 0:
-        return None
+        return []
     most = max(c.cached_tokens for c in ok)
     if most < AFFINITY_MIN_MATCH * prompt_tokens:
-        return None
-    holders = [c for c in ok if c.cached_tokens >= most * 0.9 and ttft[c.node] <= best_ttft * (1 + slack)]
-    return min(holders, key=lambda c: ttft[c.node]) if holders else None
+        return []
+    return [c for c in ok if c.cached_tokens >= most * 0.9 and ttft[c.node] <= best_ttft * (1 + slack)]
 
 
 def round_robin(cands: Sequence[Candidate], counter: int) -> Candidate | None:

@@ -119,7 +119,8 @@ def test_reservations_spread_a_burst(res: Reservations) -> None:
     got = Counter(c.node for c in (place(cands, 1000, 100, res, rng) for _ in range(100)) if c)
     assert sum(got.values()) == 100
     assert set(got) == {"a", "b", "c"}
-    assert max(got.values()) <= 60, got
+    # the holder of half the prompt keeps it up to 2x the best TTFT: about two thirds, not all
+    assert max(got.values()) <= 75, got
     assert got["a"] > got["b"] and got["a"] > got["c"]  # the cache still counts
 
 
@@ -209,12 +210,15 @@ def test_a_reservation_is_released_once_its_request_has_had_its_prefill(res: Res
 
 
 def test_cache_holder_keeps_its_prompts_under_deep_queues_unless_clearly_slower() -> None:
-    """Queues seconds deep: the node caching most of the prompt keeps it up to 1.5x the best TTFT
+    """Queues seconds deep: the node caching most of the prompt keeps it up to 2x the best TTFT
     (the score alone would move it for a 0.1 s difference and lose the cache)."""
     near = [cand("idle-ish", waiting_prefill_tokens=20_000), cand("holder", cached=900, waiting_prefill_tokens=27_000)]
     assert picks(near, 30) == {"holder": 30}  # TTFT 2.71 s vs 2.1 s: 1.3x
-    far = [cand("idle-ish", waiting_prefill_tokens=20_000), cand("holder", cached=900, waiting_prefill_tokens=32_000)]
-    assert picks(far, 30) == {"idle-ish": 30}  # 3.2 s vs 2.1 s: over 1.5x
+    far = [cand("idle-ish", waiting_prefill_tokens=20_000), cand("holder", cached=900, waiting_prefill_tokens=45_000)]
+    assert picks(far, 30) == {"idle-ish": 30}  # 4.5 s vs 2.1 s: over 2x
+    two = [cand("idle-ish", waiting_prefill_tokens=20_000), cand("h1", cached=900, waiting_prefill_tokens=27_000),
+           cand("h2", cached=900, waiting_prefill_tokens=27_200)]
+    assert set(picks(two, 60)) == {"h1", "h2"}  # several holders of a hot prefix share it (near-best)
     small = [cand("idle-ish", waiting_prefill_tokens=20_000), cand("holder", cached=400, waiting_prefill_tokens=21_000)]
     assert picks(small, 30) == {"idle-ish": 30}  # under half the prompt cached: the score decides
 

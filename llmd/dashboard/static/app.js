@@ -120,7 +120,14 @@
     table($("#tbl-prices"), ["model", "spend", "per M total tokens", "per M output tokens"],
       Object.entries(d.prices).map(([m, c]) => [m, c.cost, c.per_mtok_total, c.per_mtok_output]));
     $("#cost-panel").hidden = !d.cost;
-    if (d.cost) table($("#tbl-cost"), ["key", "value"], Object.entries(d.cost).map(([k, v]) => [k, typeof v === "object" ? JSON.stringify(v) : v]));
+    if (d.cost) {  // the last 24 hours: GPU-hours x [cost] prices over the tokens served, per model and version
+      const c = d.cost, money = (x) => (x == null ? "–" : `${fmt(x, 4)} ${c.currency}`);
+      const row = (label, t) => [label, t.gpu_hours ?? "–", money(t.cost), t.output_tokens, t.total_tokens,
+        money(t.cost_per_m_output), money(t.cost_per_m_total), t.busy_fraction != null ? (t.busy_fraction * 100).toFixed(1) + "%" : "–"];
+      table($("#tbl-cost"), ["model@version (24 h)", "GPU-hours", "cost", "output tokens", "total tokens",
+        "per M output", "per M total", "busy"],
+        [...c.models.map((m) => row(`${m.model}@${m.version.slice(0, 12)}`, m.total)), row("all priced", c.total)]);
+    }
     const reasons = [];
     for (const [kind, src] of [["shed", d.shed], ["deadline drop", d.dropped], ["filter stop", d.filtered]])
       for (const [why, n] of Object.entries(src)) reasons.push([kind, why, n]);
