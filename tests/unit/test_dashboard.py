@@ -14,6 +14,7 @@ import openai
 import pytest
 
 from llmd.auth import hash_key
+from llmd.config.slo import SLOConfig
 from llmd.dashboard.ring import INTERVAL_S, MAX_SAMPLES, Ring, quantile
 from llmd.dashboard.session import COOKIE, Sessions
 from tests.conftest import LiveServer, async_wait_until
@@ -33,6 +34,8 @@ step_ms = 2
 [models.pricing]
 input_per_mtok = 1.0
 output_per_mtok = 3.0
+[cost.models.fake]
+gpu_hour_price = 2.0
 [[tenants]]
 name = "a"
 keys = ["{hash_key(KEY_A)}"]
@@ -153,7 +156,8 @@ async def test_overview_after_a_burst(live: LiveServer) -> None:
         g = pts[-1]["models"]["fake"]
         assert set(g["queue"]) == {"interactive", "batch"} and g["seat_limit"] > 0 and 0 <= g["kv"] <= 1
         m = d["models"]["fake"]
-        assert m["ready"] and m["engine"] == "up" and m["slo"] is None  # hook: null until [slo] is wired
+        assert m["ready"] and m["engine"] == "up"
+        assert m["slo"] == SLOConfig().slo_for("fake").model_dump()  # [slo]'s defaults: this config sets none
         assert [v["weight"] for v in m["versions"]] == [1.0]
         assert {(r["model"], r["tenant"]) for r in d["latency"]} == {("fake", "a"), ("fake", "b")}
         assert all(r["ttft_p95"] >= r["ttft_p50"] > 0 for r in d["latency"])
@@ -161,7 +165,11 @@ async def test_overview_after_a_burst(live: LiveServer) -> None:
         await live.node.ledger.flush()
         billed = {r["tenant"]: r["cost"] for r in await live.node.ledger.usage(None, None, None, ["tenant"])}
         assert d["spend_today"] == pytest.approx(billed) and all(v > 0 for v in billed.values())
-        assert d["prices"]["fake"]["per_mtok_output"] is not None and d["cost"] is None and d["cluster"] is None
+        assert d["prices"]["fake"]["per_mtok_output"] is not None and d["cluster"] is None
+        # the GPU-hour cost panel: the last 24 h of this node's ledger and engine uptime (llmd/cost/)
+        cost = d["cost"]
+        assert cost["object"] == "cost_summary" and [m["model"] for m in cost["models"]] == ["fake"]
+        assert cost["models"][0]["total"]["output_tokens"] == 12 * 8
         assert d["statuses"] == {"ok": 12} and d["in_flight"] == 0 and d["batches"] == []
         assert {r["client_request_id"] for r in d["recent"]} >= {"dash-a-0", "dash-b-5"}
         # A poller asks only for what is new.

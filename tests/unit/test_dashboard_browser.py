@@ -111,6 +111,12 @@ async def test_dashboard_in_chromium(make_server: Any, browser: Any) -> None:
     spend = await page.inner_text("#tbl-spend")
     assert "a" in spend and "b" in spend and "none" not in spend
     assert "fake-fake 100%" in await page.inner_text("#tbl-models")
+    # GPU-hour cost ([cost.models.fake]): the model's row and the window's, with a price per M tokens
+    assert await page.is_visible("#cost-panel")
+    cost_rows = await page.eval_on_selector_all("#tbl-cost tbody tr",
+                                                "rs => rs.map(r => [...r.cells].map(c => c.textContent))")
+    assert [r[0] for r in cost_rows] == ["fake@fake-fake", "all priced"], cost_rows
+    assert all(r[2].endswith("USD") and r[5].endswith("USD") for r in cost_rows), cost_rows
     # The inspector: a request found by the client's X-Request-ID, its stages shown.
     await page.fill("#inspect-id", ids[0])
     await page.click("#inspect-form button")
