@@ -31,6 +31,7 @@ import openai
 
 from bench.lib import report
 from bench.lib.cputime import cpu_seconds
+from bench.lib.dashboard_ab import measure_shipped, shipped_lines
 from bench.lib.servers import start_server_process, stop
 from llmd.auth import hash_key
 from llmd.dashboard.ring import INTERVAL_S, KEEP, Ring
@@ -129,7 +130,7 @@ def report_lines(m: dict[str, float], args: argparse.Namespace) -> tuple[list[st
     return [
         "## Dashboard: what polling it costs",
         "",
-        f"`.venv/bin/python -m bench.dashboard --requests {args.requests} --polls {args.polls}`: `llmd serve` on the",
+        f"{report.stamp(cmd=report.command())} `llmd serve` on the",
         "fake backend in its own process, its CPU read from /proc (the load generator's is not counted).",
         f"{VIEWERS} viewers polling every {POLL_S:.0f} s make {rate:.1f} polls/s; a node's serving capacity is",
         "its event loop's one core, so the share of that core the polls take is the share of peak",
@@ -160,6 +161,9 @@ def main() -> int:
     ap.add_argument("--requests", type=int, default=600)
     ap.add_argument("--polls", type=int, default=300)
     ap.add_argument("--no-write", action="store_true")
+    ap.add_argument("--shipped-rounds", type=int, default=6, help="0: skip the shipped config's A/B")
+    ap.add_argument("--round-s", type=float, default=30.0)
+    ap.add_argument("--concurrency", type=int, default=16)
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         srv = start_server_process(TOML, Path(tmp))
@@ -168,6 +172,11 @@ def main() -> int:
         finally:
             stop(srv.proc)
     lines, ok = report_lines(m, args)
+    if args.shipped_rounds:
+        with tempfile.TemporaryDirectory() as tmp:
+            ab = measure_shipped(Path(tmp), args.shipped_rounds, args.round_s, args.concurrency)
+        lines += ["", "### The shipped config, as throughput", "",
+                  *shipped_lines(ab, args.shipped_rounds, args.round_s, args.concurrency)]
     print("\n".join(lines))
     if not args.no_write:
         report.write_section(report.DOC, lines)
