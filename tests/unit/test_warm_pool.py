@@ -5,13 +5,13 @@ routed to when the cluster is hot, back to sleep and refused after the calm."""
 
 from __future__ import annotations
 
-import shutil
 import tomllib
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 
+from bench.lib.servers import tiny_versions
 from llmd.cluster.warm_pool import WarmPool
 from llmd.config import Config
 from llmd.config.cluster import WarmPoolConfig
@@ -88,16 +88,8 @@ sleep_mode = true
 
 @pytest.fixture
 def versions(tmp_path: Path, smollm2_path: Path) -> tuple[WeightStore, str, str]:
-    ws = WeightStore(tmp_path / "home")
-    out = []
-    for i, payload in enumerate((b"weights v1", b"weights v2")):
-        src = tmp_path / f"src{i}"
-        src.mkdir()
-        for f in ("config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-            shutil.copy(smollm2_path / f, src / f)
-        (src / "model.safetensors").write_bytes(payload)
-        out.append(ws.add_hf_dir(src, "tiny", f"test:{i}").version)
-    return ws, out[0], out[1]
+    ws, (v1, v2) = tiny_versions(tmp_path / "home", (b"weights v1", b"weights v2"))
+    return ws, v1, v2
 
 
 async def start(tmp_path: Path, ws: WeightStore, configured: str, clustered: bool = True) -> Registry:
