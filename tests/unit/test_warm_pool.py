@@ -191,3 +191,44 @@ async def test_the_configured_version_itself_waits_in_the_pool_across_a_restart(
             await alone.load("m", v1, pool=True)
     finally:
         await alone.stop()
+
+
+# -- across real nodes: the pool node's own requests -------------------------------------------
+async def test_a_pool_version_runs_nothing_on_its_node_until_promoted_not_even_that_nodes_own_requests(
+        make_server, tmp_path: Path) -> None:
+    """n1's only version waits in the pool: a request entering n1 runs on n0 (n1's router does not
+    count its own standby version as a place to run), and a run forwarded to n1 for that version
+    (a peer's stale view) is refused as 'not here', so the ingress tries another node. Once
+    promoted, n1 runs both again."""
+    import httpx
+    import openai
+
+    from llmd.cluster.wire import RUN_PATH, RunRequest
+    from tests.conftest import async_wait_until
+    from tests.unit.test_cluster import ADMIN, JSON, KEY, start_cluster
+
+    n0, n1 = await start_cluster(make_server, tmp_path, n=2, fake="sleep_mode = true")
+    version = n1.node.registry.primary("fake").version
+    run = RunRequest(request_id="r1", engine_id="e1", tenant="a", klass="interactive", model="fake", version=version,
+                     prompt_token_ids=[1, 2, 3], sampling={"max_tokens": 2}, seconds_left=10.0)
+    body = run.model_dump_json().encode()
+
+    async def forwarded(h: httpx.AsyncClient) -> int:
+        return (await h.post(n1.url + RUN_PATH, content=body,
+                             headers=n0.node.cluster.http_signer.headers("POST", RUN_PATH, body) | JSON)).status_code
+
+    async with httpx.AsyncClient(headers={"Authorization": f"Bearer {ADMIN}"}, timeout=30) as h:
+        r = await h.post(n1.url + "/admin/models/fake/versions", json={"version": version, "warm_pool": True})
+        assert r.status_code == 200, r.text
+        assert await async_wait_until(lambda: any(v.standby for p in n0.node.cluster.peers.values() if p.state
+                                                  for v in p.state.versions), timeout=10)
+        client = openai.AsyncOpenAI(base_url=n1.base, api_key=KEY, max_retries=0, timeout=30)
+        nodes = set()
+        for i in range(8):
+            out = await client.chat.completions.with_raw_response.create(
+                model="fake", messages=[{"role": "user", "content": f"hello {i}"}], max_tokens=4)
+            nodes.add(out.headers["x-llmd-node"])
+        assert nodes == {"n0"}
+        assert await forwarded(h) == 404
+        assert await n1.node.registry.set_promoted("fake", True) == [version]
+        assert await forwarded(h) == 200
