@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repositor
 
 from bench.lib import report, stats
 from bench.lib.cluster import INTRO, SECRET, SECTION, Node, start_nodes, stop_nodes, words
+from bench.lib.cluster_registry import Change, check_versions, demoted, plan, stretch_start
 from bench.lib.servers import tiny_versions
 from bench.lib.streams import Stream, new_client, statuses, stream
 
@@ -41,6 +42,7 @@ PAYLOADS = (b"weights v1", b"weights v2", b"weights v3")
 HEARTBEAT_S = 1.0  # [cluster] load_heartbeat_s (default): the documented bound is this plus one fetch
 POLL_S = 0.05
 N_WORDS = 700  # (e2) each prompt's length in words: about 730 tokens
+AFTER_S = 10.0  # (e2) the load goes on this long after the pool node served its first request
 TRICKLE = {"model": MODEL, "messages": [{"role": "user", "content": "which weights are you?"}], "max_tokens": 4}
 
 
@@ -59,29 +61,6 @@ async def admin(h: httpx.AsyncClient, node: Node, method: str, path: str = "",
 
 
 # -- (e1) propagation ------------------------------------------------------------------------
-@dataclass
-class Change:
-    kind: str  # "split" or "rollback"
-    node: str  # where it was made
-    t0: float  # the admin call sent
-    rev: int = 0
-    split: dict[str, float] = field(default_factory=dict)  # the cluster split it made
-    seen: dict[str, float] = field(default_factory=dict)  # node -> when its view first showed it
-    fetch_s: list[float] = field(default_factory=list)  # signed snapshot GETs, timed after it
-
-    def served(self) -> set[str]:
-        return {v for v, w in self.split.items() if w > 0}
-
-
-def plan(versions: list[str], n: int) -> list[tuple[str, int, dict[str, float] | None]]:
-    """Splits and rollbacks alternating; a split and its rollback on different nodes, every node
-    making both kinds. Some splits leave out the configured version, some share between two."""
-    v1, v2, v3 = versions
-    splits: list[dict[str, float]] = [{v2: 1}, {v3: 1}, {v1: 1, v2: 1}, {v3: 3, v1: 1}, {v2: 1, v3: 1}]
-    return [("split", i % 3, splits[(i // 2) % len(splits)]) if i % 2 == 0 else ("rollback", (i + 1) % 3, None)
-            for i in range(n)]
-
-
 async def signed_fetch(h: httpx.AsyncClient, node: Node) -> float:
     """One fetch as a peer makes it: the signed registry snapshot, timed."""
     from llmd.cluster.signing import Signer
@@ -128,28 +107,6 @@ async def trickle(nodes: list[Node], stop: asyncio.Event, out: list[tuple[str, S
 
     await asyncio.gather(*(into(n) for n in nodes))
     await client.aclose()
-
-
-def check_versions(changes: list[Change], initial: set[str], sent: list[tuple[str, Stream, float]],
-                   ) -> tuple[int, int, list[str]]:
-    """Each finished request against the splits its node could have held while admitting it
-    (between sending it and its first token): split k from the moment it was made until that
-    node showed split k+1. Returns (requests checked, those admitted while a change was on its
-    way to their node, the wrong ones)."""
-    wrong, moving = [], 0
-    for node, s, t_end in sent:
-        if not s.ok:
-            continue
-        lo, hi = s.t_send, s.t_first or t_end
-        allowed = set(initial) if not changes or lo <= changes[0].seen[node] else set()
-        for k, c in enumerate(changes):
-            until = changes[k + 1].seen[node] if k + 1 < len(changes) else float("inf")
-            if c.t0 <= hi and until >= lo:
-                allowed |= c.served()
-            moving += c.t0 <= hi and c.seen[node] >= lo
-        if s.version not in allowed:
-            wrong.append(f"{node}: {s.version} at {lo:.2f}-{hi:.2f}, allowed {sorted(allowed)}")
-    return sum(1 for _, s, _ in sent if s.ok), moving, wrong
 
 
 async def part_e1(tmp: Path, home: Path, versions: list[str], n_changes: int) -> list[str]:
@@ -222,13 +179,15 @@ class PoolRun:
 
 
 async def watch_pool(h: httpx.AsyncClient, nodes: list[Node], stop: asyncio.Event, run: PoolRun) -> None:
-    """Every 0.2 s: the model's waiting prefill tokens summed over the nodes (each node's own
-    figure, as it gossips it), and whether n2 routes to its pool version."""
+    """Every 0.2 s, as the pool node n2 sees it: the model's waiting prefill tokens over the
+    cluster (its own and its live peers' latest gossiped figures: what its warm pool watches),
+    and whether it routes to its pool version."""
     while not stop.is_set():
         with contextlib.suppress(httpx.HTTPError, KeyError, ValueError):
-            views = await asyncio.gather(*(h.get(n.srv.url + "/admin/cluster") for n in nodes))
-            queue = sum(v["waiting_prefill_tokens"] for r in views for v in r.json()["self"]["versions"]
-                        if v["model"] == MODEL)
+            st = (await h.get(nodes[2].srv.url + "/admin/cluster")).json()
+            versions = st["self"]["versions"] + [v for m in st["members"] if m["state"] == "alive"
+                                                 for v in m["versions"]]
+            queue = sum(v["waiting_prefill_tokens"] for v in versions if v["model"] == MODEL)
             d = await admin(h, nodes[2], "GET")
             run.samples.append((time.monotonic(), queue, any(v["weight"] > 0 for v in d["versions"])))
         await asyncio.sleep(0.2)
@@ -261,16 +220,6 @@ async def pool_load(nodes: list[Node], rate: float, n_words: int, run: PoolRun, 
     await client.aclose()
 
 
-def stretch_start(samples: list[tuple[float, int, bool]], before: float, inside: Any) -> float | None:
-    """When the last unbroken stretch of samples satisfying `inside` before time `before` began."""
-    start = None
-    for t, q, p in samples:
-        if t > before:
-            break
-        start = (start or t) if inside(q, p) else None
-    return start
-
-
 async def part_e2(tmp: Path, home: Path, versions: list[str], bound: int, sustain: float, demote: float,
                   prefill_tps: float = 1000.0) -> list[str]:
     warm = (f"[cluster.warm_pool]\npromote_queue_tokens = {bound}\nsustain_s = {sustain}\n"
@@ -288,7 +237,7 @@ async def part_e2(tmp: Path, home: Path, versions: list[str], bound: int, sustai
             rate = 1.3 * capacity
             await asyncio.sleep(2.0)  # n2's version asleep, its standby gossiped
             watcher = asyncio.create_task(watch_pool(h, nodes, stop, run))
-            await pool_load(nodes, rate, N_WORDS, run, max_s=60.0, after_s=8.0)
+            await pool_load(nodes, rate, N_WORDS, run, max_s=60.0, after_s=AFTER_S)
             end = time.monotonic() + demote + 15
             while time.monotonic() < end and not demoted(run.samples):
                 await asyncio.sleep(0.2)
@@ -300,9 +249,22 @@ async def part_e2(tmp: Path, home: Path, versions: list[str], bound: int, sustai
     return report_e2(run, nodes[2].name, bound, sustain, demote, tokens, rate, capacity, prefill_tps)
 
 
-def demoted(samples: list[tuple[float, int, bool]]) -> bool:
-    """n2 was promoted, and is not any more."""
-    return any(p for _, _, p in samples) and not samples[-1][2]
+def ttft_table(run: PoolRun, pool_node: str, t_cross: float | None, t_up: float | None) -> list[str]:
+    """TTFT of the requests sent before promotion, just after it, and after that until the load
+    stopped; and how many of each ran on the pool node."""
+    if t_cross is None or t_up is None:
+        return ["(no promotion: no TTFT windows)"]
+    rows = []
+    for name, lo, hi in (("crossing -> promotion", t_cross, t_up), ("first 2 s after promotion", t_up, t_up + 2),
+                         ("2 s after promotion -> load stopped", t_up + 2, run.t_stop)):
+        xs = [x for _, x in run.sent if lo <= x.t_send < hi and x.ttft is not None]
+        mine = [x.ttft for x in xs if x.node == pool_node and x.ttft is not None]
+        rest = [x.ttft for x in xs if x.node != pool_node and x.ttft is not None]
+        rows.append([name, len(xs), len(mine), *(report.num(stats.pct([x.ttft for x in xs if x.ttft], q), 2)
+                                                 for q in (50, 90)),
+                     report.num(stats.pct(mine, 50), 2), report.num(stats.pct(rest, 50), 2)])
+    return report.table(["requests sent", "n", f"ran on {pool_node}", "TTFT p50 s", "TTFT p90 s",
+                         f"p50 on {pool_node}", "p50 elsewhere"], rows)
 
 
 def report_e2(run: PoolRun, pool_node: str, bound: int, sustain: float, demote: float, tokens: int, rate: float,
@@ -312,39 +274,34 @@ def report_e2(run: PoolRun, pool_node: str, bound: int, sustain: float, demote: 
     t_down = next((t for t, _, p in s if t_up is not None and t > t_up and not p), None)
     t_cross = stretch_start(s, t_up, lambda q, p: q >= bound) if t_up is not None else None
     t_calm = stretch_start(s, t_down, lambda q, p: q < bound / 2) if t_down is not None else None
-    on_pool = sorted(x.t_first for n, x in run.sent if x.node == pool_node and x.t_first)
-    t_first = on_pool[0] if on_pool else None
+    on_pool = [x for _, x in run.sent if x.node == pool_node and x.t_first]
+    t_sent = min((x.t_send for x in on_pool), default=None)
+    t_first = min((x.t_first for x in on_pool if x.t_first), default=None)
     early = [x for _, x in run.sent if x.node == pool_node and t_up is not None and x.t_send < t_up - 0.5]
     failed = [x for _, x in run.sent if not x.ok]
 
     def span(a: float | None, b: float | None) -> float | None:
         return None if a is None or b is None else b - a
 
-    def ttft(lo: float | None, hi: float | None) -> list[float]:
-        return [x.ttft for _, x in run.sent if x.ttft is not None and lo is not None and hi is not None
-                and lo <= x.t_send < hi]
-
-    before, after = ttft(t_cross, t_up), ttft((t_up or 0) + 2.0, run.t_stop)
-    share = (sum(1 for _, x in run.sent if x.node == pool_node and t_up is not None and x.t_send >= t_up)
-             / max(1, sum(1 for _, x in run.sent if t_up is not None and x.t_send >= t_up)))
-    up, first, down, calm = span(t_cross, t_up), span(t_cross, t_first), span(run.t_stop, t_down), span(t_calm, t_down)
+    up, sent, first = span(t_cross, t_up), span(t_cross, t_sent), span(t_cross, t_first)
+    down, calm = span(run.t_stop, t_down), span(t_calm, t_down)
     peak = max((q for _, q, _ in s), default=0)
     lines = [f"`[cluster.warm_pool]` promote_queue_tokens = {bound}, sustain_s = {sustain:g}, demote_after_s = "
              f"{demote:g}. Fake engines prefilling {prefill_tps:.0f} tokens/s each; {pool_node} holds the model's one "
              f"version in the warm pool (loaded, asleep: fake sleep mode), so n0 and n1 serve {capacity:.2f} req/s "
              f"of {tokens}-token prompts. Load: Poisson at {rate:.2f} req/s (1.3x that) into random nodes, stopped "
-             f"8 s after {pool_node} served its first request; {len(run.sent)} requests "
-             f"({statuses([x for _, x in run.sent])}); cluster queue sampled every 0.2 s (each node's own waiting "
-             f"prefill tokens, summed; peak {peak}).", ""]
+             f"{AFTER_S:g} s after {pool_node} served its first request; {len(run.sent)} requests "
+             f"({statuses([x for _, x in run.sent])}). The cluster's queue as {pool_node} sees it (its own and its "
+             f"peers' gossiped waiting prefill tokens: what its warm pool watches), sampled every 0.2 s; peak {peak}.",
+             ""]
     lines += report.table(["from", "to", "seconds"], [
-        ["queue crossed the bound (stayed over)", f"{pool_node} routes to its pool version", report.num(up, 2)],
-        ["queue crossed the bound", f"first token of the first request {pool_node} ran", report.num(first, 2)],
+        ["queue crossed the bound (stayed over; dips < 0.5 s ignored)", f"{pool_node} routes to its pool version",
+         report.num(up, 2)],
+        ["queue crossed the bound", f"the first request {pool_node} ran was sent", report.num(sent, 2)],
+        ["queue crossed the bound", f"first token from {pool_node}", report.num(first, 2)],
         ["load stopped", f"{pool_node} demoted", report.num(down, 2)],
-        ["calm began (queue < half the bound, stayed)", f"{pool_node} demoted", report.num(calm, 2)]])
-    lines += ["", f"TTFT p50 / p90: {report.num(stats.pct(before, 50), 2)} / {report.num(stats.pct(before, 90), 2)} s "
-              f"for the {len(before)} requests sent between the crossing and promotion; "
-              f"{report.num(stats.pct(after, 50), 2)} / {report.num(stats.pct(after, 90), 2)} s for the {len(after)} "
-              f"sent from 2 s after promotion until the load stopped, {share:.0%} of those on {pool_node}.", ""]
+        ["calm began (queue < half the bound; breaks < 0.5 s ignored)", f"{pool_node} demoted", report.num(calm, 2)]])
+    lines += ["", *ttft_table(run, pool_node, t_cross, t_up), ""]
     lines += report.verdict_lines([
         (f"promoted within sustain_s + one 0.5 s tick + gossip (<= {sustain + 1.0:g} s) of the crossing "
          f"({report.num(up, 2)} s)", up is not None and up <= sustain + 1.0),
