@@ -1,9 +1,8 @@
 """The pure side of bench/cluster_registry.py: the registry changes it makes, which versions a
-request may have run on while they travel, and stretches of a sampled series."""
+request may have run on while they travel."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from bench.lib.streams import Stream
@@ -52,25 +51,6 @@ def check_versions(changes: list[Change], initial: set[str], sent: list[tuple[st
         if s.version not in allowed:
             wrong.append(f"{node}: {s.version} at {lo:.2f}-{hi:.2f}, allowed {sorted(allowed)}")
     return sum(1 for _, s, _ in sent if s.ok), moving, wrong
-
-
-def stretch_start(samples: list[tuple[float, int, bool]], before: float,
-                  inside: Callable[[int, bool], bool], grace_s: float = 0.5) -> float | None:
-    """When the last stretch of samples satisfying `inside` before time `before` began; a dip
-    outside shorter than `grace_s` (the warm pool's tick: it may not have looked) does not
-    break it."""
-    start: float | None = None
-    out_since: float | None = None
-    for t, q, p in samples:
-        if t > before:
-            break
-        if inside(q, p):
-            start, out_since = (t if start is None else start), None
-        elif start is not None:
-            out_since = t if out_since is None else out_since
-            if t - out_since >= grace_s:
-                start = out_since = None
-    return start
 
 
 def demoted(samples: list[tuple[float, int, bool]]) -> bool:

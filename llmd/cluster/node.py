@@ -328,6 +328,7 @@ class ClusterNode:
                                    for versions in self.registry.runtimes.values() for rt in versions.values()),
                      "tenant_tokens": dict(self.admission.charged)},
             "gossip": {"sent_bytes": st.sent_bytes, "recv_bytes": st.recv_bytes, "dropped": dict(st.dropped)},
+            "warm_pool": self.warm_pool.status(),
             "forwarded": self.forwarder.forwarded, "lost": self.forwarder.lost,
             "failovers": self.router.failovers, "placed": dict(self.router.placed),
         }

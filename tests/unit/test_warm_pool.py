@@ -138,7 +138,11 @@ async def test_a_sleeping_pool_version_is_promoted_under_load_and_put_back_after
     assert await for_s(10) == 0 and engine.sleeping
     load[0] = HOT
     assert await for_s(4) == 0 and engine.sleeping and refused(reg)  # not yet sustained
+    hot_since = pool.status()["m"]["since"]
+    assert hot_since is not None and pool.status()["m"]["queue_tokens"] == HOT.queue_tokens
     assert await for_s(1.5) == 1 and pool.promotions == 1
+    assert pool.status()["m"]["promoted"] and pool.status()["m"]["since"] is None
+    assert clock.t - hot_since >= CFG.sustain_s
     assert not engine.sleeping and reg.route("m", "conv", None).backend.version == v1
     assert reg.states["m"][v1] == "active" and (await reg.store.versions("m"))[v1] == "pool"  # a restart: calm
     load[0] = CALM
@@ -229,6 +233,8 @@ async def test_a_pool_version_runs_nothing_on_its_node_until_promoted_not_even_t
                 model="fake", messages=[{"role": "user", "content": f"hello {i}"}], max_tokens=4)
             nodes.add(out.headers["x-llmd-node"])
         assert nodes == {"n0"}
+        pool = (await h.get(n1.url + "/admin/cluster")).json()["warm_pool"]  # what its policy watches
+        assert pool["fake"]["promoted"] is False and pool["fake"]["queue_tokens"] == 0
         assert await forwarded(h) == 404
         assert await n1.node.registry.set_promoted("fake", True) == [version]
         assert await forwarded(h) == 200
