@@ -107,6 +107,7 @@ class Scheduler:
         self._release(req, output_tokens)
 
     def on_output(self, req: QueuedRequest, tokens: int) -> None:
+        req.started = True
         self.core.on_output(req, tokens)
 
     def estimate_wait(self, tenant: str, klass: str, fair: bool) -> float:

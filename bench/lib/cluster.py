@@ -17,6 +17,7 @@ SECTION = "## Cluster (J)"
 INTRO = ("Issue J's cluster on llmd processes with fake engines on loopback (the engines' prefix cache and "
          "prefill cost are simulated; routing, forwarding, gossip, metering and failover are the real code). "
          "(a) and (d): `bench/cluster.py`; (b): `bench/cluster_faults.py`; (c): `bench/cluster_gossip.py`; "
+         "(e): `bench/cluster_registry.py`; "
          "the real engine: tests/engine/test_cluster_engine.py. Each subsection names the run that produced it.")
 ADMIN_KEY = "sk-bench-cluster-admin"
 NODE_TOML = """
@@ -39,6 +40,7 @@ name = "fake"
 backend = "fake"
 max_output_tokens = 4096
 default_max_tokens = 16
+{model_extra}
 [models.engine]
 max_model_len = 16384
 [models.fake]
@@ -49,6 +51,7 @@ prefill_tokens_per_step = 100000
 block_tokens = 16
 kv_blocks = {kv_blocks}
 prefill_tokens_per_s = {prefill_tps}
+{fake_extra}
 [models.scheduling]
 max_running = {seqs}
 max_queue = 100000
@@ -65,9 +68,12 @@ class Node:
 
 def start_nodes(tmp: Path, n: int, placement: str = "score", step_ms: float = 5.0, kv_blocks: int = 1024,
                 prefill_tps: float = 3000.0, tenants: str = "", cluster_extra: str = "",
-                names: list[str] | None = None, seqs: int = 32) -> list[Node]:
+                names: list[str] | None = None, seqs: int = 32, model_extra: str = "", fake_extra: str = "",
+                env: dict[str, str] | None = None) -> list[Node]:
     """`n` llmd processes (fake engines) that find each other through the first one's gossip port;
-    returned once every one is ready and sees the others."""
+    returned once every one is ready and sees the others. `model_extra`/`fake_extra`: more lines
+    for the model's table and its `[models.fake]` (a stored source and version, sleep mode);
+    `env`: more environment (LLMD_HOME)."""
     gossip = [free_port() for _ in range(n)]
     names = names or [f"n{i}" for i in range(n)]
     procs = []
@@ -79,13 +85,13 @@ def start_nodes(tmp: Path, n: int, placement: str = "score", step_ms: float = 5.
         toml = NODE_TOML.format(auth=auth, name=names[i], gossip=gossip[i], seeds=seeds, placement=placement,
                                 step_ms=step_ms,
                                 kv_blocks=kv_blocks, prefill_tps=prefill_tps, tenants=tenants, seqs=seqs,
-                                cluster_extra=cluster_extra)
+                                cluster_extra=cluster_extra, model_extra=model_extra, fake_extra=fake_extra)
         port = free_port()
         cfg = d / "config.toml"
         cfg.write_text(toml.format(port=port, db=d / "llmd.db"))
         log = d / "server.log"
         proc = spawn([sys.executable, "-m", "llmd", "serve", "--config", str(cfg)], log,
-                     {"LLMD_CLUSTER_SECRET": SECRET})
+                     {"LLMD_CLUSTER_SECRET": SECRET, **(env or {})})
         procs.append(Node(names[i], ServerProcess(f"http://127.0.0.1:{port}", proc, log), gossip[i]))
     try:
         for node in procs:

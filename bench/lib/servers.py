@@ -21,11 +21,14 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from llmd.store import WeightStore
 
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
@@ -63,6 +66,32 @@ def two_version_store() -> tuple[Path, str, str]:
     ws = WeightStore(root)
     a = ws.link_from(WeightStore().resolve("smollm2"))
     return root, a.version, ws.cast_copy(a, "float32").version
+
+
+TOKENIZER_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+
+
+def tiny_versions(home: Path, payloads: Sequence[bytes], name: str = "tiny") -> tuple[WeightStore, list[str]]:
+    """A weight store at `home` holding `name` once per payload: SmolLM2's tokenizer and
+    template, and a weight file of those bytes, so each is a version with its own content hash
+    (the fake engine never reads the weights). Returns (the WeightStore, the version ids in
+    payload order). The registry tests and bench/cluster_registry.py share it."""
+    import tempfile
+
+    from llmd.store import WeightStore
+
+    tokenizer = WeightStore().resolve("smollm2").path
+    ws = WeightStore(home)
+    versions = []
+    with tempfile.TemporaryDirectory(prefix="llmd-tiny-") as d:
+        for i, payload in enumerate(payloads):
+            src = Path(d) / f"src{i}"
+            src.mkdir()
+            for f in TOKENIZER_FILES:
+                shutil.copy(tokenizer / f, src / f)
+            (src / "model.safetensors").write_bytes(payload)
+            versions.append(ws.add_hf_dir(src, name, f"test:{i}").version)
+    return ws, versions
 
 
 def free_port() -> int:

@@ -34,6 +34,7 @@ class Stream:
     status: int | None = None  # HTTP status
     error: str | None = None  # error code (HTTP error body or an error event in the stream)
     version: str | None = None  # the model version that served it (X-LLMD-Model-Version)
+    node: str | None = None  # the cluster node that ran it (X-LLMD-Node)
     done: bool = False  # saw [DONE]
     timed_out: bool = False
     texts: list[str] | None = None  # a list here: every content chunk's text is kept in it too
@@ -100,6 +101,7 @@ async def stream(client: httpx.AsyncClient, url: str, s: Stream, body: dict[str,
             async with client.stream("POST", url, json=body, headers=headers or {}) as r:
                 s.status = r.status_code
                 s.version = r.headers.get("x-llmd-model-version")
+                s.node = r.headers.get("x-llmd-node")
                 if r.status_code != 200:
                     s.error = _error_code(await r.aread(), r.status_code)
                     with contextlib.suppress(TypeError, ValueError):

@@ -26,10 +26,18 @@ from llmd.runtime import Choice, Job, ModelRuntime
 from llmd.telemetry import RequestRecord, log
 
 
+def on_standby(registry: Registry, model: str, version: str) -> bool:
+    """Loaded here but taking no work: asleep, or a warm-pool version not promoted."""
+    pooled = version in registry.pool.get(model, ()) and version not in registry.promoted.get(model, ())
+    return pooled or version in registry.asleep.get(model, ())
+
+
 def runtime_for(registry: Registry, req: RunRequest) -> ModelRuntime:
-    """This node's runtime of exactly `req.version`, or a 404 the ingress reads as 'not here'."""
+    """This node's runtime of exactly `req.version`, or a 404 the ingress reads as 'not here'
+    (so it tries another node): also for a version on standby here (a peer's view from before a
+    demotion), never run on a sleeping engine."""
     rt = registry.versions(req.model).get(req.version)
-    if rt is None or (not rt.ready and rt.watch.closed):
+    if rt is None or (not rt.ready and rt.watch.closed) or on_standby(registry, req.model, req.version):
         raise not_found(f"version {req.version[:12]} of model '{req.model}' is not served on this node",
                         "version_not_here", "model")
     if req.klass not in CLASSES:

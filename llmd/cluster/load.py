@@ -223,8 +223,12 @@ def version_load(rt: ModelRuntime, draining: bool = False, standby: bool = False
     """This node's load for one served version, in tokens, as of the engine's last step.
 
     Waiting prefill: the prompts in llmd's queue, plus those seated in the engine that it has
-    not started (the engine reports how many; they are the most recently seated). When nothing
-    is seated the engine's last-step figures are stale (it stopped stepping), so they read as idle.
+    not started (the engine reports how many; they are the most recently seated), or, where more,
+    those seated that have no output yet: the engine's figures are as of its last step, and a
+    long prefill step (a burst just seated on an idle node, a freshly promoted warm-pool one)
+    would otherwise hide its prompts until it ends, while every peer sends its work there.
+    When nothing is seated the engine's last-step figures are stale (it stopped stepping), so
+    they read as idle.
     Counted as the prefill they will cost: the prompt tokens times the share the engine's prefix
     cache has not been serving (a node that serves its prompts mostly from cache is not as
     backed up as its raw queue says, and reading it raw drives work away from the cache)."""
@@ -234,6 +238,7 @@ def version_load(rt: ModelRuntime, draining: bool = False, standby: bool = False
     queued = sum(r.input_tokens for c in rt.queue.classes.values() for r in c)
     engine_waiting = min(stats.waiting, len(seated)) if seated else 0
     unstarted = sum(r.input_tokens for r in seated[len(seated) - engine_waiting:]) if engine_waiting else 0
+    unstarted = max(unstarted, sum(r.input_tokens for r in seated if not r.started))
     used = min(cap, round(stats.kv_usage * cap)) if seated else 0
     prefill_tps, decode_tps = recent_rates(stats.history)
     return VersionLoad(model=rt.cfg.name, version=rt.version, kv_capacity_tokens=cap, kv_free_tokens=cap - used,

@@ -25,6 +25,7 @@ import structlog
 from llmd.backends.base import Prompt
 from llmd.backends.kv_chains import KvChains
 from llmd.cluster.bootstrap import fetch_missing
+from llmd.cluster.executor import on_standby
 from llmd.cluster.forward import Forwarder
 from llmd.cluster.gossip import Gossip, MemberInfo
 from llmd.cluster.load import NodeState, decode, encode, version_load
@@ -150,10 +151,7 @@ class ClusterNode:
                          stored=())
 
     def _standby(self, model: str, version: str) -> bool:
-        """Loaded but taking no work: asleep, or a warm-pool version not promoted."""
-        reg = self.registry
-        pooled = version in reg.pool.get(model, ()) and version not in reg.promoted.get(model, ())
-        return pooled or version in reg.asleep.get(model, ())
+        return on_standby(self.registry, model, version)
 
     def _registry_rev(self) -> int:
         return self.registry.revision
@@ -290,8 +288,8 @@ class ClusterNode:
         now = time.time()
         out: list[Target] = []
         local = self.registry.versions(model or "").get(version or "")
-        if local is not None and local.ready:
-            load = version_load(local, draining=self.draining, standby=False)
+        if local is not None and local.ready:  # on standby here (the warm pool): not a candidate
+            load = version_load(local, draining=self.draining, standby=self._standby(model or "", version or ""))
             out.append(Target(Candidate(self.name, load, self.prefixes.cached_tokens(hashes), 0.0, True), None))
         for peer in self.peers.values():
             st = peer.state
@@ -330,6 +328,7 @@ class ClusterNode:
                                    for versions in self.registry.runtimes.values() for rt in versions.values()),
                      "tenant_tokens": dict(self.admission.charged)},
             "gossip": {"sent_bytes": st.sent_bytes, "recv_bytes": st.recv_bytes, "dropped": dict(st.dropped)},
+            "warm_pool": self.warm_pool.status(),
             "forwarded": self.forwarder.forwarded, "lost": self.forwarder.lost,
             "failovers": self.router.failovers, "placed": dict(self.router.placed),
         }

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import Any
 
 import structlog
 
@@ -32,6 +33,7 @@ class WarmPool:
         self.registry, self.cfg, self.load, self.clock = registry, cfg, load, clock
         self.policies: dict[str, WarmPoolPolicy] = {}
         self.promotions = self.demotions = 0
+        self.seen: dict[str, ClusterLoad] = {}  # model -> the load its policy was last fed
         self._loop = Periodic("warm-pool", every_s, self.tick, log, "warm_pool_changed", "warm_pool_failed",
                               "versions")
 
@@ -49,7 +51,8 @@ class WarmPool:
             if not pooled:
                 continue
             policy = self.policies.setdefault(name, WarmPoolPolicy(self.cfg, self.clock))
-            action = policy.observe(self.load(name))
+            self.seen[name] = load = self.load(name)
+            action = policy.observe(load)
             if action == "promote":
                 changed = await self.registry.set_promoted(name, True)
                 if not changed:  # no pool version in the split (yet): look again next time it is hot
@@ -62,3 +65,10 @@ class WarmPool:
                 moved += len(changed)
             moved += len(await self.registry.settle(name))
         return moved
+
+    def status(self) -> dict[str, Any]:
+        """Per model with pool versions here: what its policy last saw and where it stands
+        (`since`: when the current hot stretch, or promoted the calm one, began, on the clock)."""
+        return {name: {"promoted": p.promoted, "since": p.since, "queue_tokens": self.seen[name].queue_tokens,
+                       "ttft_p90_s": self.seen[name].ttft_p90_s}
+                for name, p in self.policies.items() if name in self.seen}

@@ -32,6 +32,7 @@ class QueuedRequest:
     # False when resuming from its output so far would change the output (a structured
     # output's grammar restarts at the prompt's end): such a sequence keeps its seat.
     preemptible: bool = True
+    started: bool = False  # its first output token came: its prefill is done
 
     @property
     def cost(self) -> int:

@@ -48,6 +48,12 @@ class WarmPoolPolicy:
         self.promoted = False
         self._since: float | None = None  # when the current hot (or, promoted, calm) stretch began
 
+    @property
+    def since(self) -> float | None:
+        """When the current hot stretch began (not promoted) or the current calm one (promoted),
+        on the injected clock; None: none is under way."""
+        return self._since
+
     def reset(self) -> None:
         """Back to not promoted (the caller found nothing to promote)."""
         self.promoted, self._since = False, None

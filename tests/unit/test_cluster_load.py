@@ -30,6 +30,7 @@ from llmd.config import ModelConfig, TenantConfig
 from llmd.policy import placement
 from llmd.policy.queue import QueuedRequest
 from llmd.runtime import ModelRuntime, build_runtime
+from tests.conftest import async_wait_until
 
 TOK = TiktokenTokenizer.simple()
 
@@ -158,7 +159,9 @@ async def _run(rt: ModelRuntime, i: int, prompt: str, max_tokens: int, seen: lis
     await rt.scheduler.wait_turn(req, abort=lambda: asyncio.sleep(0))
     try:
         async for d in rt.backend.generate(f"r{i}", p, Sampling(max_tokens=max_tokens), 0):
-            n += len(d.token_ids) if d.token_ids else 1
+            k = len(d.token_ids) if d.token_ids else 1
+            rt.scheduler.on_output(req, k)  # as dispatch.account does
+            n += k
             if i == 0 and n == 30:
                 seen.append(version_load(rt))
     finally:
@@ -194,4 +197,31 @@ async def test_version_load_of_a_fake_backend_runtime() -> None:
         stale = version_load(rt)
         assert idle_figures(stale) == (0, 0, cap, 0)
     finally:
+        await rt.stop()
+
+
+async def test_prompts_seated_during_a_long_prefill_step_count_as_waiting() -> None:
+    """The engine's figures are as of its last step: four prompts seated on an idle engine go
+    into one long prefill step, and until it ends the engine says nothing waits. Counted from
+    what llmd seated with no output yet, the node does not look idle meanwhile (its peers would
+    all send their work there: the herd onto a freshly promoted warm-pool node)."""
+    cfg = ModelConfig(name="fake-model", backend="fake",
+                      fake={"step_ms": 2.0, "step_ms_per_seq": 0.0, "max_num_seqs": 8,
+                            "prefill_tokens_per_s": 5.0, "prefill_tokens_per_step": 100000},
+                      scheduling={"max_running": 8, "reserved_seats": 0})
+    backend = FakeBackend(cfg.name, "ab" * 32, cfg.engine.max_model_len, cfg.fake, TOK)
+    await backend.start()
+    rt = build_runtime(cfg, backend, [TenantConfig(name="t")])
+    prompt = "word " * 200
+    tokens = backend.render_completion(prompt).num_tokens
+    tasks = [asyncio.create_task(_run(rt, i, prompt, 4, [])) for i in range(4)]
+    try:
+        assert await async_wait_until(lambda: len(rt.scheduler.running) == 4 and backend.stats.waiting == 0)
+        await asyncio.sleep(0.05)
+        load = version_load(rt)
+        assert load.waiting_prefill_tokens == 4 * tokens and load.running == 0
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         await rt.stop()

@@ -5,7 +5,6 @@ response, rollback, drain, unload, a hash mismatch, and the registry surviving a
 from __future__ import annotations
 
 import asyncio
-import shutil
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -15,6 +14,7 @@ import openai
 import pytest
 from click.testing import CliRunner
 
+from bench.lib.servers import tiny_versions
 from llmd.auth import hash_key
 from llmd.cli import main as cli_main
 from llmd.registry.compare import compare
@@ -48,15 +48,7 @@ keys = ["{hash_key(KEY)}"]
 def store(tmp_path: Path, smollm2_path: Path) -> tuple[WeightStore, list[str]]:
     """Two stored versions of a tiny model (SmolLM2's tokenizer; different weight bytes, as a
     bf16 and a float32 copy would have)."""
-    ws = WeightStore(tmp_path / "home")
-    versions = []
-    for i, payload in enumerate((b"weights in bf16", b"weights in float32")):
-        src = tmp_path / f"src{i}"
-        src.mkdir()
-        for f in ("config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-            shutil.copy(smollm2_path / f, src / f)
-        (src / "model.safetensors").write_bytes(payload)
-        versions.append(ws.add_hf_dir(src, "tiny", f"test:{i}").version)
+    ws, versions = tiny_versions(tmp_path / "home", (b"weights in bf16", b"weights in float32"))
     assert versions[0] != versions[1]
     return ws, versions
 

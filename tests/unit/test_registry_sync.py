@@ -8,7 +8,6 @@ cluster on, the snapshot route signed (401 otherwise)."""
 from __future__ import annotations
 
 import json
-import shutil
 import time
 import tomllib
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -19,6 +18,7 @@ import httpx
 import openai
 import pytest
 
+from bench.lib.servers import tiny_versions
 from llmd.cluster.registry_sync import RegistrySync
 from llmd.cluster.signing import Signer
 from llmd.config import Config
@@ -44,16 +44,7 @@ step_ms_per_seq = 0.0
 @pytest.fixture
 def store(tmp_path: Path, smollm2_path: Path) -> tuple[WeightStore, list[str]]:
     """Three stored versions of a tiny model (different weight bytes, so different hashes)."""
-    ws = WeightStore(tmp_path / "home")
-    versions = []
-    for i, payload in enumerate((b"weights v1", b"weights v2", b"weights v3")):
-        src = tmp_path / f"src{i}"
-        src.mkdir()
-        for f in ("config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-            shutil.copy(smollm2_path / f, src / f)
-        (src / "model.safetensors").write_bytes(payload)
-        versions.append(ws.add_hf_dir(src, "tiny", f"test:{i}").version)
-    return ws, versions
+    return tiny_versions(tmp_path / "home", (b"weights v1", b"weights v2", b"weights v3"))
 
 
 class Clock:

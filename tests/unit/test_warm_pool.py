@@ -5,13 +5,13 @@ routed to when the cluster is hot, back to sleep and refused after the calm."""
 
 from __future__ import annotations
 
-import shutil
 import tomllib
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 
+from bench.lib.servers import tiny_versions
 from llmd.cluster.warm_pool import WarmPool
 from llmd.config import Config
 from llmd.config.cluster import WarmPoolConfig
@@ -88,16 +88,8 @@ sleep_mode = true
 
 @pytest.fixture
 def versions(tmp_path: Path, smollm2_path: Path) -> tuple[WeightStore, str, str]:
-    ws = WeightStore(tmp_path / "home")
-    out = []
-    for i, payload in enumerate((b"weights v1", b"weights v2")):
-        src = tmp_path / f"src{i}"
-        src.mkdir()
-        for f in ("config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-            shutil.copy(smollm2_path / f, src / f)
-        (src / "model.safetensors").write_bytes(payload)
-        out.append(ws.add_hf_dir(src, "tiny", f"test:{i}").version)
-    return ws, out[0], out[1]
+    ws, (v1, v2) = tiny_versions(tmp_path / "home", (b"weights v1", b"weights v2"))
+    return ws, v1, v2
 
 
 async def start(tmp_path: Path, ws: WeightStore, configured: str, clustered: bool = True) -> Registry:
@@ -146,7 +138,11 @@ async def test_a_sleeping_pool_version_is_promoted_under_load_and_put_back_after
     assert await for_s(10) == 0 and engine.sleeping
     load[0] = HOT
     assert await for_s(4) == 0 and engine.sleeping and refused(reg)  # not yet sustained
+    hot_since = pool.status()["m"]["since"]
+    assert hot_since is not None and pool.status()["m"]["queue_tokens"] == HOT.queue_tokens
     assert await for_s(1.5) == 1 and pool.promotions == 1
+    assert pool.status()["m"]["promoted"] and pool.status()["m"]["since"] is None
+    assert clock.t - hot_since >= CFG.sustain_s
     assert not engine.sleeping and reg.route("m", "conv", None).backend.version == v1
     assert reg.states["m"][v1] == "active" and (await reg.store.versions("m"))[v1] == "pool"  # a restart: calm
     load[0] = CALM
@@ -199,3 +195,46 @@ async def test_the_configured_version_itself_waits_in_the_pool_across_a_restart(
             await alone.load("m", v1, pool=True)
     finally:
         await alone.stop()
+
+
+# -- across real nodes: the pool node's own requests -------------------------------------------
+async def test_a_pool_version_runs_nothing_on_its_node_until_promoted_not_even_that_nodes_own_requests(
+        make_server, tmp_path: Path) -> None:
+    """n1's only version waits in the pool: a request entering n1 runs on n0 (n1's router does not
+    count its own standby version as a place to run), and a run forwarded to n1 for that version
+    (a peer's stale view) is refused as 'not here', so the ingress tries another node. Once
+    promoted, n1 runs both again."""
+    import httpx
+    import openai
+
+    from llmd.cluster.wire import RUN_PATH, RunRequest
+    from tests.conftest import async_wait_until
+    from tests.unit.test_cluster import ADMIN, JSON, KEY, start_cluster
+
+    n0, n1 = await start_cluster(make_server, tmp_path, n=2, fake="sleep_mode = true")
+    version = n1.node.registry.primary("fake").version
+    run = RunRequest(request_id="r1", engine_id="e1", tenant="a", klass="interactive", model="fake", version=version,
+                     prompt_token_ids=[1, 2, 3], sampling={"max_tokens": 2}, seconds_left=10.0)
+    body = run.model_dump_json().encode()
+
+    async def forwarded(h: httpx.AsyncClient) -> int:
+        return (await h.post(n1.url + RUN_PATH, content=body,
+                             headers=n0.node.cluster.http_signer.headers("POST", RUN_PATH, body) | JSON)).status_code
+
+    async with httpx.AsyncClient(headers={"Authorization": f"Bearer {ADMIN}"}, timeout=30) as h:
+        r = await h.post(n1.url + "/admin/models/fake/versions", json={"version": version, "warm_pool": True})
+        assert r.status_code == 200, r.text
+        assert await async_wait_until(lambda: any(v.standby for p in n0.node.cluster.peers.values() if p.state
+                                                  for v in p.state.versions), timeout=10)
+        client = openai.AsyncOpenAI(base_url=n1.base, api_key=KEY, max_retries=0, timeout=30)
+        nodes = set()
+        for i in range(8):
+            out = await client.chat.completions.with_raw_response.create(
+                model="fake", messages=[{"role": "user", "content": f"hello {i}"}], max_tokens=4)
+            nodes.add(out.headers["x-llmd-node"])
+        assert nodes == {"n0"}
+        pool = (await h.get(n1.url + "/admin/cluster")).json()["warm_pool"]  # what its policy watches
+        assert pool["fake"]["promoted"] is False and pool["fake"]["queue_tokens"] == 0
+        assert await forwarded(h) == 404
+        assert await n1.node.registry.set_promoted("fake", True) == [version]
+        assert await forwarded(h) == 200
