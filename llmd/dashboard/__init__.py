@@ -2,8 +2,8 @@
 llmd/gateway/dashboard.py): live views, a ring of 2-second samples and the request inspector.
 
 `Dashboard` is built by llmd/node.py and fed every finished request record (`observe`, beside
-the Prometheus metrics). Two hooks are null until wired: `slo` (a model's SLO targets) and
-`cost` (the GPU-hour cost summary); the page shows their panels when they are set."""
+the Prometheus metrics). Two views come from elsewhere, set by the node (llmd/node.py): `slo` (a model's [slo]
+targets, read per poll) and `cost` (the GPU-hour cost summary, llmd/cost/summaries.py)."""
 
 from __future__ import annotations
 
@@ -31,8 +31,8 @@ class Dashboard:
         self.ring = Ring(clock, lambda: views.gauges(registry))
         self.batches = views.Batches(batches, lambda: runner.active)
         self.cluster: ClusterNode | None = None
-        self.slo: Callable[[str], dict[str, Any] | None] | None = None  # hook (k-slo): a model's targets
-        self.cost: Callable[[], Awaitable[dict[str, Any]]] | None = None  # hook (k-cost): GPU-hour cost summary
+        self.slo: Callable[[str], dict[str, Any] | None] | None = None  # set by the node: a model's [slo] targets
+        self.cost: Callable[[], Awaitable[dict[str, Any]]] | None = None  # set by the node: the GPU-hour cost summary
         self._cost_of: dict[str, list[float]] = {}  # per model: [cost, prompt tokens, output tokens]
 
     async def open(self) -> None:
@@ -73,7 +73,7 @@ class Dashboard:
             "filtered": dict(r.filtered), "spend_today": dict(sorted(r.spend.items())),
             "prices": self._prices(), "recent": list(reversed(r.recent)), "in_flight": len(self.in_flight),
             "batches": await self.batches.view(), "cluster": views.cluster(self.cluster),
-            "cost": await self.cost() if self.cost is not None else None,  # hook (k-cost), null until wired
+            "cost": await self.cost() if self.cost is not None else None,  # null where the node sets none
         }
 
     async def inspect(self, rid: str) -> dict[str, Any] | None:

@@ -43,7 +43,7 @@ def models(registry: Registry, live: dict[str, dict[str, Any]],
             **(g or {}),
             "versions": [{"version": v["version"], "weight": v["weight"], "state": v["state"],
                           "in_flight": v["in_flight"]} for v in desc["versions"]],
-            "slo": slo(name) if slo is not None else None,  # hook: [slo] targets (k-slo), null until wired
+            "slo": slo(name) if slo is not None else None,  # the model's [slo] targets
         }
     return out
 
