@@ -140,7 +140,7 @@ def test_config_without_gqa_fields_uses_attention_heads(tmp_path: Path) -> None:
 
 
 def test_other_gpus_estimate_rates_from_the_roofline() -> None:
-    v, doc = _json("--seed", "--gpu", "H200", "--decode-tps", "5000", "--price", "20")
+    v, _ = _json("--seed", "--gpu", "H200", "--decode-tps", "5000", "--price", "20")
     assert v["kv_memory"] is not None and v["kv_memory"] > 206  # 140 GiB a GPU vs 80
     v, _ = _json("--model-config", str(_seed_config_file()), "--gpu", "a100", "--rate", "10", "--itl-ms", "50")
     assert v["tp"] == 4 and v["roofline_decode_tps"] is not None and v["decode_replicas"] is not None
