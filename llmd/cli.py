@@ -12,6 +12,7 @@ import click
 from llmd.batch.cli import batch
 from llmd.cluster.cli import cluster
 from llmd.config import ConfigError, load_config
+from llmd.plan.cli import plan
 from llmd.registry.cli import registry
 from llmd.store import StoreError, WeightStore, describe
 from llmd.top.cli import top
@@ -355,6 +356,7 @@ main.add_command(batch)
 main.add_command(registry)
 main.add_command(cluster)
 main.add_command(top)
+main.add_command(plan)
 
 
 if __name__ == "__main__":
