@@ -13,7 +13,7 @@ figures are the server's alone, not this load generator's:
 3. The share: 5 viewers x one poll per 2 s x CPU per poll, of one core (the event loop's: the
    node's serving capacity); equivalently, requests the node could not serve / its peak.
 
-Run: .venv/bin/python -m bench.dashboard [--requests 600] [--polls 300] [--no-write]
+Run: .venv/bin/python bench/dashboard.py [--requests 600] [--polls 300] [--shipped-rounds 6] [--no-write]
 """
 
 from __future__ import annotations
@@ -28,6 +28,8 @@ from pathlib import Path
 
 import httpx
 import openai
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root: `bench` and `llmd`
 
 from bench.lib import report
 from bench.lib.cputime import cpu_seconds

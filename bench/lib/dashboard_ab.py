@@ -43,12 +43,14 @@ async def _load(url: str, model: str, concurrency: int, until: float, tokens: li
     body = {"model": model, "messages": [{"role": "user", "content": "Tell me a short story about a river."}],
             "max_tokens": 64, "temperature": 0}
 
+    start = time.monotonic()
+
     async def worker() -> None:
         while time.monotonic() < until:
             s = Stream("demo", time.monotonic())
             await stream(client, url + "/v1/chat/completions", s, body, headers={"Authorization": f"Bearer {DEMO_KEY}"})
-            if s.ok and time.monotonic() < until:
-                tokens.append(s.completion_tokens or 0)
+            per_chunk = s.tokens_per_chunk() or 1.0  # tokens streamed inside the round, whole requests or not
+            tokens.append(round(per_chunk * sum(1 for t in s.chunks if start <= t < until)))
 
     await asyncio.gather(*(worker() for _ in range(concurrency)))
     await client.aclose()
