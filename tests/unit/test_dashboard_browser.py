@@ -23,7 +23,7 @@ if not Path(CHROMIUM).is_file():
     pytest.skip("chromium not installed: .ci/run installs it with apt (package `chromium`)", allow_module_level=True)
 async_api = pytest.importorskip("playwright.async_api", reason="playwright not installed: pip install -e '.[dev]'")
 
-CHARTS = ("ttft", "itl", "throughput", "queue", "running", "kv", "events")
+CHARTS = ("ttft", "itl", "throughput", "queue", "running", "kv", "events", "cost")
 WAIT_MS = 60_000  # bounds a hang only; the page refreshes every 2 s
 
 
@@ -104,6 +104,7 @@ async def test_dashboard_in_chromium(make_server: Any, browser: Any) -> None:
     for name in ("ttft", "itl", "throughput"):  # the burst's latencies and rates are in them
         assert charts[name]["points"] >= 2 and charts[name]["values"] > 0, (name, charts[name])
     assert charts["running"]["values"] > 0  # the seat limit, at every point
+    assert charts["cost"]["points"] >= 1 and charts["cost"]["values"] > 0  # this hour's cost per M tokens
     for name in ("throughput", "running", "ttft"):
         assert await _pixels(page, name) > 50, f"{name}: the series is not drawn"
     # The tables: both tenants' latency, their spend today, the model's version and split.

@@ -58,6 +58,17 @@
     out.queue = q; out.running = run; out.kv = kv;
     out.events = { series: [{ label: "preempted" }, { label: "shed" }, { label: "dropped" }, { label: "filtered" }],
       data: [x, col((p) => Object.values(p.models).reduce((a, g) => a + (g.preempted || 0), 0)), col((p) => p.shed), col((p) => p.dropped), col((p) => p.filtered)] };
+    const cost = state.last && state.last.cost;
+    if (cost && cost.models.length) {  // the last 24 h by hour: GPU-hours x [cost] prices over the tokens served
+      const hours = [...new Set(cost.models.flatMap((m) => m.buckets.map((b) => b.start)))].sort((a, b) => a - b);
+      const c = { series: [], data: [hours], points: true };
+      for (const m of cost.models) {
+        const at = new Map(m.buckets.map((b) => [b.start, b])), name = `${m.model}@${m.version.slice(0, 8)}`;
+        c.series.push({ label: `${name} per M output` }); c.data.push(hours.map((h) => at.get(h)?.cost_per_m_output ?? null));
+        c.series.push({ label: `${name} per M total`, dash: [6, 4] }); c.data.push(hours.map((h) => at.get(h)?.cost_per_m_total ?? null));
+      }
+      out.cost = c;
+    }
     return out;
   }
 
@@ -78,7 +89,8 @@
         chart = new uPlot({
           width: width(el), height: 200, scales, axes, legend: { live: false },
           series: [{}].concat(spec.series.map((s, i) => ({ label: s.label, scale: s.scale || "y", dash: s.dash,
-            stroke: COLORS[i % COLORS.length], width: 1.5, spanGaps: true }))),
+            stroke: COLORS[i % COLORS.length], width: 1.5, spanGaps: true,
+            points: spec.points ? { show: true, size: 6 } : undefined }))),
         }, spec.data, el);
         state.charts[name] = chart; state.keys[name] = key;
       } else {
@@ -120,6 +132,7 @@
     table($("#tbl-prices"), ["model", "spend", "per M total tokens", "per M output tokens"],
       Object.entries(d.prices).map(([m, c]) => [m, c.cost, c.per_mtok_total, c.per_mtok_output]));
     $("#cost-panel").hidden = !d.cost;
+    $("#cost-chart-card").hidden = !(d.cost && d.cost.models.length);
     if (d.cost) {  // the last 24 hours: GPU-hours x [cost] prices over the tokens served, per model and version
       const c = d.cost, money = (x) => (x == null ? "–" : `${fmt(x, 4)} ${c.currency}`);
       const row = (label, t) => [label, t.gpu_hours ?? "–", money(t.cost), t.output_tokens, t.total_tokens,
