@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import shutil
 import sqlite3
 from pathlib import Path
 from typing import Any
@@ -17,6 +16,7 @@ import openai
 import pytest
 from click.testing import CliRunner
 
+from bench.lib.servers import tiny_versions
 from llmd.auth import hash_key
 from llmd.cli import main as cli_main
 from llmd.config import ConfigError, load_config
@@ -95,15 +95,7 @@ def test_params_and_config_errors_name_the_key(tmp_path: Path) -> None:
 @pytest.fixture
 def store(tmp_path: Path, smollm2_path: Path) -> tuple[WeightStore, list[str]]:
     """Two stored versions of a tiny model (SmolLM2's tokenizer, different weight bytes)."""
-    ws, versions = WeightStore(tmp_path / "home"), []
-    for i, payload in enumerate((b"weights one", b"weights two")):
-        src = tmp_path / f"src{i}"
-        src.mkdir()
-        for f in ("config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-            shutil.copy(smollm2_path / f, src / f)
-        (src / "model.safetensors").write_bytes(payload)
-        versions.append(ws.add_hf_dir(src, "tiny", f"test:{i}").version)
-    return ws, versions
+    return tiny_versions(tmp_path / "home", (b"weights one", b"weights two"))
 
 
 def by_hand(db: Path, v1: str, v2: str) -> dict[str, dict[str, float]]:
