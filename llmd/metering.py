@@ -379,7 +379,7 @@ def _usage_sql(tenant: str | None, since: float | None, until: float | None,
     return sql, params
 
 
-def _day_start(s: str, end: bool = False) -> float:
+def day_start(s: str, end: bool = False) -> float:
     """'YYYY-MM-DD' (UTC) or an ISO datetime → epoch; a bare date as `end` means that whole day."""
     try:
         if len(s) == 10:
@@ -397,8 +397,8 @@ def usage_report(path: Path, tenant: str | None, since: str | None, until: str |
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"no usage database at {path}")
-    sql, params = _usage_sql(tenant, _day_start(since) if since else None,
-                             _day_start(until, end=True) if until else None, group_by)
+    sql, params = _usage_sql(tenant, day_start(since) if since else None,
+                             day_start(until, end=True) if until else None, group_by)
     conn = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True)
     try:
         conn.row_factory = sqlite3.Row

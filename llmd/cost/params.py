@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import datetime as dt
 import math
 import re
+
+from llmd.metering import day_start
 
 UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 MIN_BUCKET_S = 60.0
@@ -33,10 +34,6 @@ def parse_time(raw: str, end_of_day: bool = False) -> float:
             raise ValueError(f"expected a unix time, an ISO date or YYYY-MM-DD, got {raw!r}")
         return t
     try:
-        if len(raw) == 10:
-            day = dt.datetime.combine(dt.date.fromisoformat(raw), dt.time(), dt.UTC)
-            return (day + dt.timedelta(days=1 if end_of_day else 0)).timestamp()
-        d = dt.datetime.fromisoformat(raw)
+        return day_start(raw, end_of_day)  # what `llmd usage --since/--until` reads, too
     except ValueError:
         raise ValueError(f"expected a unix time, an ISO date or YYYY-MM-DD, got {raw!r}") from None
-    return (d if d.tzinfo else d.replace(tzinfo=dt.UTC)).timestamp()
