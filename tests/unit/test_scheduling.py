@@ -353,7 +353,8 @@ async def test_vtc_serves_a_light_tenant_ahead_of_a_heavy_backlog(make_server, r
                                                                     "[models.scheduling]\nreserved_seats = 0"))
     be = live.backend()
     a, b = client(live, KEY_A), client(live, KEY_B)
-    hog = asyncio.create_task(a.completions.create(model="fake", prompt="x", max_tokens=50))
+    # the hog runs ~1 s, so the backlog and B arrive while it does (50 tokens once ran out first under load)
+    hog = asyncio.create_task(a.completions.create(model="fake", prompt="x", max_tokens=400))
     assert await async_wait_until(lambda: len(be.submitted) == 1)
     heavy = [asyncio.create_task(a.completions.create(model="fake", prompt="x", max_tokens=50,
                                                       extra_headers={"X-Request-ID": f"a{i}"}))
