@@ -225,7 +225,7 @@ def test_settled_buckets_are_kept_and_give_the_same_figures(tmp_path: Path) -> N
     from llmd.cost.report import cost_summary
     from llmd.cost.settled import Settled
     from llmd.cost.uptime import SCHEMA
-    from llmd.metering import MIGRATIONS
+    from llmd.ledger_schema import MIGRATIONS
 
     db, now = tmp_path / "llmd.db", 1_796_000_000.0
     conn = sqlite3.connect(db)

@@ -16,7 +16,8 @@ from click.testing import CliRunner
 
 from llmd import ledger_writer, metering
 from llmd.cli import main
-from llmd.metering import MIGRATIONS, SCHEMA_VERSION, Ledger, Price, usage_report
+from llmd.ledger_schema import MIGRATIONS, SCHEMA_VERSION
+from llmd.metering import Ledger, Price, usage_report
 from llmd.telemetry import RequestRecord
 
 PRICES = {"m1": Price(input_per_mtok=1.0, output_per_mtok=2.0), "m2": Price(0.5, 4.0)}
