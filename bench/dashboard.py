@@ -34,19 +34,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repositor
 from bench.lib import report
 from bench.lib.cputime import cpu_seconds
 from bench.lib.dashboard_ab import measure_shipped, shipped_lines
-from bench.lib.servers import start_server_process, stop
-from llmd.auth import hash_key
+from bench.lib.servers import keys_toml, start_server_process, stop
 from llmd.dashboard.ring import INTERVAL_S, KEEP, Ring
 
 VIEWER, TENANT = "sk-llmd-bench-viewer", "sk-llmd-bench-tenant"
-TOML = f"""
+TOML = """
 [server]
 host = "127.0.0.1"
-port = {{port}}
-db_path = "{{db}}"
+port = {port}
+db_path = "{db}"
 log_level = "warning"
-[auth]
-dashboard_keys = ["{hash_key(VIEWER)}"]
 [[models]]
 name = "fake"
 backend = "fake"
@@ -55,10 +52,7 @@ step_ms = 1
 [models.pricing]
 input_per_mtok = 1.0
 output_per_mtok = 2.0
-[[tenants]]
-name = "t"
-keys = ["{hash_key(TENANT)}"]
-"""
+""" + keys_toml({"t": TENANT}, dashboard=VIEWER)
 VIEWERS, POLL_S = 5, 2.0
 
 

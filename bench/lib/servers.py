@@ -133,6 +133,22 @@ def dump_toml(data: dict[str, Any]) -> str:
     return "\n".join(lines).lstrip("\n") + "\n"
 
 
+def keys_toml(tenants: dict[str, str], admin: str | None = None, dashboard: str | None = None,
+              **tenant_keys: int | float | str) -> str:
+    """The [auth] and [[tenants]] part of a test or bench config: one API key per tenant (by
+    name), the admin and dashboard keys, all stored hashed as llmd requires; `tenant_keys` apply
+    to every tenant listed (e.g. requests_per_minute)."""
+    from llmd.auth import hash_key
+
+    auth = ([f'admin_keys = ["{hash_key(admin)}"]'] if admin else []) + (
+        [f'dashboard_keys = ["{hash_key(dashboard)}"]'] if dashboard else [])
+    out = ["[auth]", *auth] if auth else []
+    for name, key in tenants.items():
+        out += ["[[tenants]]", f'name = "{name}"', f'keys = ["{hash_key(key)}"]',
+                *(f"{k} = {json.dumps(v)}" for k, v in tenant_keys.items())]
+    return "\n".join(out) + "\n"
+
+
 def tail(path: Path, n: int = 30) -> str:
     """The last `n` lines of a server log, for error messages."""
     return "\n".join(path.read_text(errors="replace").splitlines()[-n:]) if path.exists() else ""

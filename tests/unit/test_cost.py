@@ -16,8 +16,7 @@ import openai
 import pytest
 from click.testing import CliRunner
 
-from bench.lib.servers import tiny_versions
-from llmd.auth import hash_key
+from bench.lib.servers import keys_toml, tiny_versions
 from llmd.cli import main as cli_main
 from llmd.config import ConfigError, load_config
 from llmd.cost.params import parse_bucket, parse_time
@@ -30,8 +29,6 @@ TOML = f"""
 [server]
 default_deadline_s = 30
 db_path = "{{db}}"
-[auth]
-admin_keys = ["{hash_key(ADMIN)}"]
 [[models]]
 name = "m"
 source = "tiny"
@@ -45,19 +42,13 @@ step_ms_per_seq = 0.0
 [models.pricing]
 input_per_mtok = 1.0
 output_per_mtok = 4.0
-[[tenants]]
-name = "a"
-keys = ["{hash_key(KEY_A)}"]
-[[tenants]]
-name = "b"
-keys = ["{hash_key(KEY_B)}"]
 [cost]
 currency = "EUR"
 sample_s = 0.2
 [cost.models.m]
 gpu_hour_price = {PRICE}
 gpus = {GPUS}
-"""
+""" + keys_toml({"a": KEY_A, "b": KEY_B}, admin=ADMIN)
 
 
 # -- the rule, on numbers small enough to check by eye ---------------------------------------

@@ -13,19 +13,16 @@ import httpx
 import openai
 import pytest
 
-from llmd.auth import hash_key
+from bench.lib.servers import keys_toml
 from llmd.config.slo import SLOConfig
 from llmd.dashboard.ring import INTERVAL_S, MAX_SAMPLES, Ring, quantile
 from llmd.dashboard.session import COOKIE, Sessions
 from tests.conftest import LiveServer, async_wait_until
 
 ADMIN, VIEWER, KEY_A, KEY_B = "sk-llmd-dash-admin", "sk-llmd-dash-viewer", "sk-llmd-dash-a", "sk-llmd-dash-b"
-TOML = f"""
+TOML = """
 [server]
 default_deadline_s = 30
-[auth]
-admin_keys = ["{hash_key(ADMIN)}"]
-dashboard_keys = ["{hash_key(VIEWER)}"]
 [[models]]
 name = "fake"
 backend = "fake"
@@ -36,13 +33,7 @@ input_per_mtok = 1.0
 output_per_mtok = 3.0
 [cost.models.fake]
 gpu_hour_price = 2.0
-[[tenants]]
-name = "a"
-keys = ["{hash_key(KEY_A)}"]
-[[tenants]]
-name = "b"
-keys = ["{hash_key(KEY_B)}"]
-"""
+""" + keys_toml({"a": KEY_A, "b": KEY_B}, admin=ADMIN, dashboard=VIEWER)
 OVERVIEW, REQUESTS = "/dashboard/api/overview", "/dashboard/api/requests/"
 
 

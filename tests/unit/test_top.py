@@ -14,8 +14,8 @@ import openai
 import pytest
 from click.testing import CliRunner
 
+from bench.lib.servers import keys_toml
 from llmd.api_client import Api
-from llmd.auth import hash_key
 from llmd.cli import main as cli_main
 from llmd.metrics import TTFT_BUCKETS
 from llmd.top.fetch import Poller
@@ -23,12 +23,10 @@ from llmd.top.frame import compute
 from llmd.top.scrape import Scrape, quantile
 
 KEY_A, KEY_B, KEY_C, ADMIN = "sk-llmd-top-a", "sk-llmd-top-b", "sk-llmd-top-c", "sk-llmd-top-admin"
-TOML = f"""
+TOML = """
 [server]
 default_deadline_s = 30
-db_path = "{{db}}"
-[auth]
-admin_keys = ["{hash_key(ADMIN)}"]
+db_path = "{db}"
 [[models]]
 name = "fake"
 backend = "fake"
@@ -40,20 +38,10 @@ max_num_seqs = 8
 [models.pricing]
 input_per_mtok = 2.0
 output_per_mtok = 10.0
-[[tenants]]
-name = "a"
-keys = ["{hash_key(KEY_A)}"]
-[[tenants]]
-name = "b"
-keys = ["{hash_key(KEY_B)}"]
-[[tenants]]
-name = "c"
-keys = ["{hash_key(KEY_C)}"]
-requests_per_minute = 1
 [cost]
 [cost.models.fake]
 gpu_hour_price = 4.0
-"""
+""" + keys_toml({"a": KEY_A, "b": KEY_B}, admin=ADMIN) + keys_toml({"c": KEY_C}, requests_per_minute=1)
 
 
 def test_quantile_is_prometheus_histogram_quantile() -> None:
