@@ -132,8 +132,8 @@ class FakeEngineConfig(_Strict):
             from llmd.plan.stepmodel import StepModel
             try:
                 StepModel.load(p)
-            except PlanError as e:
-                raise ValueError(str(e)) from None
+            except PlanError as e:  # the file named, whichever check failed
+                raise ValueError(str(e) if str(p) in str(e) else f"{p}: {e}") from None
         return p
 
 
