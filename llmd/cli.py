@@ -10,12 +10,15 @@ from typing import Any
 import click
 
 from llmd.batch.cli import batch
+from llmd.calibrate.cli import calibrate
 from llmd.cluster.cli import cluster
 from llmd.config import ConfigError, load_config
 from llmd.plan.cli import plan
 from llmd.registry.cli import registry
 from llmd.store import StoreError, WeightStore, describe
 from llmd.top.cli import top
+
+plan.add_command(calibrate)  # registered here: llmd.calibrate drives backends, which llmd.plan must not import
 
 
 def _progress(msg: str) -> None:

@@ -117,6 +117,8 @@ class StepRecord:
     generated_tokens: int
     duration: float = 0.0  # seconds the step took (the step-time model's sample); 0: unknown
     prefill_tokens: int = 0  # prompt tokens the step computed
+    decode_seqs: int = -1  # sequences that decoded one token in the step; -1: unknown
+    prefill_seqs: int = -1  # sequences with a prompt chunk in the step; -1: unknown
 
 
 @dataclass

@@ -35,6 +35,7 @@ from llmd.backends.base import (
     now,
 )
 from llmd.backends.fake_cache import CacheSeq, FakePrefixCache
+from llmd.backends.fake_steps import StepPricer
 from llmd.backends.fake_tools import FakeToolReader
 from llmd.backends.kv_events import KvListener
 from llmd.backends.tokenizer import TiktokenTokenizer
@@ -105,6 +106,7 @@ class FakeBackend:
         # node can keep its prefix summary; None: nobody listens.
         self.kv_events: KvListener | None = None
         self.busy_s = 0.0  # engine time the cost model charged (step and prefill time), seconds
+        self.pricer = StepPricer(cfg)  # the knobs, or cfg.step_model's fitted step time
 
     # -- lifecycle ----------------------------------------------------------
     async def start(self) -> None:
@@ -270,10 +272,8 @@ class FakeBackend:
 
     # -- the engine ---------------------------------------------------------------
     def step_seconds(self, running: int, prefill_tokens: int = 0) -> float:
-        """What a step costs: a base, a share per sequence, and its prefill at `prefill_tokens_per_s`."""
-        rate = self.cfg.prefill_tokens_per_s
-        prefill = prefill_tokens / rate if rate else 0.0
-        return (self.cfg.step_ms + self.cfg.step_ms_per_seq * running) / 1000.0 + prefill
+        """What a step costs by the knobs: a base, a share per sequence, prefill at `prefill_tokens_per_s`."""
+        return self.pricer.knobs(running, prefill_tokens)
 
     async def _loop(self) -> None:
         try:
@@ -283,8 +283,7 @@ class FakeBackend:
                     await self._wake.wait()
                     continue
                 self._admit()
-                ptps = self.cfg.prefill_tokens_per_step
-                cost = self.step_seconds(len(self._running), sum(min(ptps, r.prefill_todo) for r in self._running))
+                cost = self.pricer.price(self._running)
                 self.busy_s += cost
                 t0 = asyncio.get_running_loop().time()
                 await asyncio.sleep(cost)
@@ -311,13 +310,13 @@ class FakeBackend:
         """One step of `took` seconds (what the loop slept: step_seconds plus any lag): reported
         with its prefill tokens, as vLLM's per-step stats are, for the step-time model."""
         batch = list(self._running)  # aborted mid-step requests are already gone
-        generated = prefilled = 0
+        generated = prefilled = prefilling = 0
         ptps = self.cfg.prefill_tokens_per_step
         for req in batch:
             if req.prefill_todo > 0:
                 chunk = min(ptps, req.prefill_todo)
                 req.prefill_todo -= chunk
-                prefilled += chunk
+                prefilled, prefilling = prefilled + chunk, prefilling + 1
                 self.cache.commit(req.kv, req.prompt.num_tokens - req.prefill_todo)
                 continue
             generated += 1
@@ -325,7 +324,8 @@ class FakeBackend:
         queries, hits = self.cache.take_stats()
         self.stats.record(StepRecord(t=now(), running=len(batch), waiting=len(self._waiting),
                                      kv_usage=min(1.0, self.cache.usage()), generated_tokens=generated, duration=took,
-                                     prefill_tokens=prefilled),
+                                     prefill_tokens=prefilled, decode_seqs=len(batch) - prefilling,
+                                     prefill_seqs=prefilling),
                           prefix_queries=queries, prefix_hits=hits, itl=[took] * generated)
         self.cache.flush(self.kv_events)
 

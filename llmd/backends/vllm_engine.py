@@ -79,14 +79,21 @@ class _StepLogger(StatLoggerBase):
         preempted = getattr(iteration_stats, "num_preempted_reqs", 0) if iteration_stats is not None else 0
         pcs = scheduler_stats.prefix_cache_stats
         itl = list(getattr(iteration_stats, "inter_token_latencies_iter", None) or [])
-        # The step's duration: a sequence that also got a token in the step before waited exactly
-        # one step (the engine core's own time stamps); any other waited longer. So the least of
-        # the step's inter-token latencies; unknown (0) when nothing in it was decoding.
+        details = getattr(scheduler_stats, "iteration_details", None)
+        if details is not None and getattr(details, "is_dummy", False):
+            details = None
+        # The step's duration. With iteration details on: the engine core's own monotonic clock
+        # around the model's forward pass and sampling, for every step, prefill-only ones too.
+        # Otherwise: a sequence that also got a token in the step before waited exactly one step
+        # (the engine core's time stamps), any other longer; so the least of the step's
+        # inter-token latencies; unknown (0) when nothing in it was decoding.
+        duration = details.elapsed_ms / 1e3 if details is not None else min(itl, default=0.0)
         self._stats.record(
             StepRecord(t=now(), running=scheduler_stats.num_running_reqs, waiting=scheduler_stats.num_waiting_reqs,
                        kv_usage=float(scheduler_stats.kv_cache_usage), generated_tokens=gen,
-                       duration=min(itl, default=0.0),
-                       prefill_tokens=_prefill_tokens(scheduler_stats, iteration_stats)),
+                       duration=duration, prefill_tokens=_prefill_tokens(scheduler_stats, iteration_stats),
+                       decode_seqs=details.num_generation_requests if details is not None else -1,
+                       prefill_seqs=details.num_ctx_requests if details is not None else -1),
             prefix_queries=getattr(pcs, "queries", 0), prefix_hits=getattr(pcs, "hits", 0), preempted=preempted,
             itl=itl,
         )

