@@ -60,6 +60,7 @@ class Fleet:
         self.in_flight = 0
         self.home: dict[int, int] = {}  # prefix group -> the replica its last request went to
         self.next_i = 0
+        self.events = 0  # arrivals and events handled, for the speed bench
         self.vtc = spec.scheduling.fairness == "vtc"
         self.minute_arrivals = 0
         self.timeline: list[dict[str, float | int | None]] = []
@@ -91,6 +92,7 @@ class Fleet:
                 self.next_i += 1
             else:
                 break
+        self.events = self._serial + n
         self._minute(final=True)
 
     def _event(self, kind: int, idx: int, version: int) -> None:

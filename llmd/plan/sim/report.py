@@ -31,6 +31,11 @@ def simulate(spec: SimSpec, trace: Trace, step: StepTime) -> dict[str, Any]:
     """The fleet `spec` serving `trace`, each engine step priced by `step`."""
     fleet = Fleet(spec, trace, step)
     fleet.run()
+    return report_of(fleet, step)
+
+
+def report_of(fleet: Fleet, step: StepTime) -> dict[str, Any]:
+    """The report of a fleet that has run."""
     report: dict[str, Any] = rounded(_report(fleet, step))
     return report
 

@@ -9,16 +9,35 @@ drain (no new requests) and go back to warm, or cold once the pool is full.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import random
+from collections.abc import Callable
+from typing import Protocol
 
+from llmd.plan.sim.metrics import Recorder
+from llmd.plan.sim.replica import Replica
+from llmd.plan.sim.request import Req
+from llmd.plan.sim.spec import SimSpec
 from llmd.policy.warmpool import ClusterLoad, WarmPoolPolicy
-
-if TYPE_CHECKING:
-    from llmd.plan.sim.fleet import Fleet
-    from llmd.plan.sim.replica import Replica
 
 CONTROL, FAIL, READY = 2, 4, 5  # fleet.py's event kinds
 BILLED = ("active", "draining", "warm", "starting", "waking", "failed")
+
+
+class Fleet(Protocol):
+    """What the scaler reads and does of the fleet (fleet.Fleet)."""
+
+    spec: SimSpec
+    now: float
+    replicas: list[Replica]
+    rng: random.Random
+    rec: Recorder
+
+    @property
+    def clock(self) -> Callable[[], float]: ...
+
+    def push(self, t: float, kind: int, idx: int = -1, version: int = 0) -> None: ...
+
+    def requeue(self, reqs: list[Req]) -> None: ...
 
 
 class Scaler:
