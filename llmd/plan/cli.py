@@ -90,3 +90,12 @@ def math_cmd(as_json: bool, **opts: Any) -> None:
         click.echo(json.dumps({"inputs": asdict(p), **sheet.to_json()}, indent=1, ensure_ascii=False))
     else:
         click.echo(sheet.render(), nl=False)
+
+
+def _register() -> None:
+    from llmd.plan.sim.cli import sim_cmd
+
+    plan.add_command(sim_cmd)
+
+
+_register()

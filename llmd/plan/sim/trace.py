@@ -34,3 +34,30 @@ class Trace:
     @property
     def duration(self) -> float:
         return float(self.t[-1]) if len(self) else 0.0
+
+
+def save_trace(trace: Trace, path: str) -> None:
+    """One .npz file: the columns, and the tenant names."""
+    np.savez_compressed(path, t=trace.t, tenant=trace.tenant, klass=trace.klass, prompt_tokens=trace.prompt_tokens,
+                        output_tokens=trace.output_tokens, prefix=trace.prefix, prefix_tokens=trace.prefix_tokens,
+                        tenants=np.array(trace.tenants, dtype=str))
+
+
+def load_trace(path: str) -> Trace:
+    """A trace saved by save_trace; ValueError (what is wrong, in a line) for anything else."""
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            tr = Trace(t=z["t"].astype(np.float64), tenant=z["tenant"].astype(np.int32),
+                       klass=z["klass"].astype(np.int8), prompt_tokens=z["prompt_tokens"].astype(np.int32),
+                       output_tokens=z["output_tokens"].astype(np.int32), prefix=z["prefix"].astype(np.int32),
+                       prefix_tokens=z["prefix_tokens"].astype(np.int32),
+                       tenants=tuple(str(x) for x in z["tenants"]))
+    except (OSError, KeyError, ValueError) as e:
+        raise ValueError(f"{path}: not a trace file ({e})") from None
+    n = len(tr)
+    if any(len(c) != n for c in (tr.tenant, tr.klass, tr.prompt_tokens, tr.output_tokens, tr.prefix, tr.prefix_tokens)):
+        raise ValueError(f"{path}: its columns differ in length")
+    if n and (np.any(np.diff(tr.t) < 0) or tr.tenant.min() < 0 or tr.tenant.max() >= len(tr.tenants)
+              or tr.klass.min() < 0 or tr.klass.max() >= len(CLASSES)):
+        raise ValueError(f"{path}: arrivals out of order, or a tenant or class index out of range")
+    return tr

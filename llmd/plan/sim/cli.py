@@ -1,0 +1,141 @@
+"""`llmd plan sim`: simulate a fleet serving a workload, from a config.toml and a step model."""
+
+from __future__ import annotations
+
+import importlib
+import json
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import click
+
+from llmd.plan.errors import PlanError
+from llmd.plan.sim.spec import Autoscale, SimSpec, engine_from_model
+from llmd.plan.sim.trace import Trace, load_trace
+from llmd.plan.stepmodel import StepModel
+
+DEFAULT_STEP_MODEL = Path("bench/data/stepmodel-local-cpu.json")
+
+
+class BadInput(click.ClickException):
+    """Bad input: one line, exit code 2."""
+
+    exit_code = 2
+
+
+def spec_from_config(path: Path, model: str | None, replicas: int, **over: Any) -> SimSpec:
+    """A SimSpec from config.toml: the model's engine and [models.X.scheduling], the tenants, its
+    [slo], the server's default deadline and the cluster's warm-pool bounds; `over` overrides."""
+    from llmd.config import ConfigError, load_config
+
+    try:
+        cfg = load_config(path)
+    except ConfigError as e:
+        raise PlanError(str(e)) from None
+    models = {m.name: m for m in cfg.models}
+    m = models.get(model) if model is not None else cfg.models[0]
+    if m is None:
+        raise PlanError(f"{path}: no model {model!r}; it has {sorted(models)}")
+    deadline = {"interactive": cfg.server.default_deadline_s, "batch": 86400.0}
+    return SimSpec(replicas=replicas, engine=engine_from_model(m), scheduling=m.scheduling,
+                   tenants=tuple(cfg.tenants), slo=cfg.slo.slo_for(m.name), deadline_s=deadline, **over)
+
+
+def _step_model(path: Path | None) -> StepModel:
+    if path is None:
+        here = Path(__file__).resolve().parents[3] / DEFAULT_STEP_MODEL
+        path = next((p for p in (DEFAULT_STEP_MODEL, here) if p.exists()), None)
+        if path is None:
+            raise PlanError(f"no --step-model given and no {DEFAULT_STEP_MODEL}: run `llmd plan calibrate`, "
+                            "or pass a step model JSON")
+    return StepModel.load(path)
+
+
+def _trace(o: dict[str, Any], tenants: tuple[str, ...]) -> Trace:
+    from llmd.plan.sim.builtin import poisson_trace
+
+    if o["trace"] is not None:
+        try:
+            return load_trace(str(o["trace"]))
+        except ValueError as e:
+            raise PlanError(str(e)) from None
+    return poisson_trace(o["rate"], o["duration"], o["prompt_tokens"], o["output_tokens"], seed=o["seed"],
+                         tenants=tenants or ("default",), batch_share=o["batch_share"])
+
+
+def _plot(report: dict[str, Any], path: Path) -> None:
+    """The timeline PNG, by the plotting module when this build has it."""
+    try:
+        mod = importlib.import_module("llmd.plan.sim.plot")
+    except ImportError:
+        raise PlanError("--plot needs llmd/plan/sim/plot.py, which this build does not have") from None
+    for name in ("plot_report", "plot_timeline", "plot", "write_png"):
+        fn = getattr(mod, name, None)
+        if callable(fn):
+            fn(report, path)
+            return
+    raise PlanError("llmd/plan/sim/plot.py has no plot_report(report, path)")
+
+
+def _spec(o: dict[str, Any]) -> SimSpec:
+    over: dict[str, Any] = {"seed": o["seed"], "warmup_s": o["warmup"], "ingress_s": o["ingress_ms"] / 1000,
+                            "delivery_s": o["delivery_ms"] / 1000, "price_per_hour": o["price"],
+                            "mtbf_s": o["mtbf"]}
+    if o["min_active"] is not None:
+        over["autoscale"] = Autoscale(min_active=o["min_active"], warm_pool=o["warm_pool"])
+    if o["config"] is not None:
+        spec = spec_from_config(o["config"], o["model"], o["replicas"], **over)
+    elif o["model"] is not None:
+        raise PlanError("--model names a model of --config; give --config too")
+    else:
+        spec = SimSpec(replicas=o["replicas"], **over)
+    if o["kv_tokens"] is not None:
+        spec = replace(spec, engine=replace(spec.engine, kv_tokens=o["kv_tokens"]))
+    return spec
+
+
+@click.command("sim")
+@click.option("--config", type=click.Path(path_type=Path), default=None, help="config.toml: the model's engine "
+              "and scheduling, the tenants, [slo] (default: llmd's defaults, one tenant).")
+@click.option("--model", default=None, help="Which of the config's models (default: the first).")
+@click.option("--step-model", type=click.Path(path_type=Path), default=None,
+              help=f"A step model JSON (llmd plan calibrate); default {DEFAULT_STEP_MODEL}.")
+@click.option("--replicas", type=click.IntRange(min=1), default=1, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--trace", type=click.Path(path_type=Path), default=None, help="A workload (.npz trace file).")
+@click.option("--rate", type=float, default=1.0, show_default=True, help="Without --trace: Poisson arrivals/s.")
+@click.option("--duration", type=float, default=600.0, show_default=True, help="Without --trace: seconds.")
+@click.option("--prompt-tokens", type=int, default=1000, show_default=True)
+@click.option("--output-tokens", type=int, default=300, show_default=True)
+@click.option("--batch-share", type=float, default=0.0, show_default=True, help="Share of batch-class requests.")
+@click.option("--kv-tokens", type=click.IntRange(min=1), default=None, help="KV cache per replica, tokens.")
+@click.option("--price", type=float, default=16.0, show_default=True, help="$ per replica-hour.")
+@click.option("--ingress-ms", type=float, default=2.0, show_default=True, help="Gateway overhead per request.")
+@click.option("--delivery-ms", type=float, default=0.5, show_default=True, help="Per token, engine to client.")
+@click.option("--mtbf", type=float, default=None, help="Mean seconds between one replica's failures.")
+@click.option("--min-active", type=click.IntRange(min=1), default=None, help="Autoscale down to this many.")
+@click.option("--warm-pool", type=click.IntRange(min=0), default=0, show_default=True)
+@click.option("--warmup", type=float, default=0.0, show_default=True, help="Seconds not measured at the start.")
+@click.option("--out", type=click.Path(path_type=Path), default=None, help="Write the JSON report here.")
+@click.option("--plot", type=click.Path(path_type=Path), default=None, help="Write the timeline PNG here.")
+def sim_cmd(**o: Any) -> None:
+    """Simulate a fleet of replicas serving a workload, llmd's policies in the loop."""
+    from llmd.plan.sim.report import simulate
+
+    try:
+        spec = _spec(o)
+        step = _step_model(o["step_model"])
+        trace = _trace(o, tuple(t.name for t in spec.tenants))
+        report = simulate(spec, trace, step)
+        text = json.dumps(report, indent=1, sort_keys=True) + "\n"
+        if o["out"] is not None:
+            o["out"].write_text(text)
+        else:
+            click.echo(text, nl=False)
+        if o["plot"] is not None:
+            _plot(report, o["plot"])
+    except PlanError as e:
+        raise BadInput(str(e)) from None
+    except OSError as e:
+        raise BadInput(f"{e.filename}: {e.strerror}") from None

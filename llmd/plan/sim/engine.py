@@ -1,0 +1,353 @@
+"""One replica's engine, after vLLM v1's scheduler: running sequences decode first (one token
+each), then prefill chunks fill the step's token budget; `max_num_seqs` seats; KV cache in
+blocks, preempt-by-recompute (newest first) when it runs out; prefix caching of a request's
+shared-prefix group when this replica holds it (LRU by group).
+
+Fast: a run of decode-only steps (nothing arrives, nothing finishes) is one segment, advanced in
+closed form: the context grows by B tokens a step, so step time is linear in the step index for
+a step model linear in context (the first and last step's times bound it); sequences wait in a
+heap keyed by the step count at which they finish. A segment can be cut short at any time: it
+then ends at the boundary of the step in progress.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import OrderedDict, deque
+from typing import NamedTuple
+
+from llmd.plan.sim.metrics import Recorder
+from llmd.plan.sim.request import Req
+from llmd.plan.sim.spec import EngineSpec
+from llmd.plan.stepmodel import StepShape, StepTime
+
+HISTORY = 64  # steps kept for the ITL controller's step-time model
+
+
+class StepRec(NamedTuple):
+    """A step as EngineStats.history records it (what llmd.policy.steptime reads)."""
+
+    t: float
+    running: int
+    prefill_tokens: int
+    duration: float
+
+
+class Seq:
+    """One attempt of a request in the engine."""
+
+    __slots__ = ("base", "dead", "done", "fin", "order", "plen", "r")
+
+    def __init__(self, r: Req, order: int) -> None:
+        self.r = r
+        self.plen = r.prompt + r.generated  # what a resumed request re-prefills
+        self.done = 0  # prompt tokens in its KV (cache hits included)
+        self.base = 0  # while decoding: its length is base + the engine's step count
+        self.fin = 0  # while decoding: the step count at which it finishes
+        self.order = order
+        self.dead = False
+
+
+class Engine:
+    def __init__(self, spec: EngineSpec, step: StepTime, sink: Recorder, gaps_kept: int) -> None:
+        self.spec = spec
+        self.step = step
+        self.sink = sink
+        # (time, gap) per token, batch-weighted roughly: what the ITL controller reads
+        self.gaps: deque[tuple[float, float]] = deque(maxlen=gaps_kept)
+        self.S = 0  # steps run
+        self.waiting: deque[Seq] = deque()
+        self.prefill: list[Seq] = []
+        self.decoding: dict[int, Seq] = {}  # by order
+        self.heap: list[tuple[int, int, Seq]] = []
+        self.groups: dict[int, int] = {}  # decoding sequences per (tenant, class) key
+        self.sum_base = 0
+        self.kv_prefill = 0
+        self._order = 0
+        self.cache: OrderedDict[int, int] = OrderedDict()  # prefix group -> tokens, LRU order
+        self.cache_tokens = 0
+        self.cache_cap = spec.prefix_cache_tokens if spec.prefix_cache_tokens is not None else spec.kv_tokens // 4
+        self.generated = 0  # output tokens, a counter
+        self.basis = [0.0] * 5  # summed StepShape basis terms: steps, seqs, tokens, context, attention
+        self.seat_s = 0.0  # ∫ sequences held dt
+        self.busy_s = 0.0
+        self.preempted = 0  # sequences preempted for KV (recompute)
+        self.cache_hit_tokens = 0
+        self.seg: tuple[float, int, float, float] | None = None  # decode segment: (t0, k, first, slope)
+        self.mixed: list[tuple[Seq, int]] | None = None  # the mixed step under way: its chunks
+        self.end = 0.0  # when the work under way ends
+        self.step_time_of_last = 0.0  # the mixed step's time
+        self.history: deque[StepRec] = deque(maxlen=HISTORY)
+
+    # -- state ---------------------------------------------------------------
+    @property
+    def running(self) -> int:
+        return len(self.decoding) + len(self.prefill)
+
+    def kv_used(self) -> int:
+        b = len(self.decoding)
+        return self.sum_base + b * self.S + self.kv_prefill + (b + len(self.prefill)) * (self.spec.block_size // 2)
+
+    def context(self) -> int:
+        return self.sum_base + len(self.decoding) * self.S
+
+    def idle(self) -> bool:
+        return self.seg is None and self.mixed is None
+
+    # -- requests in and out -------------------------------------------------
+    def add(self, r: Req) -> None:
+        """A sequence the scheduler seated: it waits in the engine for a seat and KV."""
+        self._order += 1
+        s = Seq(r, self._order)
+        r.seq = s
+        self.waiting.append(s)
+
+    def remove(self, s: Seq, now: float) -> None:
+        """Out of the engine (aborted, preempted by llmd, or done): its KV is freed."""
+        if s.dead:
+            return
+        s.dead = True
+        r = s.r
+        if s.order in self.decoding:
+            del self.decoding[s.order]
+            r.generated = s.base + self.S - r.prompt
+            r.last_t = now
+            self.sum_base -= s.base
+            self.groups[r.key] -= 1
+        elif s in self.prefill:
+            self.prefill.remove(s)
+            self.kv_prefill -= s.done
+        else:
+            self.waiting.remove(s)
+        r.seq = None
+
+    def _admit(self) -> None:
+        seats = self.spec.max_num_seqs
+        while self.waiting and self.running < seats:
+            s = self.waiting.popleft()
+            s.plen = s.r.prompt + s.r.generated
+            s.done = self._cached(s.r, s.plen)
+            self.kv_prefill += s.done
+            self.prefill.append(s)
+
+    def _cached(self, r: Req, plen: int) -> int:
+        if not self.spec.prefix_caching or r.prefix < 0:
+            return 0
+        tokens = self.cache.get(r.prefix)
+        if tokens is None:
+            return 0
+        self.cache.move_to_end(r.prefix)
+        hit = min(tokens, r.prefix_tokens, plen - 1)
+        self.cache_hit_tokens += hit
+        return max(0, hit)
+
+    def holds(self, prefix: int) -> bool:
+        return prefix in self.cache
+
+    def _remember(self, r: Req) -> None:
+        if not self.spec.prefix_caching or r.prefix < 0 or r.prefix_tokens <= 0 or r.prefix in self.cache:
+            return
+        self.cache[r.prefix] = r.prefix_tokens
+        self.cache_tokens += r.prefix_tokens
+        while self.cache_tokens > self.cache_cap and self.cache:
+            self.cache_tokens -= self.cache.popitem(last=False)[1]
+
+    def _preempt_newest(self, now: float) -> None:
+        """Out of KV: the newest sequence goes back to the head of the queue, to recompute."""
+        newest = max([*self.prefill, *self.decoding.values()], key=lambda s: s.order)
+        self.remove(newest, now)
+        newest.dead = False
+        newest.r.seq = newest
+        self.waiting.appendleft(newest)
+        self.preempted += 1
+
+    # -- planning the next step(s) ---------------------------------------------
+    def plan(self, now: float) -> float | None:
+        """Start the next work at `now`; returns when it ends (None: nothing to do)."""
+        self._admit()
+        while True:
+            if self.prefill:
+                if (end := self._plan_mixed(now)) is not None:
+                    return end
+            elif self.decoding:
+                if (end := self._plan_decode(now)) is not None:
+                    return end
+            else:
+                return None
+            self._preempt_newest(now)
+
+    def _plan_mixed(self, now: float) -> float | None:
+        b = len(self.decoding)
+        free = self.spec.kv_tokens - self.kv_used() - b
+        if free < 0 or (b == 0 and free <= 0):
+            return None
+        budget = self.spec.max_num_batched_tokens - b
+        chunks: list[tuple[Seq, int]] = []
+        tokens, attn = 0, 0.0
+        for s in self.prefill:
+            c = min(s.plen - s.done, budget, free)
+            if c <= 0:
+                break
+            chunks.append((s, c))
+            tokens += c
+            attn += c * (s.done + c / 2)
+            budget -= c
+            free -= c
+        if not chunks and b == 0:
+            return None
+        ctx = self.context()
+        dt = self.step.seconds(StepShape(b, tokens, len(chunks), ctx, attn))
+        self._account(1, b + len(chunks), b + tokens, ctx, attn, dt, self.running)
+        self.mixed, self.end, self.step_time_of_last = chunks, now + dt, dt
+        return self.end
+
+    def _plan_decode(self, now: float) -> float | None:
+        b = len(self.decoding)
+        while self.heap[0][2].dead:
+            heapq.heappop(self.heap)
+        room = (self.spec.kv_tokens - self.kv_used()) // b
+        if room <= 0:
+            return None
+        k = min(self.heap[0][0] - self.S, room)
+        ctx0 = self.context()
+        first = self.step.seconds(StepShape(b, context_tokens=ctx0))
+        slope = (self.step.seconds(StepShape(b, context_tokens=ctx0 + (k - 1) * b)) - first) / (k - 1) if k > 1 else 0.0
+        total = k * first + slope * k * (k - 1) / 2
+        self._account(k, b * k, b * k, k * ctx0 + b * k * (k - 1) / 2, 0.0, total, b)
+        self.seg, self.end = (now, k, first, slope), now + total
+        return self.end
+
+    def _account(self, steps: int, seqs: int, tokens: int, ctx: float, attn: float, dt: float, held: int) -> None:
+        a = self.basis
+        a[0] += steps
+        a[1] += seqs
+        a[2] += tokens
+        a[3] += ctx
+        a[4] += attn
+        self.busy_s += dt
+        self.seat_s += held * dt
+
+    def cut(self, now: float) -> float:
+        """Something must join or leave: a decode segment ends at the boundary of the step under
+        way at `now` (its accounting trimmed); returns when the engine next reaches a boundary."""
+        if self.seg is None:
+            return self.end if self.mixed is not None else now
+        t0, k, first, slope = self.seg
+        e = now - t0
+
+        def t_of(j: int) -> float:
+            return j * first + slope * j * (j - 1) / 2
+
+        if slope > 0:
+            h = first - slope / 2
+            j = int((-h + math.sqrt(h * h + 2 * slope * e)) / slope)
+        else:
+            j = int(e / first) if first > 0 else k
+        j = max(0, min(k - 1, j))
+        while j < k - 1 and t_of(j + 1) <= e:
+            j += 1
+        while j > 0 and t_of(j) > e:
+            j -= 1
+        k2 = j + 1
+        if k2 < k:
+            b = len(self.decoding)
+            ctx0 = self.context()
+            cut_ctx = (k * ctx0 + b * k * (k - 1) / 2) - (k2 * ctx0 + b * k2 * (k2 - 1) / 2)
+            cut_t = (k * first + slope * k * (k - 1) / 2) - (k2 * first + slope * k2 * (k2 - 1) / 2)
+            self._account(-(k - k2), -b * (k - k2), -b * (k - k2), -cut_ctx, 0.0, -cut_t, b)
+            self.seg = (t0, k2, first, slope)
+            self.end = t0 + k2 * first + slope * k2 * (k2 - 1) / 2
+        return self.end
+
+    # -- the work under way ends ------------------------------------------------
+    def complete(self, now: float) -> tuple[list[Req], list[Req]]:
+        """The step or segment under way has ended (at `now`): tokens out. Returns (the requests
+        whose prefill ended: their first token now, or their first after a resume; the requests
+        done)."""
+        started: list[Req] = []
+        if self.seg is not None:
+            _, k, first, slope = self.seg
+            self.seg = None
+            self.history.append(StepRec(now, len(self.decoding), 0, first + slope * (k - 1) / 2))
+            self._decoded(k, first, slope)
+        elif self.mixed is not None:
+            chunks, self.mixed = self.mixed, None
+            dt = self.step_time_of_last
+            self.history.append(StepRec(now, len(self.decoding) + len(chunks), sum(c for _, c in chunks), dt))
+            self._decoded(1, dt, 0.0)
+            for s, c in chunks:
+                s.done += c
+                self.kv_prefill += c
+                if s.done >= s.plen:
+                    started.append(self._prefilled(s, now))
+        return started, self._finished(now)
+
+    def _decoded(self, k: int, first: float, slope: float) -> None:
+        """k steps gave each decoding sequence k tokens, their gaps rising linearly from `first`:
+        each (tenant, class) group's ITL histogram gets n·k gaps (at the quartiles of the rise when
+        it spans more than a histogram bin), the ITL controller's samples one or a few."""
+        b = len(self.decoding)
+        if not b:
+            return
+        self.S += k
+        self.generated += b * k
+        rise = slope * (k - 1)
+        mid = first + rise / 2
+        self.gaps.extend([(self.sink.now, mid)] * min(3, 1 + b * k // 64))
+        if self.sink.now < self.sink.warmup_s:
+            return
+        hists = self.sink.itl_by_key
+        self.sink.minute_itl.add(mid, float(b * k))
+        if rise < 0.02 * first:  # within a histogram bin: one sample at the middle
+            for key, n in self.groups.items():
+                if n:
+                    hists[key].add(mid, float(n * k))
+            return
+        lo, hi = first + rise / 4, first + 3 * rise / 4
+        for key, n in self.groups.items():
+            if n:
+                hists[key].add(lo, n * k / 2)
+                hists[key].add(hi, n * k / 2)
+
+    def _prefilled(self, s: Seq, now: float) -> Req:
+        """Prefill done: the step sampled its next token; the sequence decodes from here on."""
+        r = s.r
+        self.prefill.remove(s)
+        self.kv_prefill -= s.done
+        self._remember(r)
+        if r.first_t is not None:
+            self.sink.itl_sample(r.key, now - r.last_t, 1.0)  # a resumed stream's stall, as its client sees it
+        r.generated += 1
+        self.generated += 1
+        r.last_t = now
+        base = r.prompt + r.generated - self.S
+        s.base, s.fin = base, self.S + (r.output - r.generated)
+        self.decoding[s.order] = s
+        self.sum_base += base
+        self.groups[r.key] = self.groups.get(r.key, 0) + 1
+        heapq.heappush(self.heap, (s.fin, s.order, s))
+        return r
+
+    def _finished(self, now: float) -> list[Req]:
+        done: list[Req] = []
+        h = self.heap
+        while h and (h[0][2].dead or h[0][0] <= self.S):
+            s = heapq.heappop(h)[2]
+            if s.dead:
+                continue
+            self.remove(s, now)
+            done.append(s.r)
+        return done
+
+    def clear(self, now: float) -> list[Req]:
+        """The replica failed: every sequence it held, out (their progress kept in `generated`)."""
+        out = [s.r for s in [*self.waiting, *self.prefill, *self.decoding.values()]]
+        for r in out:
+            if r.seq is not None:
+                self.remove(r.seq, now)
+        self.heap.clear()
+        self.seg, self.mixed = None, None
+        self.cache.clear()
+        self.cache_tokens = 0
+        return out

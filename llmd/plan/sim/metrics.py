@@ -1,0 +1,68 @@
+"""What the simulation measures as it runs: latency histograms by class and tenant (and per
+simulated minute, for the timeline), tokens, sheds, drops, failures."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from llmd.plan.sim.hist import Hist
+from llmd.plan.sim.request import Req
+from llmd.plan.sim.trace import CLASSES
+
+
+class Recorder:
+    def __init__(self, tenants: tuple[str, ...], warmup_s: float, delivery_s: float) -> None:
+        self.tenants = tenants
+        self.warmup_s = warmup_s
+        self.delivery_s = delivery_s
+        self.now = 0.0  # the fleet's clock, kept current by the event loop
+        names = [("class", c) for c in CLASSES] + [("tenant", t) for t in tenants]
+        self.ttft = {n: Hist() for n in names}
+        self.e2e = {n: Hist() for n in names}
+        # a (tenant, class) key -> the two histograms each of its samples goes to
+        self._by_key = {t * 2 + k: (("class", CLASSES[k]), ("tenant", tenants[t]))
+                        for t in range(len(tenants)) for k in range(len(CLASSES))}
+        self.itl_by_key = [Hist() for _ in range(2 * len(tenants))]  # merged by class and tenant at the end
+        self.minute_ttft, self.minute_itl = Hist(), Hist()
+        self.counts: Counter[str] = Counter()  # arrived, admitted, completed, dropped, shed, failed ...
+        self.shed: Counter[tuple[str, str]] = Counter()  # (tenant, reason)
+        self.tokens_in: Counter[str] = Counter()  # per tenant, completed requests' prompts
+        self.tokens_out: Counter[str] = Counter()
+
+    def itl_sample(self, key: int, gap: float, tokens: float) -> None:
+        if self.now < self.warmup_s:
+            return
+        self.itl_by_key[key].add(gap, tokens)
+        self.minute_itl.add(gap, tokens)
+
+    def itl(self) -> dict[tuple[str, str], Hist]:
+        """ITL by class and by tenant, from the per-(tenant, class) histograms."""
+        out = {n: Hist() for n in self.ttft}
+        for key, h in enumerate(self.itl_by_key):
+            for name in self._by_key[key]:
+                out[name].merge(h)
+        return out
+
+    def first_token(self, r: Req, t: float) -> None:
+        if not r.measured:
+            return
+        x = t + self.delivery_s - r.t_arr
+        a, b = self._by_key[r.key]
+        self.ttft[a].add(x)
+        self.ttft[b].add(x)
+        self.minute_ttft.add(x)
+
+    def completed(self, r: Req, t: float) -> None:
+        self.counts["completed"] += 1
+        tenant = self.tenants[r.tenant]
+        self.tokens_in[tenant] += r.prompt
+        self.tokens_out[tenant] += r.output
+        if r.measured:
+            x = t + self.delivery_s - r.t_arr
+            a, b = self._by_key[r.key]
+            self.e2e[a].add(x)
+            self.e2e[b].add(x)
+
+    def refused(self, tenant: str, reason: str) -> None:
+        self.counts["shed"] += 1
+        self.shed[(tenant, reason)] += 1

@@ -1,0 +1,180 @@
+"""One replica: its engine (engine.py) behind llmd's own scheduling policies, on a virtual clock.
+
+The queue, fairness, saturation detector (ITL target), throughput estimate, preemption rules and
+SchedulerCore are built from the model's `[models.X.scheduling]` exactly as llmd/runtime.py's
+build_runtime builds them; this module only plays the engine and the event loop that
+llmd/scheduler.py plays around them: it feeds the detector the inter-token gaps and step samples
+the real backend's stats would, ticks the core when something changed, and applies its Decisions.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+
+from llmd.config import TenantConfig
+from llmd.config.parts import SchedulingConfig
+from llmd.plan.sim.engine import HISTORY, Engine
+from llmd.plan.sim.metrics import Recorder
+from llmd.plan.sim.request import Req
+from llmd.plan.sim.spec import EngineSpec
+from llmd.plan.stepmodel import StepShape, StepTime
+from llmd.policy.classes import ModelQueue
+from llmd.policy.fairness import FAIRNESS, VTCFairness
+from llmd.policy.preemption import preemption_rules
+from llmd.policy.saturation import SaturationDetector, StepModelITL, ThroughputEstimate
+from llmd.policy.scheduler import Decision, SchedulerCore
+from llmd.policy.steptime import StepTimeModel
+
+TICK_EVERY_S = 0.5  # the ITL controller's interval: a replica ticks at least this often while busy
+GAP_SAMPLES = 96  # the gaps the ITL controller reads (the real gateway keeps 16,384: a cost here)
+STEP_WINDOW = HISTORY  # steps the step-time model fits over (llmd keeps 512: refits cost per replica here)
+
+
+class Replica:
+    """Engine + llmd's scheduler for it. `state` is the fleet's: active, warm, cold, starting, failed."""
+
+    def __init__(self, idx: int, spec: EngineSpec, sched: SchedulingConfig, tenants: list[TenantConfig],
+                 step: StepTime, clock: Callable[[], float], rec: Recorder) -> None:
+        self.idx = idx
+        self.name = f"r{idx:03d}"
+        self.state = "active"
+        self.clock = clock
+        self.engine = Engine(spec, step, rec, GAP_SAMPLES)
+        self.gaps = self.engine.gaps
+        self.core = self._core(spec, sched, tenants)
+        self.version = 0  # bumps when its pending boundary event moves
+        self.next_t: float | None = None  # its pending boundary event
+        self.dirty = False  # tick at the next boundary
+        self.last_tick = -1e18
+        self.aborts: list[Req] = []  # preempted by llmd mid-segment: out at the next boundary
+        self.reqs: dict[int, Req] = {}  # queued or in the engine, by QueuedRequest.seq
+        self.queued_tokens = 0  # prefill tokens waiting in its queue (routing reads it)
+        self.sched_preempted = 0
+
+    def _core(self, spec: EngineSpec, sc: SchedulingConfig, tenants: list[TenantConfig]) -> SchedulerCore:
+        """llmd/runtime.py's build_runtime, on the virtual clock."""
+        weights = {t.name: t.weight for t in tenants}
+        ordering = {t.name: t.ordering for t in tenants}
+        if sc.fairness == "vtc":
+            queue = ModelQueue(lambda: VTCFairness(weights, sc.w_in, sc.w_out), lambda t: ordering.get(t, "fifo"))
+        else:
+            queue = ModelQueue(FAIRNESS["fcfs"], lambda t: ordering.get(t, "fifo"))
+        seats = sc.max_running or spec.max_num_seqs
+        detector = SaturationDetector(seats, sc.kv_high, sc.target_itl_ms, sc.target_itl_margin, clock=self.clock,
+                                      itl_samples=lambda: self.gaps,
+                                      steps=(lambda: self.engine.history) if sc.itl_step_model else None)
+        if isinstance(detector.itl, StepModelITL):
+            detector.itl.model = StepTimeModel(window=STEP_WINDOW)
+        batch_seats = sc.batch_seats_with_interactive if sc.batch_seats_with_interactive is not None \
+            else max(1, seats // 4)
+        throughput = ThroughputEstimate(sc.prior_tokens_per_s, clock=self.clock)
+        return SchedulerCore(queue, detector, self, throughput, clock=self.clock,
+                             rules=preemption_rules(sc.preempt_batch, sc.preempt_for_fairness),
+                             reserved_seats=sc.reserved_seats,
+                             batch_seats_with_interactive=batch_seats,
+                             interactive_quiet_s=sc.interactive_quiet_s)
+
+    # -- EngineSignals, as the backend's EngineStats would report them -------------
+    @property
+    def waiting(self) -> int:
+        return len(self.engine.waiting)
+
+    @property
+    def kv_usage(self) -> float:
+        return self.engine.kv_used() / self.engine.spec.kv_tokens
+
+    @property
+    def generated_tokens(self) -> int:
+        return self.engine.generated
+
+    @property
+    def itl(self) -> deque[tuple[float, float]]:
+        return self.gaps
+
+    # -- requests ----------------------------------------------------------------
+    def submit(self, r: Req, now: float) -> None:
+        """Routed here (or back after a preemption): queued; seated at the next tick."""
+        r.replica = self.idx
+        r.queued_tokens = r.prompt + r.generated
+        self.queued_tokens += r.queued_tokens
+        self.reqs[r.q.seq] = r
+        self.core.submit(r.q)
+        self.dirty = True
+
+    def boundary(self, now: float) -> tuple[list[Req], list[Req], list[Req]]:
+        """The engine reached a step boundary (or was idle): finish what ended, tick if anything
+        changed, start the next work. Returns (first tokens, finished, dropped by deadline)."""
+        eng = self.engine
+        started, done = eng.complete(now) if not eng.idle() else ([], [])
+        for r in done:
+            self._release(r, r.output)
+        for r in self.aborts:
+            self._abort(r, now)
+        self.aborts.clear()
+        dropped: list[Req] = []
+        # A freed seat matters only to a queued request; a lowered limit or the batch cap's
+        # quiet period is seen by the next periodic tick.
+        if self.dirty or (done and len(self.core.queue)) or now - self.last_tick >= TICK_EVERY_S:
+            self.dirty = False
+            self.last_tick = now
+            dropped = self._apply(self.core.tick(), now)
+        self.next_t = eng.plan(now)
+        return started, done, dropped
+
+    def _release(self, r: Req, output: int | None) -> None:
+        self.core.on_output(r.q, r.generated - r.charged)
+        r.charged = r.generated
+        self.core.finished(r.q, output)
+        self.reqs.pop(r.q.seq, None)
+
+    def _abort(self, r: Req, now: float) -> None:
+        """A preemption by llmd: out of the engine, back in the queue, to resume from its tokens."""
+        if r.seq is not None:
+            self.engine.remove(r.seq, now)
+        self.core.on_output(r.q, r.generated - r.charged)
+        r.charged = r.generated
+        self.core.finished(r.q, None)
+        self.sched_preempted += 1
+        self.submit(r, now)
+
+    def _apply(self, d: Decision, now: float) -> list[Req]:
+        dropped = []
+        for q in d.drop:
+            r = self.reqs.pop(q.seq)
+            self.queued_tokens -= r.queued_tokens
+            dropped.append(r)
+        for q in (*d.dispatch, *d.heirs):
+            r = self.reqs[q.seq]
+            self.queued_tokens -= r.queued_tokens
+            r.queued_tokens = 0
+            self.engine.add(r)
+        for q in d.preempt:
+            r = self.reqs[q.seq]
+            if self.engine.idle():
+                self._abort(r, now)
+            else:
+                self.aborts.append(r)
+        return dropped
+
+    def prefill_tps(self) -> float:
+        """Prompt tokens per second a full chunk runs at: what the router's TTFT estimate divides by."""
+        n = self.engine.spec.max_num_batched_tokens
+        return n / max(1e-9, self.engine.step.seconds(StepShape(0, n, 1, 0, n * n / 2)))
+
+    def fail(self, now: float) -> list[Req]:
+        """Dead: everything it held (queued or running) goes back to the ingress."""
+        out = self.engine.clear(now)
+        queued = [r for r in self.reqs.values() if r.seq is None and not r.q.running]
+        for r in out:
+            self.core.finished(r.q, None)
+        for r in queued:
+            self.core.withdraw(r.q)
+        self.reqs.clear()
+        self.aborts.clear()
+        self.queued_tokens = 0
+        self.version += 1
+        self.next_t = None
+        everything = out + queued
+        everything.sort(key=lambda r: r.q.seq)
+        return everything

@@ -1,0 +1,97 @@
+"""What `llmd plan sim` simulates: the fleet (replicas, their engines, autoscaling, failures),
+llmd's policies for it (built from a config.toml the way llmd/runtime.py builds them) and what
+the fleet costs. Frozen: a spec is one experiment; `replace` makes the next.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from llmd.config import ModelConfig, TenantConfig
+from llmd.config.cluster import WarmPoolConfig
+from llmd.config.parts import SchedulingConfig
+from llmd.config.slo import SLO
+from llmd.plan.errors import PlanError
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """One replica's engine, as vLLM v1's scheduler sees it."""
+
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048  # the token budget per step (chunked prefill)
+    kv_tokens: int = 64 * 2048  # KV cache capacity, tokens
+    block_size: int = 16
+    prefix_caching: bool = True
+    prefix_cache_tokens: int | None = None  # the LRU of shared prefixes; None: a quarter of the KV
+
+
+@dataclass(frozen=True)
+class Autoscale:
+    """Replicas active, warm (loaded, asleep: billed, seconds to wake) and cold (not billed, a
+    cold start to load). llmd.policy.warmpool's hysteresis decides when: promote `step`
+    replicas after `bounds.sustain_s` hot, drain `step` back to warm after `demote_after_s` calm."""
+
+    min_active: int = 1
+    warm_pool: int = 0  # replicas kept warm beyond the active ones
+    step: int = 1
+    warm_start_s: float = 10.0
+    cold_start_s: float = 120.0
+    interval_s: float = 5.0  # how often the autoscaler looks
+    bounds: WarmPoolConfig = field(default_factory=lambda: WarmPoolConfig(promote_queue_tokens=20000,
+                                                                           promote_ttft_s=1.0))
+
+
+@dataclass(frozen=True)
+class SimSpec:
+    """A fleet of `replicas` identical replicas of one model behind one ingress."""
+
+    replicas: int
+    engine: EngineSpec = field(default_factory=EngineSpec)
+    scheduling: SchedulingConfig = field(default_factory=SchedulingConfig)
+    tenants: tuple[TenantConfig, ...] = ()  # none: one tenant per trace tenant, weight 1, no quota
+    slo: SLO = field(default_factory=SLO)
+    deadline_s: dict[str, float] = field(default_factory=lambda: {"interactive": 120.0, "batch": 86400.0})
+    ingress_s: float = 0.002  # the gateway's overhead per request, before admission
+    delivery_s: float = 0.0005  # per token, from the engine to the client
+    price_per_hour: float = 16.0  # per replica-hour, active and warm (and starting) billed
+    autoscale: Autoscale | None = None  # None: all `replicas` active all along
+    mtbf_s: float | None = None  # mean time between failures of one replica; None: none fail
+    repair_s: float = 120.0  # a failed replica is back (cold start) after this
+    route_candidates: int = 4  # replicas sampled per request for the placement score, plus cache holders
+    gossip_s: float = 0.5  # how stale the router's view of a replica is (placement's reservations cover it)
+    seed: int = 0
+    warmup_s: float = 0.0  # requests arriving before this are served but not measured
+
+    def __post_init__(self) -> None:
+        e = self.engine
+        if self.replicas < 1:
+            raise PlanError("replicas must be at least 1")
+        if e.max_num_seqs < 1 or e.max_num_batched_tokens < 1 or e.block_size < 1:
+            raise PlanError("max_num_seqs, max_num_batched_tokens and block_size must be positive")
+        if e.kv_tokens < e.block_size:
+            raise PlanError("kv_tokens must hold at least one block")
+        if self.route_candidates < 1 or self.gossip_s <= 0:
+            raise PlanError("route_candidates must be ≥ 1 and gossip_s > 0")
+        if self.ingress_s < 0 or self.delivery_s < 0 or self.price_per_hour < 0:
+            raise PlanError("ingress_s, delivery_s and price_per_hour must not be negative")
+        if self.mtbf_s is not None and self.mtbf_s <= 0:
+            raise PlanError("mtbf_s must be positive")
+        a = self.autoscale
+        if a is not None and not 1 <= a.min_active <= self.replicas:
+            raise PlanError("autoscale.min_active must be between 1 and replicas")
+
+
+def engine_from_model(m: ModelConfig) -> EngineSpec:
+    """The engine a model's config.toml section describes. KV capacity: the fake engine's blocks,
+    or (vLLM) room for max_num_seqs sequences of max_model_len: the config gives GiB, not tokens;
+    pass kv_tokens for a measured figure."""
+    if m.backend == "fake":
+        f = m.fake
+        blocks = f.kv_blocks if f.kv_blocks is not None else f.max_num_seqs * m.engine.max_model_len // f.block_tokens
+        return EngineSpec(max_num_seqs=f.max_num_seqs, max_num_batched_tokens=f.prefill_tokens_per_step,
+                          kv_tokens=blocks * f.block_tokens, block_size=f.block_tokens,
+                          prefix_caching=f.prefix_caching)
+    e = m.engine
+    return EngineSpec(max_num_seqs=e.max_num_seqs, max_num_batched_tokens=e.max_num_batched_tokens,
+                      kv_tokens=e.max_num_seqs * e.max_model_len, prefix_caching=e.enable_prefix_caching)

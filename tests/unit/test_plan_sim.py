@@ -1,0 +1,160 @@
+"""`llmd plan sim`'s mechanics: a one-request closed form, conservation (every request ends
+exactly once), byte-identical reports for a seed, the timeline's keys, and the CLI's answers to
+bad input (one line, exit code 2)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from llmd.cli import main
+from llmd.config import TenantConfig
+from llmd.config.parts import SchedulingConfig
+from llmd.plan.sim.builtin import poisson_trace
+from llmd.plan.sim.fleet import Fleet
+from llmd.plan.sim.report import simulate
+from llmd.plan.sim.request import Req
+from llmd.plan.sim.spec import Autoscale, EngineSpec, SimSpec
+from llmd.plan.sim.trace import Trace, load_trace, save_trace
+from llmd.plan.stepmodel import StepModel, StepShape
+
+STEP = StepModel(coef={"c_step": 0.005, "c_seq": 0.001, "c_tok": 2e-5, "c_kv": 1e-7, "c_attn": 1e-9})
+
+
+def one(t: float, prompt: int, output: int) -> Trace:
+    return Trace(t=np.array([t]), tenant=np.zeros(1, np.int32), klass=np.zeros(1, np.int8),
+                 prompt_tokens=np.array([prompt], np.int32), output_tokens=np.array([output], np.int32),
+                 prefix=np.array([-1], np.int32), prefix_tokens=np.zeros(1, np.int32), tenants=("t",))
+
+
+def busy_trace(seed: int = 3, rate: float = 30.0, duration: float = 120.0) -> Trace:
+    """Three tenants, a third batch, mixed lengths, shared prefixes."""
+    tr = poisson_trace(rate, duration, 600, 120, tenants=("a", "b", "c"), batch_share=0.3, seed=seed)
+    n, rng = len(tr), np.random.default_rng(seed)
+    return replace(tr, prefix=rng.integers(-1, 5, n).astype(np.int32), prefix_tokens=np.full(n, 300, np.int32),
+                   prompt_tokens=rng.integers(100, 1200, n).astype(np.int32),
+                   output_tokens=rng.integers(1, 300, n).astype(np.int32))
+
+
+def everything_on(seed: int = 5) -> SimSpec:
+    return SimSpec(replicas=6, engine=EngineSpec(max_num_seqs=32, kv_tokens=20000),
+                   scheduling=SchedulingConfig(target_itl_ms=60),
+                   tenants=(TenantConfig(name="a", weight=2, tokens_per_minute=300000),),
+                   autoscale=Autoscale(min_active=2, warm_pool=1, warm_start_s=5, cold_start_s=30),
+                   mtbf_s=60, repair_s=20, seed=seed)
+
+
+def test_one_request_closed_form() -> None:
+    """TTFT = ingress + the prefill step + delivery; every gap = one decode step's time."""
+    step = StepModel(coef={"c_step": 0.01, "c_seq": 0.002, "c_tok": 1e-4})  # no context term: steps all alike
+    spec = SimSpec(replicas=1, ingress_s=0.003, delivery_s=0.001)
+    rep = simulate(spec, one(1.0, 500, 20), step)
+    prefill = step.seconds(StepShape(0, 500, 1, 0, 500 * 250))
+    decode = step.seconds(StepShape(1))
+    got = rep["by_class"]["interactive"]
+    assert got["ttft_s"]["p50"] == pytest.approx(0.003 + prefill + 0.001, rel=0.025)  # a histogram bin's width
+    assert got["itl_s"]["p50"] == pytest.approx(decode, rel=0.025)
+    assert got["itl_s"]["count"] == 19  # 20 tokens: the first, then 19 gaps
+    assert got["e2e_s"]["p50"] == pytest.approx(0.003 + prefill + 19 * decode + 0.001, rel=0.025)
+    assert rep["requests"] == {"admitted": 1, "arrived": 1, "completed": 1}
+
+
+def test_context_makes_decode_slower_in_closed_form() -> None:
+    """A long decode advanced as one segment: the mean gap is the step time at the midpoint context."""
+    step = StepModel(coef={"c_step": 0.01, "c_kv": 1e-5})
+    rep = simulate(SimSpec(replicas=1, ingress_s=0, delivery_s=0), one(0.0, 1000, 1001), step)
+    mean = rep["by_class"]["interactive"]["itl_s"]["mean"]
+    assert mean == pytest.approx(step.seconds(StepShape(1, context_tokens=1000 + 1 + 500)), rel=0.01)
+
+
+def test_every_request_ends_exactly_once() -> None:
+    """With quotas, deadlines, preemptions, autoscaling and failures all at work."""
+    trace = busy_trace(rate=45.0)
+    fleet = Fleet(everything_on(), trace, STEP)
+    ended: list[int] = []
+    completed = fleet.rec.completed
+
+    def count(r: Req, t: float) -> None:
+        ended.append(r.i)
+        completed(r, t)
+
+    fleet.rec.completed = count  # type: ignore[method-assign]
+    fleet.run()
+    c = fleet.rec.counts
+    assert c["replica_failures"] > 0 and c["shed"] > 0 and c["deadline_dropped"] >= 0
+    assert c["arrived"] == len(trace)
+    assert c["completed"] + c["shed"] + c["deadline_dropped"] + c["failed_lost"] == len(trace)
+    assert len(ended) == len(set(ended)) == c["completed"]
+    assert fleet.in_flight == 0
+    assert all(not r.reqs and r.engine.running == 0 for r in fleet.replicas)
+
+
+def test_same_seed_same_bytes() -> None:
+    trace = busy_trace(rate=20.0, duration=90.0)
+    a, b = (json.dumps(simulate(everything_on(), trace, STEP), sort_keys=True) for _ in range(2))
+    assert a == b
+    assert json.dumps(simulate(everything_on(seed=6), trace, STEP), sort_keys=True) != a
+
+
+def test_timeline_has_the_plot_keys() -> None:
+    rep = simulate(SimSpec(replicas=2), poisson_trace(5, 150, 200, 50), STEP)
+    keys = {"t", "load_rps", "replicas_active", "replicas_warm", "queue_depth", "ttft_p95_s", "itl_p95_s"}
+    assert [row["t"] for row in rep["timeline"]] == [0.0, 60.0, 120.0]
+    assert all(set(row) == keys for row in rep["timeline"])
+    assert rep["timeline"][0]["load_rps"] == pytest.approx(5, rel=0.3)
+    assert set(rep["slo"]) == {"ttft_p95_s", "itl_p95_s"}
+
+
+def test_trace_file_round_trip(tmp_path: Path) -> None:
+    tr = busy_trace(duration=10.0)
+    save_trace(tr, str(tmp_path / "w.npz"))
+    back = load_trace(str(tmp_path / "w.npz"))
+    assert back.tenants == tr.tenants and np.array_equal(back.t, tr.t) and np.array_equal(back.prefix, tr.prefix)
+
+
+def _cli(*args: str) -> tuple[int, str]:
+    r = CliRunner().invoke(main, ["plan", "sim", *args])
+    assert r.exception is None or isinstance(r.exception, SystemExit), r.exception
+    return r.exit_code, r.output
+
+
+@pytest.fixture
+def step_file(tmp_path: Path) -> Path:
+    p = tmp_path / "step.json"
+    p.write_text(STEP.to_json())
+    return p
+
+
+def test_cli_writes_the_report(tmp_path: Path, step_file: Path) -> None:
+    cfg = tmp_path / "config.toml"
+    cfg.write_text('[[models]]\nname = "m"\nbackend = "fake"\n[models.scheduling]\ntarget_itl_ms = 100\n'
+                   '[[tenants]]\nname = "acme"\nweight = 2\n[slo]\nttft_p95_s = 0.5\n')
+    code, out = _cli("--config", str(cfg), "--step-model", str(step_file), "--rate", "3", "--duration", "30",
+                     "--replicas", "2", "--out", str(tmp_path / "r.json"))
+    assert code == 0, out
+    rep = json.loads((tmp_path / "r.json").read_text())
+    assert rep["slo"]["ttft_p95_s"] == 0.5 and list(rep["by_tenant"]) == ["acme"]
+    assert rep["requests"]["completed"] == rep["requests"]["arrived"] > 0
+
+
+@pytest.mark.parametrize(("args", "says"), [
+    (("--rate", "-1"), "must be positive"),
+    (("--config", "/nonexistent/config.toml"), "config file not found"),
+    (("--trace", "/nonexistent/trace.npz"), "not a trace file"),
+    (("--model", "x"), "give --config too"),
+])
+def test_cli_bad_input_is_one_line(step_file: Path, args: tuple[str, ...], says: str) -> None:
+    code, out = _cli("--step-model", str(step_file), *args)
+    lines = out.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and says in lines[0], out
+
+
+def test_cli_without_a_step_model_says_how_to_get_one(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    code, out = _cli("--step-model", str(tmp_path / "missing.json"))
+    assert code == 2 and "cannot read step model" in out
