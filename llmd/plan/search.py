@@ -24,7 +24,7 @@ from typing import Any
 from llmd.plan.errors import PlanError
 
 
-@dataclass(frozen=True, order=True)
+@dataclass(frozen=True)
 class Candidate:
     """One fleet to evaluate."""
 
@@ -35,6 +35,12 @@ class Candidate:
 
     def knobs(self) -> tuple[int, float | None, int]:
         return self.max_num_seqs, self.itl_target_ms, self.warm_pool
+
+    def order(self) -> tuple[int, int, int, float]:
+        """The last tie-break between fleets of equal cost and margin: fewer replicas, a smaller
+        warm pool and batch limit, a lower ITL target (none last)."""
+        itl = self.itl_target_ms if self.itl_target_ms is not None else math.inf
+        return self.replicas, self.warm_pool, self.max_num_seqs, itl
 
 
 Evaluator = Callable[[Candidate], Mapping[str, Any]]
@@ -132,11 +138,13 @@ class Trial:
     cost: float
     misses: list[str]
     figures: Figures
+    worst: float = 0.0  # the largest p95 ÷ its target: ≤ 1 passes; between equal costs, less wins
     report: Mapping[str, Any] = field(repr=False, default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         f = self.figures
         return {**asdict(self.candidate), "ok": self.ok, "cost": round(self.cost, 6), "misses": self.misses,
+                "worst_slo_ratio": round(self.worst, 6) if math.isfinite(self.worst) else None,
                 "p95": {k: {"ttft_s": t, "itl_s": i} for k, (t, i) in sorted(f.p95.items())},
                 "shed_fraction": f.shed_fraction, "replica_hours": {"active": f.active_h, "warm": f.warm_h}}
 
@@ -145,16 +153,20 @@ def judge(c: Candidate, report: Mapping[str, Any], targets: Targets, price: floa
     """Does the report meet every target, and what did the fleet cost?"""
     f = read_report(report)
     misses: list[str] = []
+    worst = 0.0
     for name, slo in sorted(targets.classes.items()):
         got = f.p95.get(name)
         if got is None:
             continue  # no request of this class in the workload
         for what, want, have in (("TTFT", slo.ttft_p95_s, got[0]), ("ITL", slo.itl_p95_s, got[1])):
-            if want is not None and (have is None or not have <= want):
+            if want is None:
+                continue
+            worst = max(worst, have / want if have is not None else math.inf)
+            if have is None or not have <= want:
                 misses.append(f"{name} {what} p95 {_fmt_s(have)} > {want:g} s")
     if f.shed_fraction > targets.max_shed:
         misses.append(f"shed {f.shed_fraction:.2%} > {targets.max_shed:.2%}")
-    return Trial(c, not misses, price * (f.active_h + f.warm_h), misses, f, report)
+    return Trial(c, not misses, price * (f.active_h + f.warm_h), misses, f, worst, report)
 
 
 def _fmt_s(v: float | None) -> str:
@@ -173,7 +185,7 @@ class SearchResult:
     @property
     def winner(self) -> Trial | None:
         ok = [t for t in self.frontier if isinstance(t, Trial)]
-        return min(ok, key=lambda t: (t.cost, t.candidate)) if ok else None
+        return min(ok, key=lambda t: (t.cost, t.worst, t.candidate.order())) if ok else None
 
 
 def search(evaluate: Evaluator, targets: Targets, grid: Grid, price: float,
@@ -204,16 +216,30 @@ def search(evaluate: Evaluator, targets: Targets, grid: Grid, price: float,
 
 
 def _fewest(at: Callable[[int], Trial], lo: int, hi: int, hint: int) -> Trial | None:
-    """The passing trial with the fewest replicas in [lo, hi], or None if hi fails."""
+    """The passing trial with the fewest replicas in [lo, hi], or None if hi fails. Gallops from
+    the hint (steps 1, 2, 4, ... up while failing, down while passing) to bracket the edge, then
+    bisects: a few evaluations when the hint is close, O(log) when it is not."""
     r = min(max(hint, lo), hi)
-    fail = lo - 1  # known to fail (below the range)
-    t = at(r)
-    while not t.ok:  # gallop up: double until one passes
+    t, step = at(r), 1
+    fail, good = (lo - 1, t) if t.ok else (r, None)
+    while good is None:  # up
         if r == hi:
             return None
-        fail, r = r, min(hi, max(r + 1, 2 * r))
+        r = min(hi, r + step)
+        step *= 2
         t = at(r)
-    good = t
+        if t.ok:
+            good = t
+        else:
+            fail = r
+    while fail == lo - 1 and good.candidate.replicas > lo:  # down, from a passing hint
+        r = max(lo, good.candidate.replicas - step)
+        step *= 2
+        t = at(r)
+        if t.ok:
+            good = t
+        else:
+            fail = r
     while good.candidate.replicas - fail > 1:
         mid = (fail + good.candidate.replicas) // 2
         t = at(mid)
@@ -245,7 +271,8 @@ def render(res: SearchResult) -> str:
     head += "".join(f"  {c + ' TTFT/ITL p95':>26}" for c in classes) + f"  {'shed':>6}"
     lines = ["Frontier: the fewest replicas meeting the SLOs per combination, cheapest first "
              f"(cost at ${res.price:g} per replica-hour, active + warm, over the simulated period)", head]
-    rows = sorted(res.frontier, key=lambda t: (0, t.cost, t.candidate) if isinstance(t, Trial) else (1, 0.0, t))
+    rows = sorted(res.frontier, key=lambda t: (0, t.cost, t.worst, t.candidate.order()) if isinstance(t, Trial)
+                  else (1, 0.0, 0.0, t.order()))
     for t in rows:
         c = t.candidate if isinstance(t, Trial) else t
         itl = f"{c.itl_target_ms:g} ms" if c.itl_target_ms is not None else "none"

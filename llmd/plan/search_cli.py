@@ -125,13 +125,13 @@ def search_cmd(as_json: bool, **o: Any) -> None:
         doc = to_json(res)
         if o["out"] is not None:
             Path(o["out"]).write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n")
+        click.echo(json.dumps(doc, indent=1, sort_keys=True) if as_json else render(res), nl=as_json)
         if o["plot"] is not None and res.winner is not None:
             from llmd.plan.sim.plot import plot_report
 
             plot_report(res.winner.report, o["plot"])
     except PlanError as e:
         raise click.ClickException(str(e)) from None
-    click.echo(json.dumps(doc, indent=1, sort_keys=True) if as_json else render(res), nl=as_json)
 
 
 def _progress(t: Trial) -> None:

@@ -5,9 +5,10 @@ tokens, arrival time. The replay keeps who asked for what and when, so a plan is
 against the traffic a deployment really had, at `speed` × (2: the same day in half the time, so
 twice the rate) and optionally a window [since, until) of epoch seconds.
 
-What a ledger cannot say: a request refused before it ran (shed, filtered, an error, a cancel)
-generated fewer tokens than it asked for. Its demand is its `max_tokens` where known, else what
-it did generate; `ok` rows generated exactly their `output_tokens`. Which system prompt a request
+What a ledger cannot say: a request that did not finish (shed, an error, a cancel) generated
+fewer tokens than it asked for. Its demand is its `max_tokens` where known, else the median
+output of the `ok` rows (at least what it did generate); `ok` rows generated exactly their
+`output_tokens`. Requests an input filter refused never reach an engine, and are left out. Which system prompt a request
 shared is not recorded either (only how many of its prompt tokens hit the cache), so a replayed
 trace has no prefix groups; a workload's `prefixes` adds them (llmd/plan/sim/workload.py).
 """
@@ -23,7 +24,8 @@ from llmd.plan.errors import PlanError
 from llmd.plan.sim.trace import CLASSES, Trace
 
 _SQL = ("SELECT t_arrival, COALESCE(tenant, ''), COALESCE(priority_class, ''), prompt_tokens, output_tokens, "
-        "max_tokens, status FROM usage WHERE t_arrival IS NOT NULL{where} ORDER BY t_arrival, rowid")
+        "max_tokens, status FROM usage WHERE t_arrival IS NOT NULL AND status != 'filtered'{where} "
+        "ORDER BY t_arrival, rowid")
 UNKNOWN_TENANT = "-"
 
 
@@ -43,7 +45,9 @@ def replay_ledger(path: Path, *, speed: float = 1.0, since: float | None = None,
     tenants = tuple(sorted({r[1] or UNKNOWN_TENANT for r in rows}))
     index = {name: i for i, name in enumerate(tenants)}
     klass = {name: i for i, name in enumerate(CLASSES)}
-    out = np.array([r[4] if r[6] == "ok" or not r[5] else max(r[4], r[5]) for r in rows], dtype=np.int64)
+    ok = [r[4] for r in rows if r[6] == "ok"]
+    typical = int(np.median(ok)) if ok else 1
+    out = np.array([r[4] if r[6] == "ok" else max(r[4], r[5] or typical) for r in rows], dtype=np.int64)
     n = len(rows)
     return Trace(t=t,
                  tenant=np.array([index[r[1] or UNKNOWN_TENANT] for r in rows], dtype=np.int32),
