@@ -14,6 +14,7 @@ from llmd.plan.gpus import get_gpu
 from llmd.plan.inputs import Deployment, Plan, Workload
 from llmd.plan.model import ModelSpec, dtype_bytes, load_model
 from llmd.plan.search_cli import search_cmd
+from llmd.plan.workload_cli import workload_cmd
 
 
 @click.group()
@@ -22,6 +23,7 @@ def plan() -> None:
 
 
 plan.add_command(search_cmd)  # `llmd plan search`: llmd/plan/search_cli.py
+plan.add_command(workload_cmd)  # `llmd plan workload`: llmd/plan/workload_cli.py
 
 
 def _model(model_config: Path | None, params: float | None) -> ModelSpec:

@@ -5,6 +5,7 @@ save/load; bad specs are one-line PlanErrors."""
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 from typing import Any
@@ -212,3 +213,26 @@ def test_bad_toml_files(tmp_path: Path) -> None:
     (tmp_path / "b.toml").write_text("rate = \n")
     with pytest.raises(PlanError, match=r"b\.toml: not TOML"):
         load_workload(tmp_path / "b.toml")
+
+
+def test_the_workload_command_summarises_and_saves(tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from llmd.cli import main
+
+    args = ["plan", "workload", "--workload", "bursty", "--rate", "50", "--duration", "10m", "--tenants", "a:3,b:1",
+            "--batch-share", "0.25", "--prefixes", "4:100", "--seed", "9", "--out", str(tmp_path / "w.npz")]
+    r = CliRunner().invoke(main, [*args, "--json"])
+    assert r.exit_code == 0, r.output
+    s = json.loads(r.output)
+    tr = Trace.load(tmp_path / "w.npz")
+    assert s["requests"] == len(tr) and s["mean_rps"] == pytest.approx(50, rel=0.1)
+    assert s["tenants"]["a"] == pytest.approx(0.75, abs=0.02) and s["classes"]["batch"] == pytest.approx(0.25, abs=0.02)
+    assert s["prefix_groups"] == 4 and s["with_shared_prefix"] == 1.0
+    assert np.array_equal(tr.t, generate(parse_workload({"workload": "bursty", "rate": "50", "duration": "600",
+                                                         "tenants": "a:3,b:1", "batch_share": "0.25",
+                                                         "prefixes": "4:100", "seed": "9"})).t)
+    r = CliRunner().invoke(main, args)
+    assert r.exit_code == 0 and "peak_minute_rps" in r.output and "saved" in r.output
+    r = CliRunner().invoke(main, ["plan", "workload", "--rate", "5", "--tenants", "a"])
+    assert r.exit_code == 1 and r.output.strip() == "Error: options: tenants: 'a' is not name:share[:batch_share]"
