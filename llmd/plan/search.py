@@ -5,8 +5,8 @@ target and the warm pool. For each (batch limit, ITL target, warm pool) the fewe
 meet every target is found by galloping up from a hint and bisecting, which assumes that meeting
 the SLOs is monotone in replicas (more replicas never hurt: true of the simulator up to noise; a
 noisy evaluation near the edge can only make the answer one step too large or too small). Then
-the cheapest of those minima wins, cost being price × (active + warm) replica-hours as the
-evaluator reports them, so an autoscaled fleet pays for what it ran, not for its ceiling.
+the cheapest of those minima wins, cost being price × the replica-hours the evaluator billed
+(active, warm, starting), so an autoscaled fleet pays for what it ran, not for its ceiling.
 
 The evaluator is injected (`Candidate → report dict`): `llmd plan search` plugs the simulator
 in (llmd/plan/search_cli.py); the tests a closed-form queue. `read_report` is the one place that
@@ -100,29 +100,31 @@ class Grid:
 class Figures:
     """What the search reads from a report."""
 
-    p95: dict[str, tuple[float | None, float | None]]  # class → (TTFT p95 s, ITL p95 s)
-    requests: int
-    shed: int  # shed + dropped
-    active_h: float  # replica-hours active
-    warm_h: float  # replica-hours warm
+    p95: dict[str, tuple[float | None, float | None]]  # class with requests → (TTFT p95 s, ITL p95 s)
+    requests: int  # arrived
+    shed: int  # shed, dropped at their deadline, lost to a failure
+    replica_hours: float  # billed: active, warm, starting, draining
 
     @property
     def shed_fraction(self) -> float:
         return self.shed / self.requests if self.requests else 0.0
 
 
+LOST = ("shed", "deadline_dropped", "failed_lost")
+
+
 def read_report(report: Mapping[str, Any]) -> Figures:
-    """A simulator report's figures: `classes[name].ttft_p95_s / itl_p95_s`, `requests`, `shed`,
-    `dropped`, `replica_hours.active / warm`. A missing one is a PlanError naming it."""
+    """A simulator report's figures (llmd/plan/sim/report.py): `by_class[c].ttft_s.p95` and
+    `.itl_s.p95` (a class with no measured request is left out), `requests` counts (arrived, and
+    the LOST ones), `cost.replica_hours`. A missing one is a PlanError naming it."""
     try:
-        classes = report["classes"]
-        p95 = {str(k): (_opt(v.get("ttft_p95_s")), _opt(v.get("itl_p95_s"))) for k, v in classes.items()}
-        hours = report["replica_hours"]
-        return Figures(p95=p95, requests=int(report["requests"]),
-                       shed=int(report.get("shed", 0)) + int(report.get("dropped", 0)),
-                       active_h=float(hours["active"]), warm_h=float(hours.get("warm", 0.0)))
+        p95 = {str(k): (_opt(v["ttft_s"]["p95"]), _opt(v["itl_s"]["p95"]))
+               for k, v in report["by_class"].items() if v["ttft_s"].get("count")}
+        req = report["requests"]
+        return Figures(p95=p95, requests=int(req["arrived"]), shed=sum(int(req.get(k, 0)) for k in LOST),
+                       replica_hours=float(report["cost"]["replica_hours"]))
     except (KeyError, TypeError, ValueError, AttributeError) as e:
-        raise PlanError(f"search: the evaluator's report lacks {e} (classes, requests, replica_hours)") from None
+        raise PlanError(f"search: the evaluator's report lacks {e} (by_class, requests, cost)") from None
 
 
 def _opt(v: Any) -> float | None:
@@ -146,7 +148,7 @@ class Trial:
         return {**asdict(self.candidate), "ok": self.ok, "cost": round(self.cost, 6), "misses": self.misses,
                 "worst_slo_ratio": round(self.worst, 6) if math.isfinite(self.worst) else None,
                 "p95": {k: {"ttft_s": t, "itl_s": i} for k, (t, i) in sorted(f.p95.items())},
-                "shed_fraction": f.shed_fraction, "replica_hours": {"active": f.active_h, "warm": f.warm_h}}
+                "shed_fraction": f.shed_fraction, "replica_hours": f.replica_hours}
 
 
 def judge(c: Candidate, report: Mapping[str, Any], targets: Targets, price: float) -> Trial:
@@ -166,7 +168,7 @@ def judge(c: Candidate, report: Mapping[str, Any], targets: Targets, price: floa
                 misses.append(f"{name} {what} p95 {_fmt_s(have)} > {want:g} s")
     if f.shed_fraction > targets.max_shed:
         misses.append(f"shed {f.shed_fraction:.2%} > {targets.max_shed:.2%}")
-    return Trial(c, not misses, price * (f.active_h + f.warm_h), misses, f, worst, report)
+    return Trial(c, not misses, price * f.replica_hours, misses, f, worst, report)
 
 
 def _fmt_s(v: float | None) -> str:
@@ -297,17 +299,28 @@ def _winner_lines(res: SearchResult) -> list[str]:
     c, f = w.candidate, w.figures
     itl = f"{c.itl_target_ms:g} ms" if c.itl_target_ms is not None else "none"
     out = ["", f"Winner: {c.replicas} replicas, max_num_seqs {c.max_num_seqs}, ITL target {itl}, "
-           f"warm pool {c.warm_pool}: {_money(w.cost)} ({f.active_h:,.1f} active + {f.warm_h:,.1f} warm "
-           f"replica-hours at ${res.price:g}/h)"]
+           f"warm pool {c.warm_pool}: {_money(w.cost)} ({f.replica_hours:,.2f} replica-hours billed "
+           f"at ${res.price:g}/h)"]
     for k, slo in sorted(res.targets.classes.items()):
         ttft, il = f.p95.get(k, (None, None))
         out.append(f"  {k}: TTFT p95 {_fmt_s(ttft)} (SLO {_fmt_slo(slo.ttft_p95_s)}), "
                    f"ITL p95 {_fmt_s(il)} (SLO {_fmt_slo(slo.itl_p95_s)})")
     out.append(f"  shed + dropped {f.shed} of {f.requests:,} = {f.shed_fraction:.3%} "
                f"(budget {res.targets.max_shed:.3%}); {len(res.trials)} evaluations")
-    scalars = {k: v for k, v in w.report.items() if isinstance(v, (int, float, str)) and not isinstance(v, bool)}
-    out += [f"  {k}: {v:,.4g}" if isinstance(v, float) else f"  {k}: {v}" for k, v in sorted(scalars.items())]
+    for path in KEY_FIGURES:
+        v: Any = w.report
+        for part in path.split("."):
+            v = v.get(part) if isinstance(v, Mapping) else None
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            out.append(f"  {path}: {v:,.4g}")
     return out
+
+
+# The winner's report figures worth a line (those present): cost, throughput, utilisation, churn.
+KEY_FIGURES = ("cost.dollars", "cost.per_million_output_tokens", "cost.per_million_tokens",
+               "throughput.output_tokens_per_s", "throughput.requests_per_s", "utilisation.seat_occupancy",
+               "utilisation.kv_bandwidth", "utilisation.compute", "preemptions.scheduler", "preemptions.engine_kv",
+               "autoscale.scale_ups", "fairness.jain_index")
 
 
 def _fmt_slo(v: float | None) -> str:

@@ -1,9 +1,9 @@
 """`llmd plan search`'s command line: a workload, a step model, SLOs and the knobs to try, in;
 the frontier table and the winner (or JSON) out. The search itself: llmd/plan/search.py.
 
-The evaluator is `evaluator_factory(trace, step, price, targets)`: by default the simulator
-(`llmd.plan.sim.simulate(spec, trace, step)`), looked up when the command runs so the search
-and its tests stand without it; a test swaps in a closed-form one.
+The evaluator is `evaluator_factory(trace, step, price, targets, config, model)`: by default the
+simulator (`llmd.plan.sim.report.simulate(spec, trace, step)`), looked up when the command runs so
+the search and its tests stand without it; a test swaps in a closed-form one.
 """
 
 from __future__ import annotations
@@ -25,25 +25,32 @@ from llmd.plan.sim.workload_spec import KEYS, spec_from_options, workload_option
 from llmd.plan.stepmodel import StepModel, StepTime
 
 
-def simulator_evaluator(trace: Trace, step: StepTime, price: float, targets: Targets) -> Evaluator:
-    """Each candidate simulated for the whole trace: the sim's SimSpec with the candidate's
-    replicas, max_num_seqs, target_itl_ms and warm pool, the price, the interactive SLO."""
+def simulator_evaluator(trace: Trace, step: StepTime, price: float, targets: Targets,
+                        config: Path | None = None, model: str | None = None) -> Evaluator:
+    """Each candidate simulated over the whole trace (llmd/plan/sim/report.py's `simulate`): the
+    fleet config.toml describes (`llmd plan sim`'s spec_from_config) or llmd's defaults, with the
+    candidate's max_num_seqs and target_itl_ms. Without a warm pool, `replicas` all active; with
+    one, `replicas` active at least (min_active) plus `warm_pool` warm, the autoscaler waking them
+    under load. Billed at `price`; the interactive targets are the report's SLO lines."""
     try:
-        sim = importlib.import_module("llmd.plan.sim")
+        simulate = importlib.import_module("llmd.plan.sim.report").simulate
         specs = importlib.import_module("llmd.plan.sim.spec")
-        simulate = sim.simulate
+        from_config = importlib.import_module("llmd.plan.sim.cli").spec_from_config
     except (ImportError, AttributeError):
-        raise PlanError("this llmd has no simulator (llmd.plan.sim.simulate) to search with") from None
+        raise PlanError("this llmd has no simulator (llmd.plan.sim.report.simulate) to search with") from None
+    base = (from_config(config, model, 1, price_per_hour=price) if config is not None
+            else specs.SimSpec(replicas=1, price_per_hour=price))
     slo = targets.classes.get("interactive", Slo())
-    base = specs.SimSpec(replicas=1, price_per_hour=price)
     with contextlib.suppress(ValueError):  # the plot's SLO lines only; the search judges by `targets`
         base = replace(base, slo=base.slo.model_copy(update={
             k: v for k, v in (("ttft_p95_s", slo.ttft_p95_s), ("itl_p95_s", slo.itl_p95_s)) if v is not None}))
 
     def evaluate(c: Candidate) -> dict[str, Any]:
-        spec = replace(base, replicas=c.replicas, engine=replace(base.engine, max_num_seqs=c.max_num_seqs),
+        spec = replace(base, replicas=c.replicas + c.warm_pool,
+                       engine=replace(base.engine, max_num_seqs=c.max_num_seqs),
                        scheduling=base.scheduling.model_copy(update={"target_itl_ms": c.itl_target_ms}),
-                       autoscale=specs.Autoscale(warm_pool=c.warm_pool) if c.warm_pool else None)
+                       autoscale=(specs.Autoscale(min_active=c.replicas, warm_pool=c.warm_pool)
+                                  if c.warm_pool else None))
         out: dict[str, Any] = simulate(spec, trace, step)
         return out
 
@@ -92,6 +99,9 @@ def _trace(o: dict[str, Any]) -> Trace:
 @workload_options
 @click.option("--trace", type=click.Path(path_type=Path), default=None,
               help="A saved workload trace (.npz) instead of the workload options.")
+@click.option("--config", type=click.Path(path_type=Path), default=None,
+              help="config.toml: the model's engine and scheduling, the tenants, [slo] (as llmd plan sim).")
+@click.option("--model", default=None, help="Which of the config's models (default: the first).")
 @click.option("--step-model", type=click.Path(path_type=Path), required=True,
               help="The step-time model (llmd plan calibrate's JSON).")
 @click.option("--price", type=float, default=16.0, show_default=True, help="$ per replica-hour, active or warm.")
@@ -120,7 +130,7 @@ def search_cmd(as_json: bool, **o: Any) -> None:
         grid = Grid(_ints(o["max_num_seqs"], "max-num-seqs"), _itl_targets(o["itl_target_ms"]),
                     _ints(o["warm_pool"], "warm-pool"), o["min_replicas"], o["max_replicas"], o["start"])
         step = StepModel.load(o["step_model"])
-        evaluate = evaluator_factory(_trace(o), step, o["price"], targets)
+        evaluate = evaluator_factory(_trace(o), step, o["price"], targets, o["config"], o["model"])
         res = search(evaluate, targets, grid, o["price"], progress=None if as_json else _progress)
         doc = to_json(res)
         if o["out"] is not None:

@@ -52,11 +52,13 @@ def synthetic(c: Candidate, rate: float = RATE) -> dict[str, Any]:
         shed = 0.002 / (1 + c.warm_pool) if rho > 0.6 else 0.0
     else:
         ttft, itl, shed = 60.0, itl_full * 1.1, 1 - 1 / rho
+    lat = {"ttft_s": {"p95": ttft, "count": REQUESTS}, "itl_s": {"p95": itl, "count": REQUESTS * OUT}}
     p95 = {"ttft_p95_s": ttft, "itl_p95_s": itl}
-    return {"classes": {"interactive": p95, "batch": dict(p95)}, "requests": REQUESTS,
-            "shed": int(shed * REQUESTS * 0.6), "dropped": int(shed * REQUESTS * 0.4),
-            "replica_hours": {"active": float(c.replicas), "warm": float(c.warm_pool)},
-            "utilisation": rho, "title": "synthetic", "slo": {"ttft_p95_s": 0.5, "itl_p95_s": 0.04},
+    return {"by_class": {"interactive": lat, "batch": dict(lat)},
+            "requests": {"arrived": REQUESTS, "completed": REQUESTS - int(shed * REQUESTS),
+                         "shed": int(shed * REQUESTS * 0.6), "deadline_dropped": int(shed * REQUESTS * 0.4)},
+            "cost": {"replica_hours": float(c.replicas + c.warm_pool), "dollars": 16.0 * (c.replicas + c.warm_pool)},
+            "utilisation": {"seat_occupancy": rho}, "slo": {"ttft_p95_s": 0.5, "itl_p95_s": 0.04},
             "timeline": [{"t": 60.0 * m, "load_rps": rate, "replicas_active": c.replicas,
                           "replicas_warm": c.warm_pool, "queue_depth": 0, **p95} for m in range(3)]}
 
@@ -105,11 +107,11 @@ def test_text_and_json_output() -> None:
     res = search(synthetic, TARGETS, GRID, price=16.0)
     text = render(res)
     assert text.splitlines()[0].startswith("Frontier:") and "Winner: " in text
-    assert "interactive: TTFT p95" in text and "utilisation: " in text and "title: synthetic" in text
+    assert "interactive: TTFT p95" in text and "utilisation.seat_occupancy: " in text and "cost.dollars" in text
     doc = json.loads(json.dumps(to_json(res)))
     assert doc["winner"]["replicas"] == res.winner.candidate.replicas if res.winner else False
     assert doc["evaluations"] == len(doc["trials"]) and len(doc["frontier"]) == len(GRID.combos())
-    assert doc["winner"]["report"]["requests"] == REQUESTS
+    assert doc["winner"]["report"]["requests"]["arrived"] == REQUESTS
 
 
 def test_nothing_fits() -> None:
@@ -128,7 +130,8 @@ def test_nothing_fits() -> None:
     (lambda: Targets(max_shed=2), "shed budget"),
     (lambda: Targets({"interactive": Slo(0, None)}), "targets must be > 0"),
     (lambda: search(synthetic, TARGETS, GRID, price=-1), "price -1"),
-    (lambda: search(lambda c: {"classes": {}}, TARGETS, GRID, price=1), "report lacks 'replica_hours'"),
+    (lambda: search(lambda c: {"by_class": {}, "requests": {"arrived": 1}}, TARGETS, GRID, price=1),
+     "report lacks 'cost'"),
 ])
 def test_bad_input(make: Any, match: str) -> None:
     with pytest.raises(PlanError, match=match):
@@ -148,7 +151,7 @@ def step_file(tmp_path: Path) -> Path:
 def injected(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
     seen: list[Any] = []
 
-    def factory(trace: Any, step: Any, price: float, targets: Targets) -> Any:
+    def factory(trace: Any, step: Any, price: float, targets: Targets, config: Any, model: Any) -> Any:
         seen.append((trace, step, price, targets))
         return lambda c: synthetic(c, rate=len(trace) / 60)
 

@@ -157,6 +157,10 @@ def test_loading_something_else_is_a_plan_error(tmp_path: Path) -> None:
     np.savez(tmp_path / "y.npz", t=np.zeros(3))
     with pytest.raises(PlanError, match=r"y\.npz: not a workload trace"):
         Trace.load(tmp_path / "y.npz")
+    cols = {c: np.zeros(2, dtype=np.int32) for c in COLUMNS}
+    np.savez(tmp_path / "z.npz", tenants=np.array(["a"]), **{**cols, "t": np.array([2.0, 1.0])})
+    with pytest.raises(PlanError, match="arrivals out of order"):
+        Trace.load(tmp_path / "z.npz")
     with pytest.raises(PlanError, match=r"missing\.npz"):
         Trace.load(tmp_path / "missing.npz")
 

@@ -59,4 +59,8 @@ class Trace:
         if len(shapes) != 1 or len(next(iter(shapes))) != 1:
             raise PlanError(f"{path}: not a workload trace (columns of unequal lengths)")
         dtypes = {"t": np.float64, "klass": np.int8}
-        return cls(tenants=tenants, **{c: a.astype(dtypes.get(c, np.int32), copy=False) for c, a in cols.items()})
+        tr = cls(tenants=tenants, **{c: a.astype(dtypes.get(c, np.int32), copy=False) for c, a in cols.items()})
+        if len(tr) and (np.any(np.diff(tr.t) < 0) or tr.tenant.min() < 0 or tr.tenant.max() >= len(tenants)
+                        or tr.klass.min() < 0 or tr.klass.max() >= len(CLASSES)):
+            raise PlanError(f"{path}: not a workload trace (arrivals out of order, or a tenant or class out of range)")
+        return tr
