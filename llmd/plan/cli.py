@@ -13,11 +13,17 @@ from llmd.plan.errors import PlanError
 from llmd.plan.gpus import get_gpu
 from llmd.plan.inputs import Deployment, Plan, Workload
 from llmd.plan.model import ModelSpec, dtype_bytes, load_model
+from llmd.plan.search_cli import search_cmd
+from llmd.plan.workload_cli import workload_cmd
 
 
 @click.group()
 def plan() -> None:
     """Capacity planning: size and price a fleet for a workload."""
+
+
+plan.add_command(search_cmd)  # `llmd plan search`: llmd/plan/search_cli.py
+plan.add_command(workload_cmd)  # `llmd plan workload`: llmd/plan/workload_cli.py
 
 
 def _model(model_config: Path | None, params: float | None) -> ModelSpec:

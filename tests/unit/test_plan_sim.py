@@ -20,7 +20,7 @@ from llmd.plan.sim.fleet import Fleet
 from llmd.plan.sim.report import simulate
 from llmd.plan.sim.request import Req
 from llmd.plan.sim.spec import Autoscale, EngineSpec, SimSpec
-from llmd.plan.sim.trace import Trace, load_trace, save_trace
+from llmd.plan.sim.trace import Trace
 from llmd.plan.stepmodel import StepModel, StepShape
 
 STEP = StepModel(coef={"c_step": 0.005, "c_seq": 0.001, "c_tok": 2e-5, "c_kv": 1e-7, "c_attn": 1e-9})
@@ -112,8 +112,8 @@ def test_timeline_has_the_plot_keys() -> None:
 
 def test_trace_file_round_trip(tmp_path: Path) -> None:
     tr = busy_trace(duration=10.0)
-    save_trace(tr, str(tmp_path / "w.npz"))
-    back = load_trace(str(tmp_path / "w.npz"))
+    tr.save(tmp_path / "w.npz")
+    back = Trace.load(tmp_path / "w.npz")
     assert back.tenants == tr.tenants and np.array_equal(back.t, tr.t) and np.array_equal(back.prefix, tr.prefix)
 
 

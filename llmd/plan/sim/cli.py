@@ -12,7 +12,7 @@ import click
 
 from llmd.plan.errors import PlanError
 from llmd.plan.sim.spec import Autoscale, SimSpec, engine_from_model
-from llmd.plan.sim.trace import Trace, load_trace
+from llmd.plan.sim.trace import Trace
 from llmd.plan.stepmodel import StepModel
 
 DEFAULT_STEP_MODEL = Path("bench/data/stepmodel-local-cpu.json")
@@ -56,10 +56,7 @@ def _trace(o: dict[str, Any], tenants: tuple[str, ...]) -> Trace:
     from llmd.plan.sim.builtin import poisson_trace
 
     if o["trace"] is not None:
-        try:
-            return load_trace(str(o["trace"]))
-        except ValueError as e:
-            raise PlanError(str(e)) from None
+        return Trace.load(Path(o["trace"]))
     return poisson_trace(o["rate"], o["duration"], o["prompt_tokens"], o["output_tokens"], seed=o["seed"],
                          tenants=tenants or ("default",), batch_share=o["batch_share"])
 

@@ -1,0 +1,151 @@
+"""`llmd plan search`'s command line: a workload, a step model, SLOs and the knobs to try, in;
+the frontier table and the winner (or JSON) out. The search itself: llmd/plan/search.py.
+
+The evaluator is `evaluator_factory(trace, step, price, targets, config, model)`: by default the
+simulator (`llmd.plan.sim.report.simulate(spec, trace, step)`), looked up when the command runs so
+the search and its tests stand without it; a test swaps in a closed-form one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import json
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import click
+
+from llmd.config.slo import DEFAULT_ITL_P95_S, DEFAULT_TTFT_P95_S
+from llmd.plan.errors import PlanError
+from llmd.plan.search import Candidate, Evaluator, Grid, Slo, Targets, Trial, render, search, to_json
+from llmd.plan.sim.trace import Trace
+from llmd.plan.sim.workload_spec import KEYS, spec_from_options, workload_options
+from llmd.plan.stepmodel import StepModel, StepTime
+
+
+def simulator_evaluator(trace: Trace, step: StepTime, price: float, targets: Targets,
+                        config: Path | None = None, model: str | None = None) -> Evaluator:
+    """Each candidate simulated over the whole trace (llmd/plan/sim/report.py's `simulate`): the
+    fleet config.toml describes (`llmd plan sim`'s spec_from_config) or llmd's defaults, with the
+    candidate's max_num_seqs and target_itl_ms. Without a warm pool, `replicas` all active; with
+    one, `replicas` active at least (min_active) plus `warm_pool` warm, the autoscaler waking them
+    under load. Billed at `price`; the interactive targets are the report's SLO lines."""
+    try:
+        simulate = importlib.import_module("llmd.plan.sim.report").simulate
+        specs = importlib.import_module("llmd.plan.sim.spec")
+        from_config = importlib.import_module("llmd.plan.sim.cli").spec_from_config
+    except (ImportError, AttributeError):
+        raise PlanError("this llmd has no simulator (llmd.plan.sim.report.simulate) to search with") from None
+    base = (from_config(config, model, 1, price_per_hour=price) if config is not None
+            else specs.SimSpec(replicas=1, price_per_hour=price))
+    slo = targets.classes.get("interactive", Slo())
+    with contextlib.suppress(ValueError):  # the plot's SLO lines only; the search judges by `targets`
+        base = replace(base, slo=base.slo.model_copy(update={
+            k: v for k, v in (("ttft_p95_s", slo.ttft_p95_s), ("itl_p95_s", slo.itl_p95_s)) if v is not None}))
+
+    def evaluate(c: Candidate) -> dict[str, Any]:
+        spec = replace(base, replicas=c.replicas + c.warm_pool,
+                       engine=replace(base.engine, max_num_seqs=c.max_num_seqs),
+                       scheduling=base.scheduling.model_copy(update={"target_itl_ms": c.itl_target_ms}),
+                       autoscale=(specs.Autoscale(min_active=c.replicas, warm_pool=c.warm_pool)
+                                  if c.warm_pool else None))
+        out: dict[str, Any] = simulate(spec, trace, step)
+        return out
+
+    return evaluate
+
+
+evaluator_factory = simulator_evaluator
+
+
+def _ints(text: str, what: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise PlanError(f"--{what}: {text!r} is not a comma-separated list of whole numbers") from None
+
+
+def _itl_targets(text: str) -> tuple[float | None, ...]:
+    try:
+        return tuple(None if x.strip().lower() == "none" else float(x) for x in text.split(","))
+    except ValueError:
+        raise PlanError(f"--itl-target-ms: {text!r} is not a comma-separated list of ms (or none)") from None
+
+
+def _targets(o: dict[str, Any]) -> Targets:
+    ms = {k: (o[k] / 1000 if o[k] is not None else None) for k in ("ttft_ms", "itl_ms", "batch_ttft_ms",
+                                                                    "batch_itl_ms")}
+    classes = {"interactive": Slo(ms["ttft_ms"], ms["itl_ms"])}
+    if ms["batch_ttft_ms"] is not None or ms["batch_itl_ms"] is not None:
+        classes["batch"] = Slo(ms["batch_ttft_ms"], ms["batch_itl_ms"])
+    return Targets(classes, max_shed=o["max_shed"])
+
+
+def _trace(o: dict[str, Any]) -> Trace:
+    from llmd.plan.sim.workload import generate
+
+    if o["trace"] is not None:
+        given = [k for k in (*KEYS, "workload_file") if o.get(k) is not None]
+        if given:
+            flags = ", ".join("--" + k.replace("_", "-") for k in given)
+            raise PlanError(f"--trace is the whole workload; drop {flags}")
+        return Trace.load(o["trace"])
+    return generate(spec_from_options(o))
+
+
+@click.command("search")
+@workload_options
+@click.option("--trace", type=click.Path(path_type=Path), default=None,
+              help="A saved workload trace (.npz) instead of the workload options.")
+@click.option("--config", type=click.Path(path_type=Path), default=None,
+              help="config.toml: the model's engine and scheduling, the tenants, [slo] (as llmd plan sim).")
+@click.option("--model", default=None, help="Which of the config's models (default: the first).")
+@click.option("--step-model", type=click.Path(path_type=Path), required=True,
+              help="The step-time model (llmd plan calibrate's JSON).")
+@click.option("--price", type=float, default=16.0, show_default=True, help="$ per replica-hour, active or warm.")
+@click.option("--ttft-ms", type=float, default=DEFAULT_TTFT_P95_S * 1000, show_default=True,
+              help="Interactive TTFT p95 target.")
+@click.option("--itl-ms", type=float, default=DEFAULT_ITL_P95_S * 1000, show_default=True,
+              help="Interactive ITL p95 target.")
+@click.option("--batch-ttft-ms", type=float, default=None, help="Batch class TTFT p95 target (default unchecked).")
+@click.option("--batch-itl-ms", type=float, default=None, help="Batch class ITL p95 target (default unchecked).")
+@click.option("--max-shed", type=float, default=0.001, show_default=True,
+              help="Most requests shed or dropped, as a fraction.")
+@click.option("--max-num-seqs", default="64", show_default=True, help="Batch limits to try, comma-separated.")
+@click.option("--itl-target-ms", default="none", show_default=True,
+              help="Scheduler ITL targets to try (ms, or none), comma-separated.")
+@click.option("--warm-pool", default="0", show_default=True, help="Warm-pool sizes to try, comma-separated.")
+@click.option("--min-replicas", type=int, default=1, show_default=True)
+@click.option("--max-replicas", type=int, default=256, show_default=True)
+@click.option("--start", type=int, default=None, help="Replicas to try first (e.g. llmd plan math's fleet).")
+@click.option("--json", "as_json", is_flag=True, help="Print the search as JSON.")
+@click.option("--out", type=click.Path(path_type=Path), default=None, help="Also write the JSON here.")
+@click.option("--plot", type=click.Path(path_type=Path), default=None, help="The winner's timeline as a PNG.")
+def search_cmd(as_json: bool, **o: Any) -> None:
+    """The cheapest fleet (replicas, max_num_seqs, ITL target, warm pool) meeting the SLOs."""
+    try:
+        targets = _targets(o)
+        grid = Grid(_ints(o["max_num_seqs"], "max-num-seqs"), _itl_targets(o["itl_target_ms"]),
+                    _ints(o["warm_pool"], "warm-pool"), o["min_replicas"], o["max_replicas"], o["start"])
+        step = StepModel.load(o["step_model"])
+        evaluate = evaluator_factory(_trace(o), step, o["price"], targets, o["config"], o["model"])
+        res = search(evaluate, targets, grid, o["price"], progress=None if as_json else _progress)
+        doc = to_json(res)
+        if o["out"] is not None:
+            Path(o["out"]).write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n")
+        click.echo(json.dumps(doc, indent=1, sort_keys=True) if as_json else render(res), nl=as_json)
+        if o["plot"] is not None and res.winner is not None:
+            from llmd.plan.sim.plot import plot_report
+
+            plot_report(res.winner.report, o["plot"])
+    except PlanError as e:
+        raise click.ClickException(str(e)) from None
+
+
+def _progress(t: Trial) -> None:
+    c = t.candidate
+    click.echo(f"  tried {c.replicas} replicas, max_num_seqs {c.max_num_seqs}, ITL target "
+               f"{c.itl_target_ms if c.itl_target_ms is not None else 'none'}, warm {c.warm_pool}: "
+               + ("meets the SLOs" if t.ok else "; ".join(t.misses)), err=True)
