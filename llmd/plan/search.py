@@ -272,7 +272,8 @@ def render(res: SearchResult) -> str:
     head = f"{'max_num_seqs':>12} {'ITL target':>10} {'warm':>4} {'replicas':>8} {'cost':>12}"
     head += "".join(f"  {c + ' TTFT/ITL p95':>26}" for c in classes) + f"  {'shed':>6}"
     lines = ["Frontier: the fewest replicas meeting the SLOs per combination, cheapest first "
-             f"(cost at ${res.price:g} per replica-hour, active + warm, over the simulated period)", head]
+             f"(cost: ${res.price:g} per billed replica-hour, active, warm or starting, over the simulated period)",
+             head]
     rows = sorted(res.frontier, key=lambda t: (0, t.cost, t.worst, t.candidate.order()) if isinstance(t, Trial)
                   else (1, 0.0, 0.0, t.order()))
     for t in rows:
