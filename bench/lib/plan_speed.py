@@ -22,7 +22,7 @@ from llmd.plan.sim.fleet import Fleet
 from llmd.plan.sim.report import report_of, simulate
 from llmd.plan.sim.spec import Autoscale, EngineSpec, SimSpec
 from llmd.plan.sim.trace import Trace
-from llmd.plan.stepmodel import StepModel
+from llmd.stepmodel import StepModel
 
 # A 70B fp8 model on 4 × H100, roughly (planner-anchors §2): ~15 ms of weight reads and overhead
 # a step, ~2,000 decode tok/s per replica at the seed's batch; a prior, not a fit.

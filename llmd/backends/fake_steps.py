@@ -1,6 +1,6 @@
 """What a step of the fake backend costs: its knobs (a base, a share per sequence, prefill at a
 rate), or, with `fake.step_model` set, the fitted step-time model of what the step computes, the
-same function the simulator advances its replicas by (llmd.plan.stepmodel)."""
+same function the simulator advances its replicas by (llmd.stepmodel)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Protocol
 
 from llmd.backends.base import Prompt
 from llmd.config import FakeEngineConfig
-from llmd.plan.stepmodel import StepModel, StepShape
+from llmd.stepmodel import StepModel, StepShape
 
 
 class StepReq(Protocol):

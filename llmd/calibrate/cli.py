@@ -25,7 +25,7 @@ from llmd.config import EngineConfig, FakeEngineConfig
 from llmd.plan.errors import PlanError
 from llmd.plan.fit import PointError, Sample, error_table, fit, samples_from_json, samples_json
 from llmd.plan.gpus import get_gpu, local_box
-from llmd.plan.stepmodel import StepModel
+from llmd.stepmodel import StepModel
 from llmd.store import StoreError, WeightStore, home
 
 

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from llmd.backends.base import Backend, Sampling, StepRecord
 from llmd.calibrate.grid import Grid, Point
 from llmd.plan.fit import Sample
-from llmd.plan.stepmodel import StepShape
+from llmd.stepmodel import StepShape
 
 TOKEN_LO, TOKEN_HI = 1000, 9000  # prompt token ids: ordinary vocabulary in any tokenizer here
 

@@ -128,8 +128,7 @@ class FakeEngineConfig(_Strict):
     @classmethod
     def _step_model(cls, p: Path | None) -> Path | None:
         if p is not None:
-            from llmd.plan.errors import PlanError
-            from llmd.plan.stepmodel import StepModel
+            from llmd.stepmodel import PlanError, StepModel
             try:
                 StepModel.load(p)
             except PlanError as e:  # the file named, whichever check failed

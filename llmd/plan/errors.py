@@ -1,7 +1,10 @@
-"""The planner's one error: bad input (a config file, a GPU name, an option), said in one line."""
+"""The planner's one error: bad input (a config file, a GPU name, an option), said in one line.
+
+Defined in llmd.stepmodel (below llmd.config, which reads step-model files) and re-exported here.
+"""
 
 from __future__ import annotations
 
+from llmd.stepmodel import PlanError
 
-class PlanError(Exception):
-    """Raised for input the planner cannot use; the CLI prints it without a traceback."""
+__all__ = ["PlanError"]

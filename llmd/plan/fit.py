@@ -23,7 +23,7 @@ import numpy as np
 from scipy.optimize import nnls
 
 from llmd.plan.errors import PlanError
-from llmd.plan.stepmodel import BASIS, StepModel, StepShape
+from llmd.stepmodel import BASIS, StepModel, StepShape
 
 
 @dataclass(frozen=True)

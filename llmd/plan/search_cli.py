@@ -22,7 +22,7 @@ from llmd.plan.errors import PlanError
 from llmd.plan.search import Candidate, Evaluator, Grid, Slo, Targets, Trial, render, search, to_json
 from llmd.plan.sim.trace import Trace
 from llmd.plan.sim.workload_spec import KEYS, spec_from_options, workload_options
-from llmd.plan.stepmodel import StepModel, StepTime
+from llmd.stepmodel import StepModel, StepTime
 
 
 def simulator_evaluator(trace: Trace, step: StepTime, price: float, targets: Targets,

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from llmd.plan.stepmodel import BASIS, StepModel
+from llmd.stepmodel import BASIS, StepModel
 
 pytestmark = pytest.mark.engine
 

@@ -12,7 +12,7 @@ from openai import AsyncOpenAI
 from llmd.backends.base import Prompt
 from llmd.backends.fake_steps import step_shape
 from llmd.config import ConfigError, load_config
-from llmd.plan.stepmodel import StepModel, StepShape
+from llmd.stepmodel import StepModel, StepShape
 
 # No context or attention terms: each step's price is then known from its StepRecord alone.
 COEF = {"c_step": 0.003, "c_seq": 0.0004, "c_tok": 0.00002}

@@ -17,7 +17,7 @@ from llmd.plan.fit import Sample, cross_validate, error_summary, error_table, fi
 from llmd.plan.gpus import get_gpu
 from llmd.plan.model import from_config
 from llmd.plan.prior import prior_model_coef
-from llmd.plan.stepmodel import StepModel, StepShape
+from llmd.stepmodel import StepModel, StepShape
 
 TRUE = {"c_step": 0.06, "c_seq": 0.0012, "c_tok": 0.0021, "c_kv": 8e-7, "c_attn": 1.3e-6}
 LLAMA70B = {"num_hidden_layers": 80, "num_attention_heads": 64, "num_key_value_heads": 8, "hidden_size": 8192,

@@ -17,7 +17,7 @@ from llmd.cli import main
 from llmd.plan import search_cli
 from llmd.plan.errors import PlanError
 from llmd.plan.search import Candidate, Grid, Slo, Targets, judge, render, search, to_json
-from llmd.plan.stepmodel import StepModel
+from llmd.stepmodel import StepModel
 
 RATE, OUT, REQUESTS = 40.0, 200, 100_000
 STEP_A, STEP_K = 0.010, 0.0005  # decode step = a + k·batch seconds

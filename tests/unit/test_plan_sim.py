@@ -21,7 +21,7 @@ from llmd.plan.sim.report import simulate
 from llmd.plan.sim.request import Req
 from llmd.plan.sim.spec import Autoscale, EngineSpec, SimSpec
 from llmd.plan.sim.trace import Trace
-from llmd.plan.stepmodel import StepModel, StepShape
+from llmd.stepmodel import StepModel, StepShape
 
 STEP = StepModel(coef={"c_step": 0.005, "c_seq": 0.001, "c_tok": 2e-5, "c_kv": 1e-7, "c_attn": 1e-9})
 
@@ -145,7 +145,7 @@ def test_cli_writes_the_report(tmp_path: Path, step_file: Path) -> None:
 @pytest.mark.parametrize(("args", "says"), [
     (("--rate", "-1"), "must be positive"),
     (("--config", "/nonexistent/config.toml"), "config file not found"),
-    (("--trace", "/nonexistent/trace.npz"), "not a trace file"),
+    (("--trace", "/nonexistent/trace.npz"), "not a workload trace"),
     (("--model", "x"), "give --config too"),
 ])
 def test_cli_bad_input_is_one_line(step_file: Path, args: tuple[str, ...], says: str) -> None:

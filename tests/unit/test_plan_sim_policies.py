@@ -12,7 +12,7 @@ from llmd.plan.sim.builtin import poisson_trace
 from llmd.plan.sim.report import simulate
 from llmd.plan.sim.spec import Autoscale, EngineSpec, SimSpec
 from llmd.plan.sim.trace import Trace
-from llmd.plan.stepmodel import StepModel
+from llmd.stepmodel import StepModel
 
 STEP = StepModel(coef={"c_step": 0.005, "c_seq": 0.002, "c_tok": 1e-5})
 

@@ -13,7 +13,7 @@ import click
 from llmd.plan.errors import PlanError
 from llmd.plan.sim.spec import Autoscale, SimSpec, engine_from_model
 from llmd.plan.sim.trace import Trace
-from llmd.plan.stepmodel import StepModel
+from llmd.stepmodel import StepModel
 
 DEFAULT_STEP_MODEL = Path("bench/data/stepmodel-local-cpu.json")
 

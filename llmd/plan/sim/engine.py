@@ -20,7 +20,7 @@ from typing import NamedTuple
 from llmd.plan.sim.metrics import Recorder
 from llmd.plan.sim.request import Req
 from llmd.plan.sim.spec import EngineSpec
-from llmd.plan.stepmodel import StepShape, StepTime
+from llmd.stepmodel import StepShape, StepTime
 
 HISTORY = 64  # steps kept for the ITL controller's step-time model
 

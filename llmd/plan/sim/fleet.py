@@ -22,10 +22,10 @@ from llmd.plan.sim.request import Req
 from llmd.plan.sim.scaling import Scaler
 from llmd.plan.sim.spec import SimSpec
 from llmd.plan.sim.trace import CLASSES, Trace
-from llmd.plan.stepmodel import StepTime
 from llmd.policy.admission import AdmissionController, Ticket
 from llmd.policy.placement import Candidate, Reservations, ScoreRouting, VersionLoad
 from llmd.policy.queue import QueuedRequest
+from llmd.stepmodel import StepTime
 
 BOUNDARY, GOSSIP, CONTROL, MINUTE, FAIL, READY = range(6)
 

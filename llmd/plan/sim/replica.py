@@ -18,13 +18,13 @@ from llmd.plan.sim.engine import HISTORY, Engine
 from llmd.plan.sim.metrics import Recorder
 from llmd.plan.sim.request import Req
 from llmd.plan.sim.spec import EngineSpec
-from llmd.plan.stepmodel import StepShape, StepTime
 from llmd.policy.classes import ModelQueue
 from llmd.policy.fairness import FAIRNESS, VTCFairness
 from llmd.policy.preemption import preemption_rules
 from llmd.policy.saturation import SaturationDetector, StepModelITL, ThroughputEstimate
 from llmd.policy.scheduler import Decision, SchedulerCore
 from llmd.policy.steptime import StepTimeModel
+from llmd.stepmodel import StepShape, StepTime
 
 TICK_EVERY_S = 0.5  # the ITL controller's interval: a replica ticks at least this often while busy
 GAP_SAMPLES = 96  # the gaps the ITL controller reads (the real gateway keeps 16,384: a cost here)

@@ -13,7 +13,7 @@ from llmd.plan.sim.fleet import Fleet
 from llmd.plan.sim.hist import Hist
 from llmd.plan.sim.spec import SimSpec
 from llmd.plan.sim.trace import CLASSES, Trace
-from llmd.plan.stepmodel import BASIS, StepTime
+from llmd.stepmodel import BASIS, StepTime
 
 
 def rounded(x: Any) -> Any:

@@ -12,6 +12,8 @@ coefficient fitted by NNLS (so every term is monotone and extrapolates sanely):
       + c_attn  · prefill_attn       per (chunk token × context token) of prefill attention
 
 Pure: no clock, no engine, no numpy in the hot path (the simulator calls `seconds` per step).
+It sits below llmd.config (which checks a configured step-model file at load) and llmd.plan, so
+the planner's error is defined here; llmd.plan.errors re-exports it.
 """
 
 from __future__ import annotations
@@ -21,7 +23,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from llmd.plan.errors import PlanError
+
+class PlanError(Exception):
+    """Input the planner cannot use (a file, a GPU name, an option); its CLI prints it in one line."""
+
 
 BASIS = ("c_step", "c_seq", "c_tok", "c_kv", "c_attn")
 
