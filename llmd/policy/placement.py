@@ -12,7 +12,9 @@ stale view would otherwise send a whole burst to the node that looked best); the
 uniform among the candidates within `near_best` of the best score, capped at NEAR_BEST_MAX_S
 (no herding on ties or near-ties, no scattering under deep queues); a *sticky* candidate (this
 conversation's last turn ran there) and a *cache holder* (most of the prompt cached) keep it
-unless clearly slower. Liveness is the caller's job; so is passing only the routed version.
+unless clearly slower, and harder past capacity (`saturated`), where a miss is a full prefill
+every later request queues behind. Liveness is the caller's job; so is passing only the routed
+version.
 """
 
 from __future__ import annotations
