@@ -210,13 +210,20 @@ def _cache_holders(ok: Sequence[Candidate], ttft: dict[str, float], prompt_token
     the score scatters prompts off their caches; every miss then adds prefill work, queues
     grow, and the hit rate collapses towards round robin's. Like SGLang's router, stay with
     the cache unless the load is clearly unbalanced; several holders of a hot prefix still
-    share its traffic by score."""
+    share its traffic by score. When the nodes holding the most are all too slow (a chat's node,
+    holding its history, is busy), the nodes holding at least AFFINITY_MIN_MATCH of it (its
+    system prompt) come next: sending it to a node without them would copy the prompt there and
+    evict another one, a miss now and misses later."""
     if slack <= 0 or prompt_tokens <= 0:
         return []
     most = max(c.cached_tokens for c in ok)
     if most < AFFINITY_MIN_MATCH * prompt_tokens:
         return []
-    return [c for c in ok if c.cached_tokens >= most * 0.9 and ttft[c.node] <= best_ttft * (1 + slack)]
+    for floor in (most * 0.9, AFFINITY_MIN_MATCH * prompt_tokens):
+        near = [c for c in ok if c.cached_tokens >= floor and ttft[c.node] <= best_ttft * (1 + slack)]
+        if near:
+            return near
+    return []
 
 
 def round_robin(cands: Sequence[Candidate], counter: int) -> Candidate | None:

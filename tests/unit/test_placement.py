@@ -245,6 +245,17 @@ def test_past_capacity_a_cache_holder_keeps_its_prompts_up_to_3x() -> None:
     assert got is not None and got.node == "holder"
 
 
+def test_a_busy_chat_node_hands_the_turn_to_a_system_prompt_holder_not_to_anyone() -> None:
+    """The chat's node holds the whole history (most) but is over 2x the best TTFT: the nodes
+    holding its system prompt (over half the prompt) come next; a node with none of it would copy
+    the system prompt there, evicting another."""
+    cands = [cand("chat", cached=950, waiting_prefill_tokens=4_000),
+             cand("system", cached=700, waiting_prefill_tokens=1_500), cand("empty", waiting_prefill_tokens=500)]
+    assert picks(cands, 30) == {"system": 30}  # 0.18 s vs 0.15 s at the empty node; the chat node 0.41 s
+    cands[1] = cand("system", cached=700, waiting_prefill_tokens=3_000)  # 0.33 s: over 2x too
+    assert picks(cands, 30) == {"empty": 30}
+
+
 def test_past_capacity_a_holder_without_kv_room_still_keeps_its_prompt() -> None:
     """Saturated: a holder whose KV cache is full of running sequences queues the request (room
     comes back as they finish) rather than another node with room taking it off its cache; not
