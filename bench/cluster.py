@@ -323,7 +323,7 @@ async def part_d(tmp: Path, seconds: float, quota: int = 6000) -> list[str]:
 
 
 A_TITLES = {"pressure": ("(a)", "(a) Routing by load and prefix, beside round robin: cache pressure"),
-            "light": ("(a0)", "(a0) Routing by load and prefix, light cache pressure (the first workload)")}
+            "light": ("(a1)", "(a1) Routing by load and prefix, light cache pressure (the first workload), rerun")}
 
 
 def a_section(data: dict[str, Any]) -> tuple[str, list[str]]:
