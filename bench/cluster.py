@@ -272,7 +272,9 @@ def describe_a(data: dict[str, Any]) -> list[str]:
             "enters at a random node. `single`: one node with the three nodes' KV cache, prefill rate and seats "
             "together (the single shared cache, measured); `shared cache`: the hit rate of the same prompts "
             "through one LRU of the three caches' size (a bound: it ignores the KV that running sequences pin, "
-            "which past capacity evicts cached prefixes on every node)."]
+            "which past capacity evicts cached prefixes on every node). On 3 nodes with LRU caches the ratio to "
+            "round robin has a ceiling near 3: round robin's node holds about C/W of a working set W, a prompt's "
+            "owner min(1, 3C/W) of it; the offline oracle below shows how near this workload comes."]
 
 
 QUOTA_KEY = "sk-bench-cluster-quota"
