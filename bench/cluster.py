@@ -220,6 +220,8 @@ def merge_a(parts: list[dict[str, Any]]) -> dict[str, Any]:
     out = dict(parts[0])
     out["runs"] = sorted((r for p in parts for r in p["runs"]), key=lambda r: r["load"])
     out["hot"] = next((p["hot"] for p in reversed(parts) if p["hot"]), None)
+    out["commands"] = [c for p in parts for c in p["commands"]]
+    out["minutes"] = sum(p["minutes"] for p in parts)
     return out
 
 
