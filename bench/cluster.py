@@ -6,11 +6,23 @@ per uncached token): routing beside round robin, failover, a quota across nodes.
       our placement and round robin in the same run; prefix hit rate beside a single shared
       cache's (the same prompts through one LRU of the three nodes' size); TTFT p90 at 70 %;
       then one hot prefix with half the traffic: queues stay even, nothing fails.
+      The workload is where a prefix router matters (`pressure`, bench/lib/cluster.py): the
+      system prompts and live chats overflow one node's KV cache but fit the three's, so round
+      robin thrashes every cache while each prompt can have a home. Where one node's cache
+      already holds the popular prompts (`light`, the first workload) round robin hits 0.6 and
+      no router can triple it. Even under pressure the ratio has a ceiling near 3 on 3 nodes:
+      with LRU caches round robin's random node holds about C/W of a working set W, the owner
+      of a prompt min(1, 3C/W) of it (the offline oracle, bench/lib/prefix_oracle.py, prints
+      both for each load, from the same kind of chats through LRUs without nodes).
   (b) failover: kill -9 of a node running >= 30 streams (bench/cluster_faults.py).
   (d) one tenant's tokens per minute across 3 nodes.
 Gossip bandwidth and detection times (c): bench/cluster_gossip.py.
 
-  .venv/bin/python bench/cluster.py [--parts a,d] [--seconds 40]
+  .venv/bin/python bench/cluster.py [--parts a,d] [--seconds 40] [--workload pressure|light]
+  # (a) split into runs of a few minutes: measure the capacity once, pass it to the others, merge
+  .venv/bin/python bench/cluster.py --parts a --loads 0.3,0.5 --no-hot --save a1.json
+  .venv/bin/python bench/cluster.py --parts a --loads 0.7,1.0 --capacity C --save a2.json
+  .venv/bin/python bench/cluster.py --merge a1.json,a2.json
 """
 
 from __future__ import annotations
@@ -18,6 +30,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import random
 import sys
 import tempfile
@@ -30,8 +43,8 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root: `bench` and `llmd`
 
 from bench.lib import report, stats
-from bench.lib.cluster import INTRO, SECTION, Node, Workload, start_nodes, stop_nodes
-from bench.lib.prefix_oracle import prompt_ids, shared_cache_hit_rate
+from bench.lib.cluster import INTRO, SECTION, WORKLOADS, Node, Workload, start_nodes, stop_nodes
+from bench.lib.prefix_oracle import chat_trace, prompt_ids, routed_hit_rates, shared_cache_hit_rate
 from bench.lib.streams import Stream, new_client, statuses, stream
 
 LOADS = (0.3, 0.5, 0.7, 1.0, 1.3)
@@ -127,19 +140,20 @@ def mean_prompt_tokens(wl: Workload, n: int = 200) -> float:
 
 
 async def one_run(tmp: Path, placement: str, req_per_s: float, seconds: float, hot: float | None = None,
-                  seed: int = 1, warmup_s: float = 0.0) -> dict[str, Any]:
+                  seed: int = 1, warmup_s: float = 0.0, workload: str = "pressure") -> dict[str, Any]:
     # "single": one node with the three nodes' KV cache, prefill rate and seats together: the
     # single shared cache the issue compares with, measured (running sequences pin its KV too)
     n, scale = (1, 3) if placement == "single" else (3, 1)
+    kv_blocks, wl_kw = _workload(workload)
     nodes = await asyncio.to_thread(start_nodes, tmp / f"{placement}-{req_per_s:.1f}-{hot}", n,
-                                    "score" if placement == "single" else placement, 5.0, KV_BLOCKS * scale,
+                                    "score" if placement == "single" else placement, 5.0, kv_blocks * scale,
                                     PREFILL_TPS * scale, seqs=32 * scale)
     log: list[tuple[dict[str, Any], Stream]] = []
     queues: dict[str, list[int]] = {}
     stop = asyncio.Event()
     sampler = asyncio.create_task(sample_queues(nodes, stop, queues))
     try:
-        wl = Workload(seed=seed, hot=hot)
+        wl = Workload(seed=seed, hot=hot, **wl_kw)
         await chats(nodes, wl, req_per_s / 5.5, seconds, random.Random(seed), log)
     finally:
         stop.set()
@@ -156,35 +170,63 @@ async def one_run(tmp: Path, placement: str, req_per_s: float, seconds: float, h
     return {"placement": placement, "rate": req_per_s, "requests": len(log), "ok": len(done),
             "failed": len(log) - len(done), "errors": statuses([s for _, s in log if not s.ok]),
             "hit": cached / prompt if prompt else 0.0,
-            "oracle": shared_cache_hit_rate(prompt_ids(b for b, _ in done), 3 * KV_BLOCKS,
+            "oracle": shared_cache_hit_rate(prompt_ids(b for b, _ in done), 3 * kv_blocks,
                                             counted=[s.t_send >= t_warm for _, s in done]),
             "ttft_p50": stats.pct(ttfts, 50) if ttfts else None, "ttft_p90": stats.pct(ttfts, 90) if ttfts else None,
             "queue_max_over_mean": (max(means.values()) / stats.mean(means.values()))
             if means and stats.mean(means.values()) > 0 else None, "queues": means}
 
 
-async def part_a(tmp: Path, seconds: float, loads: tuple[float, ...] = LOADS) -> list[str]:
-    wl = Workload(seed=99)
-    mean_p = mean_prompt_tokens(wl)
+def _workload(name: str) -> tuple[int, dict[str, Any]]:
+    """A named workload's KV blocks per node and its Workload arguments (bench/lib/cluster.py)."""
+    kw = dict(WORKLOADS[name])
+    return int(kw.pop("kv_blocks")), kw
+
+
+async def part_a(tmp: Path, seconds: float, loads: tuple[float, ...] = LOADS, workload: str = "pressure",
+                 capacity: float | None = None, hot: bool = True) -> dict[str, Any]:
+    """The runs of (a) as data (`report_a` writes them; `--save`/`--merge` join split runs)."""
+    kv_blocks, wl_kw = _workload(workload)
+    mean_p = mean_prompt_tokens(Workload(seed=99, **wl_kw))
     bare = 3 * PREFILL_TPS / mean_p  # what the nodes' prefill serves with no cache at all, req/s
-    calib = await one_run(tmp, "round_robin", bare, seconds, warmup_s=seconds / 3)
-    capacity = bare / (1 - calib["hit"])  # round robin's, with the hit rate it gets at that load
-    print(f"mean prompt {mean_p:.0f} tokens; round robin's hit rate at {bare:.1f} req/s {calib['hit']:.2f}: "
-          f"capacity {capacity:.1f} req/s", flush=True)
+    if capacity is None:
+        calib = await one_run(tmp, "round_robin", bare, seconds, warmup_s=seconds / 3, workload=workload)
+        capacity = bare / (1 - calib["hit"])  # round robin's, with the hit rate it gets at that load
+        print(f"round robin's hit rate at {bare:.1f} req/s {calib['hit']:.2f}", flush=True)
+    print(f"mean prompt {mean_p:.0f} tokens; round robin's capacity {capacity:.1f} req/s", flush=True)
     runs = []
     for load in loads:
+        tr = chat_trace(Workload(seed=5, **wl_kw), load * capacity / 5.5, max(seconds, 60.0), seed=5,
+                        think_s=THINK_S)
+        offline = routed_hit_rates(tr, kv_blocks, warm_s=max(seconds, 60.0) / 3)
         for placement in ("round_robin", "score", "single"):
-            r = await one_run(tmp, placement, load * capacity, seconds, warmup_s=seconds / 3)
-            r["load"] = load
+            r = await one_run(tmp, placement, load * capacity, seconds, warmup_s=seconds / 3, workload=workload)
+            r["load"], r["offline"] = load, offline
             print(r, flush=True)
             runs.append(r)
-    hot = await one_run(tmp, "score", 0.7 * capacity, seconds, hot=0.5, warmup_s=seconds / 3)
-    print("hot", hot, flush=True)
-    return report_a(runs, hot, mean_p, capacity, loads)
+    hot_run = None
+    if hot:
+        hot_run = await one_run(tmp, "score", 0.7 * capacity, seconds, hot=0.5, warmup_s=seconds / 3,
+                                workload=workload)
+        print("hot", hot_run, flush=True)
+    return {"workload": workload, "kv_blocks": kv_blocks, "mean_p": mean_p, "capacity": capacity,
+            "seconds": seconds, "runs": runs, "hot": hot_run}
 
 
-def report_a(runs: list[dict[str, Any]], hot: dict[str, Any], mean_p: float, capacity: float,
-             loads: tuple[float, ...]) -> list[str]:
+def merge_a(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """Split runs of one workload as one: their load levels together, the last hot-prefix run."""
+    if len({(p["workload"], round(p["capacity"], 3)) for p in parts}) != 1:
+        raise SystemExit("--merge: the parts differ in workload or capacity (pass --capacity to every part)")
+    out = dict(parts[0])
+    out["runs"] = sorted((r for p in parts for r in p["runs"]), key=lambda r: r["load"])
+    out["hot"] = next((p["hot"] for p in reversed(parts) if p["hot"]), None)
+    out["commands"] = [c for p in parts for c in p["commands"]]
+    out["minutes"] = sum(p["minutes"] for p in parts)
+    return out
+
+
+def report_a(data: dict[str, Any]) -> list[str]:
+    runs, hot, loads = data["runs"], data["hot"], sorted({r["load"] for r in data["runs"]})
     rows = [[f"{r['load']:.0%}", r["placement"], f"{r['rate']:.1f}", f"{r['ok']}/{r['requests']}",
              f"{r['hit']:.2f}", f"{r['oracle']:.2f}", report.num(r["ttft_p50"], 3), report.num(r["ttft_p90"], 3),
              report.num(r["queue_max_over_mean"], 2)] for r in runs]
@@ -197,28 +239,44 @@ def report_a(runs: list[dict[str, Any]], hot: dict[str, Any], mean_p: float, cap
     at70 = min(loads, key=lambda x: abs(x - 0.7))
     t70 = by[(at70, "score")]["ttft_p90"], by[(at70, "round_robin")]["ttft_p90"]
     ttft_ok = t70[0] is not None and t70[1] is not None and t70[0] <= t70[1] / 3
-    hot_ok = hot["failed"] == 0 and (hot["queue_max_over_mean"] or 0) <= 1.5
-    lines = [f"Fake engines: prefill {PREFILL_TPS:.0f} uncached tokens/s per node, {KV_BLOCKS} blocks of 16 tokens "
-             f"of KV each; mean prompt {mean_p:.0f} tokens; round robin's capacity {capacity:.1f} req/s "
-             "(3 nodes' prefill over its uncached tokens, its hit rate measured at the load the nodes' prefill "
-             "serves without a cache). Each request enters at a random node. `single`: one node with the three "
-             "nodes' KV cache, prefill rate and seats together (the single shared cache, measured); `shared cache`: "
-             "the hit rate of the same prompts through one LRU of the three caches' size (a bound: it ignores the "
-             "KV that running sequences pin, which past capacity evicts cached prefixes on every node).", ""]
+    lines = [*describe_a(data), ""]
     lines += report.table(["load", "placement", "req/s", "ok", "hit rate", "shared cache", "TTFT p50 s",
                            "TTFT p90 s", "queue max/mean"], rows)
-    lines += ["", f"Hot prefix (half the traffic on one system prompt) at 70 %: {hot['ok']}/{hot['requests']} ok, "
-              f"queue max/mean {report.num(hot['queue_max_over_mean'], 2)}, per node {hot['queues']}.", ""]
-    lines += report.verdict_lines([
+    off = [[f"{ld:.0%}", *(f"{by[(ld, 'score')]['offline'][k]:.2f}" for k in ("round_robin", "affinity", "single"))]
+           for ld in loads]
+    lines += ["", "The offline oracle (`bench/lib/prefix_oracle.py`: the same kind of chats, no nodes, LRUs of the "
+              "same sizes with no KV pinned by running sequences; `affinity`: each system prompt owned by one "
+              "node):", "", *report.table(["load", "round robin", "affinity", "single cache"], off), ""]
+    verdicts = [
         (f"prefix hit rate >= 3x round robin's at every load (worst {hit_x:.1f}x)", hit_x >= 3),
         (f"prefix hit rate >= 90 % of a single shared cache's, measured: one node with the three's cache, "
          f"prefill and seats (worst {of_single:.0%})", of_single >= 0.9),
         (f"prefix hit rate >= 90 % of the shared-cache bound: the same prompts through one LRU, no KV pinned by "
          f"running sequences (worst {of_oracle:.0%})", of_oracle >= 0.9),
-        (f"TTFT p90 at 70 % load <= 1/3 of round robin's ({report.num(t70[0], 3)} vs {report.num(t70[1], 3)} s)",
-         ttft_ok),
-        ("a hot prefix with half the traffic: no failures, max queue <= 1.5x mean", hot_ok)])
-    return lines
+        (f"TTFT p90 at {at70:.0%} load <= 1/3 of round robin's ({report.num(t70[0], 3)} vs "
+         f"{report.num(t70[1], 3)} s)", ttft_ok)]
+    if hot:
+        lines += [f"Hot prefix (half the traffic on one system prompt) at 70 %: {hot['ok']}/{hot['requests']} ok, "
+                  f"queue max/mean {report.num(hot['queue_max_over_mean'], 2)}, per node {hot['queues']}.", ""]
+        verdicts.append(("a hot prefix with half the traffic: no failures, max queue <= 1.5x mean",
+                         hot["failed"] == 0 and (hot["queue_max_over_mean"] or 0) <= 1.5))
+    return lines + report.verdict_lines(verdicts)
+
+
+def describe_a(data: dict[str, Any]) -> list[str]:
+    wl = WORKLOADS[data["workload"]]
+    return [f"Workload `{data['workload']}`: {wl['n_systems']} system prompts of {wl['system_words']} words, "
+            f"Zipf s = {wl['zipf_s']}; chats of 4-7 turns. Fake engines: prefill {PREFILL_TPS:.0f} uncached "
+            f"tokens/s per node, {data['kv_blocks']} blocks of 16 tokens of KV each; mean prompt "
+            f"{data['mean_p']:.0f} tokens; round robin's capacity {data['capacity']:.1f} req/s (3 nodes' prefill "
+            "over its uncached tokens, its hit rate measured at the load the nodes' prefill serves without a "
+            f"cache); {data['seconds']:.0f} s of arrivals per run, the first third warming the caches. Each request "
+            "enters at a random node. `single`: one node with the three nodes' KV cache, prefill rate and seats "
+            "together (the single shared cache, measured); `shared cache`: the hit rate of the same prompts "
+            "through one LRU of the three caches' size (a bound: it ignores the KV that running sequences pin, "
+            "which past capacity evicts cached prefixes on every node). On 3 nodes with LRU caches the ratio to "
+            "round robin has a ceiling near 3: round robin's node holds about C/W of a working set W, a prompt's "
+            "owner min(1, 3C/W) of it; the offline oracle below shows how near this workload comes."]
 
 
 QUOTA_KEY = "sk-bench-cluster-quota"
@@ -268,22 +326,54 @@ async def part_d(tmp: Path, seconds: float, quota: int = 6000) -> list[str]:
     return lines
 
 
+A_TITLES = {"pressure": ("(a)", "(a) Routing by load and prefix, beside round robin: cache pressure"),
+            "light": ("(a1)", "(a1) Routing by load and prefix, light cache pressure (the first workload), rerun")}
+
+
+def a_section(data: dict[str, Any]) -> tuple[str, list[str]]:
+    """Bench (a)'s subsection for one workload's (merged) runs, stamped with the commands run."""
+    key, title = A_TITLES[data["workload"]]
+    cmds = "; ".join(f"`{c}`" for c in data["commands"])
+    head = (f"Date: {report.date()}; llmd at {report.code_version()}; command{'s' if len(data['commands']) > 1 else ''}"
+            f": {cmds}; this part took {data['minutes']:.1f} min.")
+    return key, [f"### {title}", "", head, "", *report_a(data)]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--parts", default="a,d")
     ap.add_argument("--seconds", type=float, default=40.0, help="arrivals per load level (a)")
     ap.add_argument("--quota-seconds", type=float, default=90.0)
     ap.add_argument("--loads", default=",".join(map(str, LOADS)), help="fractions of round robin's capacity (a)")
+    ap.add_argument("--workload", choices=sorted(WORKLOADS), default="pressure", help="(a): bench/lib/cluster.py")
+    ap.add_argument("--capacity", type=float, help="(a): round robin's capacity in req/s (skips measuring it)")
+    ap.add_argument("--no-hot", action="store_true", help="(a): skip the hot-prefix run")
+    ap.add_argument("--save", type=Path, help="(a): write its runs to this JSON file, not to the docs")
+    ap.add_argument("--merge", help="(a): comma-separated --save files of one workload: write them as one")
     args = ap.parse_args()
+    if args.merge:
+        data = merge_a([json.loads(Path(f).read_text()) for f in args.merge.split(",")])
+        key, lines = a_section(data)
+        print("\n".join(lines))
+        report.write_subsections(report.DOC, SECTION, [INTRO], {key: lines})
+        return
     parts = set(args.parts.split(","))
     t0 = time.monotonic()
     sections: dict[str, tuple[str, list[str], float]] = {}
+    subs: dict[str, list[str]] = {}
     with tempfile.TemporaryDirectory(prefix="llmd-cluster-") as d:
         tmp = Path(d)
         if "a" in parts:
             t = time.monotonic()
-            lines = asyncio.run(part_a(tmp, args.seconds, tuple(float(x) for x in args.loads.split(","))))
-            sections["(a)"] = ("(a) Routing by load and prefix, beside round robin", lines, time.monotonic() - t)
+            data = asyncio.run(part_a(tmp, args.seconds, tuple(float(x) for x in args.loads.split(",")),
+                                      args.workload, args.capacity, not args.no_hot))
+            data.update(commands=[report.command()], minutes=(time.monotonic() - t) / 60)
+            if args.save:
+                args.save.write_text(json.dumps(data))
+                print(f"saved (a) to {args.save}")
+            else:
+                key, lines = a_section(data)
+                subs[key] = lines
         if "c" in parts:
             t = time.monotonic()
             lines = asyncio.run(part_c(tmp, args.seconds))
@@ -293,12 +383,13 @@ def main() -> None:
             lines = asyncio.run(part_d(tmp, args.quota_seconds))
             sections["(d)"] = ("(d) One tenant's quota across nodes", lines, time.monotonic() - t)
     cmd = report.command()
-    subs = {k: [f"### {title}", "", report.stamp(version=None, cmd=cmd, took=f"this part took {sec / 60:.1f} min"),
-                "", *lines] for k, (title, lines, sec) in sections.items()}
+    subs.update({k: [f"### {title}", "", report.stamp(version=None, cmd=cmd, took=f"this part took {sec / 60:.1f} min"),
+                     "", *lines] for k, (title, lines, sec) in sections.items()})
     for sub in subs.values():
         print("\n".join(sub))
-    report.write_subsections(report.DOC, SECTION, [INTRO], subs)
-    print(f"wrote {SECTION} in {report.DOC} ({(time.monotonic() - t0) / 60:.1f} min)")
+    if subs:
+        report.write_subsections(report.DOC, SECTION, [INTRO], subs)
+        print(f"wrote {SECTION} in {report.DOC} ({(time.monotonic() - t0) / 60:.1f} min)")
 
 
 if __name__ == "__main__":

@@ -144,6 +144,19 @@ class Chat:
     messages: list[dict[str, str]] = field(default_factory=list)
 
 
+# Bench (a)'s workloads: each node's KV cache (blocks of 16 tokens) against the system prompts.
+# "pressure": 10 prompts of ~1,530 tokens (96 blocks each, 960 in all) on 400 blocks a node: one
+# node holds about 4 of them, the three together all 10 and the live chats' histories mostly;
+# round robin thrashes every node's cache, a prefix router gives each prompt a home. "light":
+# the first workload, 36 prompts of ~820 tokens (1,840 blocks) on 900 blocks a node: one node
+# holds half of them, the skew keeps the popular ones in every cache, round robin already gets
+# 0.6 at light load, and 3x that is out of any router's reach.
+WORKLOADS: dict[str, dict[str, Any]] = {
+    "pressure": {"n_systems": 10, "system_words": 1500, "zipf_s": 0.5, "kv_blocks": 400},
+    "light": {"n_systems": 36, "system_words": 800, "zipf_s": 0.3, "kv_blocks": 900},
+}
+
+
 class Workload:
     """`n_systems` long system prompts, Zipf-popular (or one taking `hot` of the traffic), and
     chats of a few turns on each; every turn's prompt is the system prompt plus the chat so far."""

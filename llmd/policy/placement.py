@@ -12,7 +12,9 @@ stale view would otherwise send a whole burst to the node that looked best); the
 uniform among the candidates within `near_best` of the best score, capped at NEAR_BEST_MAX_S
 (no herding on ties or near-ties, no scattering under deep queues); a *sticky* candidate (this
 conversation's last turn ran there) and a *cache holder* (most of the prompt cached) keep it
-unless clearly slower. Liveness is the caller's job; so is passing only the routed version.
+unless clearly slower, and harder past capacity (`saturated`), where a miss is a full prefill
+every later request queues behind. Liveness is the caller's job; so is passing only the routed
+version.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ NEAR_BEST_MAX_S = 0.05  # ... but never more than 50 ms apart: under deep queues
 # outweighs what a cached prefix saves, and a wide band would scatter prompts off their cache
 STICKY_SLACK = 0.5  # a conversation stays on its node unless that node's TTFT is over 1.5x the best
 AFFINITY_SLACK = 1.0  # a node holding most of the prompt in cache keeps it up to 2x the best TTFT (`_cache_holders`)
+SATURATED_AFFINITY_SLACK = 2.0  # past capacity (`saturated`) it keeps it up to 3x: a miss there costs everyone
 AFFINITY_MIN_MATCH = 0.5  # "most": at least half the prompt's tokens (SGLang's match threshold)
 FLOOR_TPS = 100.0  # a prefill rate nobody knows yet: slow, but never a division by zero
 
@@ -152,33 +155,49 @@ def _default_tps(cands: Sequence[Candidate], floor_tps: float) -> float:
 def place(cands: Sequence[Candidate], prompt_tokens: int, expected_output: int,
           reservations: Reservations, rng: random.Random, near_best: float = NEAR_BEST, *,
           gamma: float = GAMMA, hop_s: float = HOP_S, sticky_slack: float = STICKY_SLACK,
-          floor_tps: float = FLOOR_TPS, affinity_slack: float = AFFINITY_SLACK) -> Candidate | None:
+          floor_tps: float = FLOOR_TPS, affinity_slack: float = AFFINITY_SLACK,
+          saturated_slack: float = SATURATED_AFFINITY_SLACK) -> Candidate | None:
     """The node to run this request on, or None when no candidate can ever hold it. The choice's
     uncached prompt tokens are reserved on it (`reservations`).
 
-    Nodes with KV room now are preferred; when every one is full (past capacity) the request
-    queues where it starts soonest, in that node's fair queue: waiting at the ingress for room
-    would hand it to whichever node frees a block first, off its cache."""
+    Nodes with KV room now are preferred; past capacity (`saturated`: no node has room, or every
+    node has a full prefill of this prompt queued ahead) every node that can hold it competes,
+    and a cache holder keeps it up to `saturated_slack` instead of `affinity_slack`: the request
+    queues where its prefix is, in that node's fair queue. Waiting at the ingress for room would
+    hand it to whichever node frees a block first, off its cache; and on a saturated cluster a
+    miss is a full prefill added to a queue that every later request waits behind."""
     reserved = {c.node: reservations.of(c.node) for c in cands}
-    ok = [c for c in cands if eligible(c, prompt_tokens, expected_output, reserved[c.node])]
-    if not ok:
-        ok = [c for c in cands if fits(c, prompt_tokens, expected_output)]
-    if not ok:
+    fitting = [c for c in cands if fits(c, prompt_tokens, expected_output)]
+    if not fitting:
         return None
-    default = _default_tps(ok, floor_tps)
-    ttft = {c.node: estimated_ttft(c, prompt_tokens, reserved[c.node], hop_s, default) for c in ok}
-    best_ttft = min(ttft.values())
+    default = _default_tps(fitting, floor_tps)
+    ttft = {c.node: estimated_ttft(c, prompt_tokens, reserved[c.node], hop_s, default) for c in fitting}
+    roomy = [c for c in fitting if eligible(c, prompt_tokens, expected_output, reserved[c.node])]
+    full = saturated(fitting, prompt_tokens, reserved) or not roomy
+    ok = fitting if full else roomy
+    best_ttft = min(ttft[c.node] for c in ok)
     sticky = [c for c in ok if c.sticky and ttft[c.node] <= best_ttft * (1 + sticky_slack)]
     if sticky:
         choice = sticky[0]
     else:
-        pool = _cache_holders(ok, ttft, prompt_tokens, best_ttft, affinity_slack) or ok
+        slack = max(affinity_slack, saturated_slack) if full else affinity_slack
+        pool = _cache_holders(ok, ttft, prompt_tokens, best_ttft, slack) or ok
         score = {c.node: ttft[c.node] * (1 + gamma * occupancy(c.load)) for c in pool}
         best = min(score.values())
         band = min(best * near_best, NEAR_BEST_MAX_S)
         choice = rng.choice([c for c in pool if score[c.node] <= best + band])
     reservations.add(choice.node, uncached(choice, prompt_tokens))
     return choice
+
+
+def saturated(cands: Sequence[Candidate], prompt_tokens: int, reserved: dict[str, int]) -> bool:
+    """Every node has at least a full prefill of this prompt queued ahead of it: no node would
+    start it sooner than the prefill its cache saves, so none is idle enough to spend it on."""
+    def queued(c: Candidate) -> bool:
+        ahead = max(0, c.load.waiting_prefill_tokens) + max(0, reserved.get(c.node, 0))
+        return ahead >= prompt_tokens > 0  # both over the same node's rate: compared in tokens
+
+    return bool(cands) and all(map(queued, cands))
 
 
 def _cache_holders(ok: Sequence[Candidate], ttft: dict[str, float], prompt_tokens: int, best_ttft: float,
@@ -191,13 +210,20 @@ def _cache_holders(ok: Sequence[Candidate], ttft: dict[str, float], prompt_token
     the score scatters prompts off their caches; every miss then adds prefill work, queues
     grow, and the hit rate collapses towards round robin's. Like SGLang's router, stay with
     the cache unless the load is clearly unbalanced; several holders of a hot prefix still
-    share its traffic by score."""
+    share its traffic by score. When the nodes holding the most are all too slow (a chat's node,
+    holding its history, is busy), the nodes holding at least AFFINITY_MIN_MATCH of it (its
+    system prompt) come next: sending it to a node without them would copy the prompt there and
+    evict another one, a miss now and misses later."""
     if slack <= 0 or prompt_tokens <= 0:
         return []
     most = max(c.cached_tokens for c in ok)
     if most < AFFINITY_MIN_MATCH * prompt_tokens:
         return []
-    return [c for c in ok if c.cached_tokens >= most * 0.9 and ttft[c.node] <= best_ttft * (1 + slack)]
+    for floor in (most * 0.9, AFFINITY_MIN_MATCH * prompt_tokens):
+        near = [c for c in ok if c.cached_tokens >= floor and ttft[c.node] <= best_ttft * (1 + slack)]
+        if near:
+            return near
+    return []
 
 
 def round_robin(cands: Sequence[Candidate], counter: int) -> Candidate | None:

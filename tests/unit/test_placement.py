@@ -20,6 +20,7 @@ from llmd.policy.placement import (
     estimated_ttft,
     place,
     round_robin,
+    saturated,
 )
 
 
@@ -119,8 +120,9 @@ def test_reservations_spread_a_burst(res: Reservations) -> None:
     got = Counter(c.node for c in (place(cands, 1000, 100, res, rng) for _ in range(100)) if c)
     assert sum(got.values()) == 100
     assert set(got) == {"a", "b", "c"}
-    # the holder of half the prompt keeps it up to 2x the best TTFT: about two thirds, not all
-    assert max(got.values()) <= 75, got
+    # the holder of half the prompt keeps it up to 2x the best TTFT, 3x once what was sent fills
+    # every node's queue (saturated): about three quarters, not all
+    assert max(got.values()) <= 80, got
     assert got["a"] > got["b"] and got["a"] > got["c"]  # the cache still counts
 
 
@@ -209,18 +211,67 @@ def test_a_reservation_is_released_once_its_request_has_had_its_prefill(res: Res
     assert res.of("a") == 300
 
 
-def test_cache_holder_keeps_its_prompts_under_deep_queues_unless_clearly_slower() -> None:
-    """Queues seconds deep: the node caching most of the prompt keeps it up to 2x the best TTFT
-    (the score alone would move it for a 0.1 s difference and lose the cache)."""
-    near = [cand("idle-ish", waiting_prefill_tokens=20_000), cand("holder", cached=900, waiting_prefill_tokens=27_000)]
-    assert picks(near, 30) == {"holder": 30}  # TTFT 2.71 s vs 2.1 s: 1.3x
-    far = [cand("idle-ish", waiting_prefill_tokens=20_000), cand("holder", cached=900, waiting_prefill_tokens=45_000)]
-    assert picks(far, 30) == {"idle-ish": 30}  # 4.5 s vs 2.1 s: over 2x
-    two = [cand("idle-ish", waiting_prefill_tokens=20_000), cand("h1", cached=900, waiting_prefill_tokens=27_000),
-           cand("h2", cached=900, waiting_prefill_tokens=27_200)]
+def test_cache_holder_keeps_its_prompts_unless_clearly_slower() -> None:
+    """Some node has less than this prompt's prefill queued (not saturated): the node caching most
+    of the prompt keeps it up to 2x the best TTFT (the score alone would move it for a small
+    difference and lose the cache)."""
+    near = [cand("idle-ish", waiting_prefill_tokens=500), cand("holder", cached=900, waiting_prefill_tokens=1_100)]
+    assert picks(near, 30) == {"holder": 30}  # TTFT 0.12 s vs 0.15 s at the idle-ish node
+    far = [cand("idle-ish", waiting_prefill_tokens=500), cand("holder", cached=900, waiting_prefill_tokens=3_000)]
+    assert picks(far, 30) == {"idle-ish": 30}  # 0.31 s vs 0.15 s: over 2x
+    two = [cand("idle-ish", waiting_prefill_tokens=500), cand("h1", cached=900, waiting_prefill_tokens=1_100),
+           cand("h2", cached=900, waiting_prefill_tokens=1_110)]
     assert set(picks(two, 60)) == {"h1", "h2"}  # several holders of a hot prefix share it (near-best)
-    small = [cand("idle-ish", waiting_prefill_tokens=20_000), cand("holder", cached=400, waiting_prefill_tokens=21_000)]
+    small = [cand("idle-ish", waiting_prefill_tokens=500), cand("holder", cached=400, waiting_prefill_tokens=1_300)]
     assert picks(small, 30) == {"idle-ish": 30}  # under half the prompt cached: the score decides
+
+
+def test_past_capacity_a_cache_holder_keeps_its_prompts_up_to_3x() -> None:
+    """Every node has at least this prompt's full prefill queued (saturated): a miss is a full
+    prefill added to a queue everyone waits behind, so the holder keeps the prompt up to 3x the
+    best TTFT (2x otherwise: 2.1 s vs 5.0 s would move it); beyond that it still spills."""
+    cands = [cand("idle-ish", waiting_prefill_tokens=20_000), cand("holder", cached=900, waiting_prefill_tokens=50_000)]
+    assert picks(cands, 30) == {"holder": 30}  # 5.0 s vs 2.1 s
+    far = [cand("idle-ish", waiting_prefill_tokens=20_000), cand("holder", cached=900, waiting_prefill_tokens=70_000)]
+    assert picks(far, 30) == {"idle-ish": 30}  # 7 s vs 2.1 s: over 3x
+    # one node with less than a prompt queued: not saturated, the 2x rule holds (the hot-prefix guard)
+    one_free = [cand("idle-ish", waiting_prefill_tokens=900), cand("holder", cached=900, waiting_prefill_tokens=50_000),
+                cand("busy", waiting_prefill_tokens=20_000)]
+    assert picks(one_free, 30) == {"idle-ish": 30}
+    # reservations count as queued: a burst just sent to the idle node saturates the cluster
+    r = Reservations(Clock(), ttl_s=2.0)
+    r.add("idle-ish", 19_100)
+    got = place(one_free, 1000, 100, r, random.Random(0))
+    assert got is not None and got.node == "holder"
+
+
+def test_a_busy_chat_node_hands_the_turn_to_a_system_prompt_holder_not_to_anyone() -> None:
+    """The chat's node holds the whole history (most) but is over 2x the best TTFT: the nodes
+    holding its system prompt (over half the prompt) come next; a node with none of it would copy
+    the system prompt there, evicting another."""
+    cands = [cand("chat", cached=950, waiting_prefill_tokens=4_000),
+             cand("system", cached=700, waiting_prefill_tokens=1_500), cand("empty", waiting_prefill_tokens=500)]
+    assert picks(cands, 30) == {"system": 30}  # 0.18 s vs 0.15 s at the empty node; the chat node 0.41 s
+    cands[1] = cand("system", cached=700, waiting_prefill_tokens=3_000)  # 0.33 s: over 2x too
+    assert picks(cands, 30) == {"empty": 30}
+
+
+def test_past_capacity_a_holder_without_kv_room_still_keeps_its_prompt() -> None:
+    """Saturated: a holder whose KV cache is full of running sequences queues the request (room
+    comes back as they finish) rather than another node with room taking it off its cache; not
+    saturated, the node with room now gets it."""
+    cands = [cand("roomy", waiting_prefill_tokens=20_000), cand("holder", cached=900, kv_free_tokens=0,
+                                                               waiting_prefill_tokens=25_000)]
+    assert picks(cands, 30) == {"holder": 30}
+    light = [cand("roomy", waiting_prefill_tokens=0), cand("holder", cached=900, kv_free_tokens=0)]
+    assert picks(light, 30) == {"roomy": 30}
+
+
+def test_saturated_needs_every_node_a_prompt_behind() -> None:
+    cands = [cand("a", waiting_prefill_tokens=1000), cand("b", waiting_prefill_tokens=400)]
+    assert not saturated(cands, 1000, {})
+    assert saturated(cands, 1000, {"b": 600})
+    assert not saturated([], 1000, {}) and not saturated(cands, 0, {})
 
 
 def test_near_best_band_is_capped_in_seconds_under_deep_queues() -> None:
