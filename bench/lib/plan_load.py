@@ -22,7 +22,7 @@ from bench.lib.cputime import cpu_seconds
 from bench.lib.e2e_stats import Measured, summarise
 from bench.lib.engines import Srv
 from bench.lib.load import AdminSampler, seat_summary
-from bench.lib.replayer import Sent, clients, prompt_ids, replay, send_one
+from bench.lib.replayer import Sent, clients, prompt_ids, prose, replay, send_one
 from llmd.plan.sim.trace import CLASSES, Trace
 
 MIX = {"workload": "constant", "prompt": "lognormal:192:0.5:1024", "output": "lognormal:64:0.4:160",
@@ -82,7 +82,7 @@ async def capacity(srv: Srv, model: str, trace: Trace, concurrency: int, seconds
     """Keep `concurrency` of the trace's requests in flight (the next one as one ends) for
     `seconds`; throughput counted after `warmup_s`. With more streams than seats the scheduler
     queues the rest: the engine runs as full as llmd lets it, the definition of capacity."""
-    ids = prompt_ids(trace, seed=11)
+    ids = prompt_ids(trace, seed=11, corpus=prose())
     by_tenant = clients(srv.url + "/v1", srv.keys, 600.0)
     order = itertools.count()
     out: list[Sent] = []

@@ -23,7 +23,7 @@ import numpy as np
 
 from bench.lib import stats
 from bench.lib.engines import Srv
-from bench.lib.replayer import Sent, clients, prompt_ids, send_one
+from bench.lib.replayer import Sent, clients, prompt_ids, prose, send_one
 from llmd.plan.sim.trace import Trace
 
 
@@ -72,7 +72,7 @@ async def measure(srv: Srv, model: str, n: int = 30, prompt: int = 128, output: 
     """Send `n` requests one after another to `srv` (fake backend, otherwise idle) and match them to
     the engine's steps; the first two are a discarded warm-up."""
     tr = lone_trace(n + 2, prompt, output)
-    ids = prompt_ids(tr, seed=7)
+    ids = prompt_ids(tr, seed=7, corpus=prose())
     tenant = tr.tenants[0]
     client = clients(srv.url + "/v1", {tenant: srv.keys[tenant]}, 60.0)[tenant]
     wall = time.time() - time.monotonic()

@@ -17,9 +17,12 @@ summarises, the ones the simulator predicts.
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import openai
@@ -30,10 +33,41 @@ from llmd.plan.sim.trace import CLASSES, Trace
 # (llmd.backends.fake_outputs.WORD_ID_BASE + its word list), below every vocabulary it serves
 # (SmolLM2: 49152, the fake's simple tokenizer: 50000).
 ID_LOW, ID_HIGH = 2000, 40000
+ROOT = Path(__file__).resolve().parents[2]
 
 
-def prompt_ids(trace: Trace, seed: int = 0) -> list[list[int]]:
-    """Each request's prompt as token ids: its group's shared prefix, then its own unique ids."""
+@functools.cache
+def prose() -> np.ndarray:
+    """The default corpus (see corpus_ids), tokenized once per process."""
+    return corpus_ids()
+
+
+def corpus_ids(tokenizer_json: Path | None = None, texts: Sequence[Path] | None = None) -> np.ndarray:
+    """Token ids of prose (README.md and docs/*.md by default) under the served model's tokenizer
+    (the weight store's SmolLM2 by default): prompts cut from it read as text, so the model's
+    continuations do too (random ids make runs that llmd's output filters must hold back)."""
+    from tokenizers import Tokenizer
+
+    if tokenizer_json is None:
+        from llmd.store import WeightStore
+
+        tokenizer_json = WeightStore().resolve("smollm2").path / "tokenizer.json"
+    tok = Tokenizer.from_file(str(tokenizer_json))
+    paths = texts if texts is not None else [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    return np.array(tok.encode("\n\n".join(p.read_text(encoding="utf-8") for p in paths)).ids, dtype=np.int64)
+
+
+def _window(rng: np.random.Generator, corpus: np.ndarray | None, n: int) -> np.ndarray:
+    """`n` ids: a stretch of the corpus from a random place (wrapping), or random ids."""
+    if corpus is None:
+        return rng.integers(ID_LOW, ID_HIGH, n)
+    at = int(rng.integers(0, len(corpus)))
+    return np.resize(np.roll(corpus, -at), n)
+
+
+def prompt_ids(trace: Trace, seed: int = 0, corpus: np.ndarray | None = None) -> list[list[int]]:
+    """Each request's prompt as token ids: its group's shared prefix, then its own ids (from
+    `corpus` after a request-unique first id, or random ids)."""
     rng = np.random.default_rng(seed)
     prefixes: dict[int, np.ndarray] = {}
     out: list[list[int]] = []
@@ -44,11 +78,14 @@ def prompt_ids(trace: Trace, seed: int = 0) -> list[list[int]]:
         if k:
             group = prefixes.get(g)
             if group is None or len(group) < k:  # grow the group's prefix (its start never changes)
-                more = rng.integers(ID_LOW, ID_HIGH, k - (0 if group is None else len(group)))
+                more = _window(rng, corpus, k - (0 if group is None else len(group)))
                 group = more if group is None else np.concatenate([group, more])
                 prefixes[g] = group
             head = group[:k].tolist()
-        out.append(head + rng.integers(ID_LOW, ID_HIGH, n - k).tolist())
+        own = _window(rng, corpus, n - k)
+        if corpus is not None and n > k:  # no two requests share more than their group's prefix
+            own[0] = ID_LOW + (i * 7919) % (ID_HIGH - ID_LOW)
+        out.append(head + own.tolist())
     return out
 
 
@@ -83,6 +120,25 @@ class Sent:
         return sum(self.tokens)
 
 
+def take(s: Sent, text: bool, usage: Any, done: int, now: float) -> int:
+    """Record one streamed chunk into `s`; returns the output tokens accounted so far. A chunk
+    with text carries the tokens the running usage count grew by (at least one: llmd holds back
+    text an output filter may still match, then sends it together); usage that grows in a chunk
+    without text (the last) is credited to the last text chunk."""
+    n = usage.completion_tokens if usage is not None else None
+    if usage is not None:
+        s.prompt_tokens = usage.prompt_tokens
+    if text:
+        got = n - done if n is not None and n > done else 1
+        s.chunks.append(now)
+        s.tokens.append(got)
+        return done + got
+    if n is not None and n > done and s.tokens:
+        s.tokens[-1] += n - done
+        return n
+    return done
+
+
 def clients(base_url: str, keys: dict[str, str], timeout: float) -> dict[str, openai.AsyncOpenAI]:
     """One SDK client per tenant (its API key); no SDK retries: a refusal is data."""
     import httpx
@@ -104,14 +160,7 @@ async def send_one(client: openai.AsyncOpenAI, model: str, ids: list[int], out_t
             extra_headers={"X-Request-Id": f"replay-{s.i}"})  # links the server's request log line
         done = 0
         async for chunk in stream:
-            usage = chunk.usage
-            if chunk.choices and chunk.choices[0].text:
-                s.chunks.append(time.monotonic())
-                n = usage.completion_tokens if usage else done + 1
-                s.tokens.append(max(n - done, 1))
-                done = max(n, done + 1)
-            if usage:
-                s.prompt_tokens = usage.prompt_tokens
+            done = take(s, bool(chunk.choices and chunk.choices[0].text), chunk.usage, done, time.monotonic())
         s.status = "ok"
     except openai.APIStatusError as e:
         s.status = str(e.status_code)
@@ -128,7 +177,7 @@ async def replay(base_url: str, model: str, trace: Trace, keys: dict[str, str], 
     """Send every request of `trace` at its arrival time (open loop); returns what each got
     and t0 (time.monotonic() of trace time 0). `keys`: tenant name -> API key. Requests still
     running `drain_s` after the last was sent are cancelled (status "cut")."""
-    prompts = ids if ids is not None else prompt_ids(trace, seed)
+    prompts = ids if ids is not None else prompt_ids(trace, seed, prose())
     by_tenant = clients(base_url, keys, timeout)
     out: list[Sent] = []
     tasks: list[asyncio.Task[None]] = []

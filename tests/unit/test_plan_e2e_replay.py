@@ -5,11 +5,12 @@ and the figures summarised from what the client saw."""
 from __future__ import annotations
 
 import math
+from itertools import pairwise
 
 import numpy as np
 
 from bench.lib.e2e_stats import error_pct, spread_pct, summarise
-from bench.lib.replayer import Sent, prompt_ids, replay
+from bench.lib.replayer import Sent, prompt_ids, prose, replay, take
 from llmd.auth import hash_key
 from llmd.plan.sim.trace import Trace
 
@@ -35,6 +36,40 @@ def test_prompts_are_exactly_as_long_as_asked_and_share_their_groups_prefix() ->
     assert len(set(solo)) == len(solo)  # no accidental sharing outside a group
     assert len({tuple(x[:16]) for x, p in zip(ids, tr.prefix, strict=True) if p >= 0}) == 2  # groups differ
     assert prompt_ids(tr, seed=3) == ids  # reproducible
+
+
+def test_prompts_cut_from_prose_keep_their_lengths_and_share_only_their_groups_prefix() -> None:
+    tr = trace(30)
+    corpus = np.arange(5000, 5500)
+    ids = prompt_ids(tr, seed=3, corpus=corpus)
+    assert [len(x) for x in ids] == tr.prompt_tokens.tolist()
+    for x, g in zip(ids, tr.prefix, strict=True):
+        own = x[16:] if g >= 0 else x
+        assert all(b - a in (1, -499) for a, b in pairwise(own[1:]))  # a stretch of the corpus
+    firsts = [x[16] if g >= 0 else x[0] for x, g in zip(ids, tr.prefix, strict=True)]
+    assert len(set(firsts)) == len(firsts)  # each request's own part starts uniquely
+
+
+def test_the_real_corpus_is_prose_in_the_served_models_tokens() -> None:
+    ids = prose()
+    assert len(ids) > 20000 and ids.max() < 49152
+
+
+class Usage:
+    def __init__(self, n: int) -> None:
+        self.completion_tokens, self.prompt_tokens = n, 7
+
+
+def test_tokens_held_back_and_sent_together_are_credited_to_their_chunk() -> None:
+    s = Sent(0, "a", "interactive", 0.0)
+    done = take(s, True, Usage(1), 0, 1.0)
+    done = take(s, True, Usage(5), done, 2.0)  # four tokens released at once
+    done = take(s, False, Usage(6), done, 2.5)  # the last, text-less chunk says one more
+    assert (s.chunks, s.tokens, done, s.prompt_tokens) == ([1.0, 2.0], [1, 5], 6, 7)
+    s2 = Sent(1, "a", "interactive", 0.0)
+    done = take(s2, True, None, 0, 1.0)  # no running usage: a chunk is a token ...
+    done = take(s2, True, None, done, 2.0)
+    assert take(s2, False, Usage(9), done, 3.0) == 9 and s2.tokens == [1, 8]  # ... until the final count
 
 
 def test_a_group_prefix_longer_than_a_prompt_is_cut_to_it() -> None:
@@ -101,7 +136,7 @@ def test_summary_drops_the_warm_up_and_counts_tokens_inside_the_window() -> None
     assert math.isclose(m.tokens_per_chunk, 7 / 6)
     assert math.isclose(m.tput_run, (3 + 4 + 3) / 9.0)  # every token, over trace time 0 to the last chunk
     assert sorted(m.by_class) == ["batch", "interactive"]
-    assert (m.by_class["interactive"].ttft_p50, m.by_class["batch"].ttft_p50) == (0.5, 0.2)
+    assert math.isclose(m.by_class["interactive"].ttft_p50, 0.5) and math.isclose(m.by_class["batch"].ttft_p50, 0.2)
     assert (m.by_class["interactive"].tput, m.by_class["batch"].tput) == (2.0, 1.0)
 
 
