@@ -89,7 +89,7 @@ async def _points(res: dict[str, Any], engine: str, a: argparse.Namespace) -> No
                 print(f"  {engine} {load:.0%} rep {rep}: {rate:.2f} req/s, n {p.measured.n} {p.measured.statuses}, "
                       f"TTFT p50/p95 {f.ttft_p50 * 1000:.0f}/{f.ttft_p95 * 1000:.0f} ms, ITL p50/p95 "
                       f"{f.itl_p50 * 1000:.0f}/{f.itl_p95 * 1000:.0f} ms, {f.tput:.1f} tok/s, client CPU "
-                      f"{p.client_cpu:.2f}", flush=True)
+                      f"{p.client_cpu:.2f}, {p.measured.tokens_per_chunk:.2f} tokens/chunk", flush=True)
 
 
 def _simulate(res: dict[str, Any], a: argparse.Namespace) -> None:

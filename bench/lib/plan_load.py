@@ -70,11 +70,13 @@ class Capacity:
     seconds: float
     seats: str  # the scheduler's seat limit over the window (/admin/engines)
     queued_max: int
+    tokens_per_chunk: float = 0.0  # output tokens per streamed chunk (> 1: llmd held text back and sent it together)
+    refused: int = 0  # requests answered with an error (llmd sheds a long overload)
 
     def describe(self) -> str:
         return (f"{self.req_s:.2f} req/s ({self.tok_s:.1f} output tok/s), {self.completed} completed in "
                 f"{self.seconds:.0f} s at {self.concurrency} streams; seat limit {self.seats}, queue up to "
-                f"{self.queued_max}")
+                f"{self.queued_max}; {self.tokens_per_chunk:.2f} tokens per chunk, {self.refused} refused")
 
 
 async def capacity(srv: Srv, model: str, trace: Trace, concurrency: int, seconds: float,
@@ -116,7 +118,9 @@ async def capacity(srv: Srv, model: str, trace: Trace, concurrency: int, seconds
     window = sampler.between(lo, hi)
     return Capacity(tok_s / float(np.mean(trace.output_tokens)), tok_s,
                     sum(1 for s in out if s.status == "ok" and s.t_end and lo <= s.t_end < hi), concurrency,
-                    hi - lo, seat_summary(window), max((sum(x["queued"].values()) for x in window), default=0))
+                    hi - lo, seat_summary(window), max((sum(x["queued"].values()) for x in window), default=0),
+                    sum(s.output_tokens for s in out) / max(1, sum(len(s.chunks) for s in out)),
+                    sum(1 for s in out if s.status not in ("ok", "sent")))
 
 
 @dataclass
