@@ -18,15 +18,17 @@ import argparse
 import asyncio
 import json
 import sys
+import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from bench.lib import plan_servers as ps
-from bench.lib.plan_load import capacity, load_point, mix_trace
+from bench.lib.plan_load import capacity, dump, load_point, mix_trace
 from bench.lib.plan_overhead import measure
 from bench.lib.plan_report import report
 from bench.lib.plan_sim import fake_knobs, simulated, step_time
+from bench.lib.replayer import Sent
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "bench" / "data" / "plan-e2e.json"
@@ -53,7 +55,10 @@ def config_for(engine: str, step_model: Path | None) -> dict[str, Any]:
 async def _capacity(res: dict[str, Any], engine: str, a: argparse.Namespace) -> None:
     with ps.serve(f"cap-{engine}", config_for(engine, a.step_model)) as (srv, _pid):
         trace = mix_trace(rate=10.0, duration=600.0, seed=5)  # only its request shapes are used
-        cap = await capacity(srv, MODEL, trace, a.concurrency, a.capacity_s, a.warmup_s)
+        sent: list[Sent] = []
+        t0 = time.monotonic()
+        cap = await capacity(srv, MODEL, trace, a.concurrency, a.capacity_s, a.warmup_s, sent)
+    dump(_raw(a, f"capacity-{engine}"), sent, t0)
     print(f"  capacity {engine}: {cap.describe()}", flush=True)
     res["capacity"][engine] = asdict(cap)
 
@@ -63,6 +68,13 @@ async def _overhead(res: dict[str, Any], a: argparse.Namespace) -> None:
         o = await measure(srv, MODEL)
     print(f"  overheads: {o.describe()}", flush=True)
     res["overheads"] = asdict(o)
+
+
+def _raw(a: argparse.Namespace, tag: str) -> Path:
+    """Where a run's per-request rows go: beside the results file."""
+    d = a.results.parent / (a.results.stem + "-requests")
+    d.mkdir(parents=True, exist_ok=True)
+    return d / f"{tag}.json"
 
 
 def _seed(load: float, rep: int) -> int:
@@ -78,8 +90,9 @@ async def _points(res: dict[str, Any], engine: str, a: argparse.Namespace) -> No
             for load in a.loads:
                 rate = load * cap["req_s"]
                 trace = mix_trace(rate, a.duration_s, _seed(load, rep))
-                p = await load_point(srv, pid, MODEL, engine, load, rate, trace, _seed(load, rep), a.warmup_s,
-                                     a.drain_s)
+                p, sent, t0 = await load_point(srv, pid, MODEL, engine, load, rate, trace, _seed(load, rep),
+                                               a.warmup_s, a.drain_s)
+                dump(_raw(a, f"{engine}-{load:g}-{rep}"), sent, t0)
                 row = {**asdict(p), "rep": rep, "duration_s": a.duration_s, "warmup_s": a.warmup_s,
                        "step_model": str(a.step_model) if a.step_model else None, "sim": None}
                 res["points"] = [x for x in res["points"] if (x["engine"], x["load"], x["rep"]) != (engine, load, rep)]

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import math
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -80,14 +82,14 @@ class Capacity:
 
 
 async def capacity(srv: Srv, model: str, trace: Trace, concurrency: int, seconds: float,
-                   warmup_s: float) -> Capacity:
+                   warmup_s: float, sent: list[Sent] | None = None) -> Capacity:
     """Keep `concurrency` of the trace's requests in flight (the next one as one ends) for
     `seconds`; throughput counted after `warmup_s`. With more streams than seats the scheduler
     queues the rest: the engine runs as full as llmd lets it, the definition of capacity."""
     ids = prompt_ids(trace, seed=11, corpus=prose())
     by_tenant = clients(srv.url + "/v1", srv.keys, 600.0)
     order = itertools.count()
-    out: list[Sent] = []
+    out: list[Sent] = sent if sent is not None else []  # every request, for a caller that keeps them
     t0 = time.monotonic()
     stop = t0 + seconds
 
@@ -138,7 +140,7 @@ class Point:
 
 
 async def load_point(srv: Srv, pid: int, model: str, engine: str, load: float, rate: float, trace: Trace,
-                     seed: int, warmup_s: float, drain_s: float) -> Point:
+                     seed: int, warmup_s: float, drain_s: float) -> tuple[Point, list[Sent], float]:
     """Replay `trace` open loop and summarise it; requests still running `drain_s` after the last
     arrival are cut (counted by status, left out of the percentiles)."""
     cpu0, srv0, w0 = time.process_time(), cpu_seconds(pid), time.monotonic()
@@ -146,4 +148,13 @@ async def load_point(srv: Srv, pid: int, model: str, engine: str, load: float, r
     wall = time.monotonic() - w0
     m = summarise(sent, t0, warmup_s, trace.duration)
     return Point(engine, load, rate, seed, m, (time.process_time() - cpu0) / wall,
-                 (cpu_seconds(pid) - srv0) / wall)
+                 (cpu_seconds(pid) - srv0) / wall), sent, t0
+
+
+def dump(path: Path, sent: list[Sent], t0: float) -> None:
+    """Every request of a run as the client saw it (times from t0), for looking into a figure."""
+    rows = [{"i": s.i, "tenant": s.tenant, "class": s.klass, "status": s.status, "sched": round(s.t_sched - t0, 4),
+             "late": round(s.t_send - s.t_sched, 4), "ttft": s.ttft, "e2e": s.e2e, "prompt": s.prompt_tokens,
+             "tokens": s.output_tokens, "chunks": len(s.chunks),
+             "max_gap": max(s.gaps(), default=None)} for s in sent]
+    path.write_text(json.dumps(rows) + "\n")
