@@ -102,7 +102,7 @@ class Sent:
     tokens: list[int] = field(default_factory=list)  # output tokens each of those chunks carried
     t_end: float | None = None
     prompt_tokens: int | None = None
-    status: str = "sent"  # ok | an error code | client:<exception> | timeout
+    status: str = "sent"  # ok | short | an HTTP status | client:<exception> | timeout | cut (by the replay's end)
 
     @property
     def ttft(self) -> float | None:
@@ -158,7 +158,7 @@ async def send_one(client: openai.AsyncOpenAI, model: str, ids: list[int], out_t
         done = 0
         async for chunk in stream:
             done = take(s, bool(chunk.choices and chunk.choices[0].text), chunk.usage, done, time.monotonic())
-        s.status = "ok"
+        s.status = "ok" if s.output_tokens >= out_tokens else "short"  # a stream cut without an error event
     except openai.APIStatusError as e:
         s.status = str(e.status_code)
     except openai.APITimeoutError:
