@@ -19,9 +19,11 @@ from bench.lib.engines import SHIPPED
 from llmd.plan.sim.trace import Trace
 from llmd.plan.stepmodel import StepModel, StepShape, StepTime
 
-# The real engine's step on this box as config.toml describes it (17 ms + 1.3 ms per sequence,
-# ~1 ms per prefilled token): the fake backend's knobs when no fitted step model is given.
-FAKE_STEP = {"step_ms": 17.0, "step_ms_per_seq": 1.3, "prefill_tokens_per_s": 1000.0}
+# The real engine's step on this box as `llmd plan calibrate` fitted it (calib's
+# bench/data/stepmodel-local-cpu.json: 77.5 ms a step, 1.25 ms a sequence, 2.06 ms a token, so
+# 3.3 ms a decoding sequence and 486 prefill tokens/s; its small KV and attention terms left
+# out) in the fake backend's own knobs: the fake's step function when no step model is given.
+FAKE_STEP = {"step_ms": 77.5, "step_ms_per_seq": 3.3, "prefill_tokens_per_s": 486.0}
 
 
 @dataclass(frozen=True)
