@@ -32,6 +32,7 @@ from bench.lib.replayer import Sent
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "bench" / "data" / "plan-e2e.json"
+CALIBRATED = ROOT / "bench" / "data" / "stepmodel-local-cpu.json"  # `llmd plan calibrate` on this box
 MODEL = "smollm2"  # config.toml's model
 PARTS = ("overhead", "capacity-fake", "capacity-real", "points-fake", "points-real", "simulate")
 HELD_OUT = (0.3, 0.5, 0.7, 0.8)  # loads the step model was not fitted at; >= 0.9 reported apart
@@ -112,7 +113,8 @@ def _simulate(res: dict[str, Any], a: argparse.Namespace) -> None:
         trace = mix_trace(row["rate"], row["duration_s"], row["seed"])
         model = Path(row["step_model"]) if row.get("step_model") else None
         fake = fake_knobs(model) if row["engine"] == "fake" else None
-        step = step_time(model if row["engine"] == "fake" else (a.real_step_model or model))
+        real = a.real_step_model or (CALIBRATED if CALIBRATED.exists() else None)
+        step = step_time(model if row["engine"] == "fake" else real)
         figs = simulated(trace, step, o.get("ingress_s", 0.0), o.get("delivery_s", 0.0), row["warmup_s"], fake)
         by = {k: asdict(f) for k, f in (figs or {}).items()}
         row["sim"], row["sim_by_class"] = by.pop("all", None), by or None
@@ -125,7 +127,7 @@ def run(parts: tuple[str, ...] = PARTS, loads: tuple[float, ...] = HELD_OUT + HI
     """Measure `parts` (see PARTS), merge them into `results` and return the markdown report of
     everything measured so far. `step_model`: the fitted step model the fake backend and the
     simulator use for the fake points; `real_step_model`: the one the simulator uses for the
-    real engine's points (default: the same)."""
+    real engine's points (default: CALIBRATED, this box's fitted model)."""
     a = argparse.Namespace(loads=loads, repeats=repeats, duration_s=duration_s, warmup_s=warmup_s,
                            step_model=step_model, real_step_model=real_step_model, results=results,
                            concurrency=concurrency, capacity_s=capacity_s, drain_s=drain_s)
