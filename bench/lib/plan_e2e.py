@@ -87,7 +87,7 @@ async def _points(res: dict[str, Any], engine: str, a: argparse.Namespace) -> No
     if cap is None:
         raise SystemExit(f"measure capacity-{engine} first (--parts capacity-{engine})")
     with ps.serve(f"points-{engine}", config_for(engine, a.step_model)) as (srv, pid):
-        for rep in range(a.repeats):
+        for rep in range(a.first_rep, a.first_rep + a.repeats):
             for load in a.loads:
                 rate = load * cap["req_s"]
                 trace = mix_trace(rate, a.duration_s, _seed(load, rep))
@@ -123,14 +123,14 @@ def _simulate(res: dict[str, Any], a: argparse.Namespace) -> None:
 def run(parts: tuple[str, ...] = PARTS, loads: tuple[float, ...] = HELD_OUT + HIGH, repeats: int = 1,
         duration_s: float = 75.0, warmup_s: float = 15.0, step_model: Path | None = None,
         real_step_model: Path | None = None, results: Path = RESULTS, concurrency: int = 64,
-        capacity_s: float = 75.0, drain_s: float = 60.0) -> str:
+        capacity_s: float = 75.0, drain_s: float = 60.0, first_rep: int = 0) -> str:
     """Measure `parts` (see PARTS), merge them into `results` and return the markdown report of
     everything measured so far. `step_model`: the fitted step model the fake backend and the
     simulator use for the fake points; `real_step_model`: the one the simulator uses for the
     real engine's points (default: CALIBRATED, this box's fitted model)."""
     a = argparse.Namespace(loads=loads, repeats=repeats, duration_s=duration_s, warmup_s=warmup_s,
                            step_model=step_model, real_step_model=real_step_model, results=results,
-                           concurrency=concurrency, capacity_s=capacity_s, drain_s=drain_s)
+                           concurrency=concurrency, capacity_s=capacity_s, drain_s=drain_s, first_rep=first_rep)
     res = load_results(results)
     for part in parts:
         if part not in PARTS:
@@ -160,9 +160,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--concurrency", type=int, default=64)
     p.add_argument("--capacity-s", type=float, default=75.0)
     p.add_argument("--drain-s", type=float, default=60.0)
+    p.add_argument("--first-rep", type=int, default=0, help="number repeats from here (a later run adds repeats)")
     a = p.parse_args(argv)
     print(run(tuple(a.parts), tuple(a.loads), a.repeats, a.duration_s, a.warmup_s, a.step_model, a.real_step_model,
-              a.results, a.concurrency, a.capacity_s, a.drain_s))
+              a.results, a.concurrency, a.capacity_s, a.drain_s, a.first_rep))
     return 0
 
 
