@@ -34,7 +34,8 @@ ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "bench" / "data" / "plan-e2e.json"
 CALIBRATED = ROOT / "bench" / "data" / "stepmodel-local-cpu.json"  # `llmd plan calibrate` on this box
 MODEL = "smollm2"  # config.toml's model
-PARTS = ("overhead", "capacity-fake", "capacity-real", "points-fake", "points-real", "simulate")
+ENGINES, VARIANTS = ("real", "fake"), ("", "noitl")
+PARTS = ("overhead", "capacity-fake", "capacity-real", "points-fake", "points-real", "simulate")  # and -noitl ones
 HELD_OUT = (0.3, 0.5, 0.7, 0.8)  # loads the step model was not fitted at; >= 0.9 reported apart
 HIGH = (0.9, 1.0)
 
@@ -49,8 +50,16 @@ def save_results(path: Path, res: dict[str, Any]) -> None:
 
 
 def config_for(engine: str, step_model: Path | None) -> dict[str, Any]:
+    """config.toml as shipped on the real engine ("real") or the fake backend ("fake"); with
+    "-noitl" the bench-only variant without target_itl_ms (on a CPU whose prefill steps take
+    longer than the target, the ITL controller keeps the seats near 1: reported beside)."""
+    base, _, variant = engine.partition("-")
+    if base not in ENGINES or variant not in VARIANTS:
+        raise SystemExit(f"unknown engine {engine!r}: one of {ENGINES}, optionally -{VARIANTS[1]}")
     cfg = ps.shipped()
-    return ps.as_fake(cfg, fake_knobs(step_model)) if engine == "fake" else cfg
+    if variant == "noitl":
+        cfg["models"][0]["scheduling"].pop("target_itl_ms", None)
+    return ps.as_fake(cfg, fake_knobs(step_model)) if base == "fake" else cfg
 
 
 async def _capacity(res: dict[str, Any], engine: str, a: argparse.Namespace) -> None:
@@ -112,10 +121,11 @@ def _simulate(res: dict[str, Any], a: argparse.Namespace) -> None:
     for row in res["points"]:
         trace = mix_trace(row["rate"], row["duration_s"], row["seed"])
         model = Path(row["step_model"]) if row.get("step_model") else None
-        fake = fake_knobs(model) if row["engine"] == "fake" else None
         real = a.real_step_model or (CALIBRATED if CALIBRATED.exists() else None)
-        step = step_time(model if row["engine"] == "fake" else real)
-        figs = simulated(trace, step, o.get("ingress_s", 0.0), o.get("delivery_s", 0.0), row["warmup_s"], fake)
+        fake = row["engine"].startswith("fake")
+        step = step_time(model if fake else real)
+        figs = simulated(trace, step, o.get("ingress_s", 0.0), o.get("delivery_s", 0.0), row["warmup_s"],
+                         config_for(row["engine"], model))
         by = {k: asdict(f) for k, f in (figs or {}).items()}
         row["sim"], row["sim_by_class"] = by.pop("all", None), by or None
 
@@ -133,14 +143,14 @@ def run(parts: tuple[str, ...] = PARTS, loads: tuple[float, ...] = HELD_OUT + HI
                            concurrency=concurrency, capacity_s=capacity_s, drain_s=drain_s, first_rep=first_rep)
     res = load_results(results)
     for part in parts:
-        if part not in PARTS:
-            raise SystemExit(f"unknown part {part!r}; the parts are {', '.join(PARTS)}")
+        if part not in PARTS and part.removesuffix("-noitl") not in PARTS:
+            raise SystemExit(f"unknown part {part!r}; the parts are {', '.join(PARTS)} (and -noitl variants)")
         if part == "overhead":
             asyncio.run(_overhead(res, a))
         elif part.startswith("capacity-"):
-            asyncio.run(_capacity(res, part.split("-")[1], a))
+            asyncio.run(_capacity(res, part.split("-", 1)[1], a))
         elif part.startswith("points-"):
-            asyncio.run(_points(res, part.split("-")[1], a))
+            asyncio.run(_points(res, part.split("-", 1)[1], a))
         else:
             _simulate(res, a)
         save_results(results, res)
@@ -149,7 +159,7 @@ def run(parts: tuple[str, ...] = PARTS, loads: tuple[float, ...] = HELD_OUT + HI
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--parts", nargs="+", default=list(PARTS), choices=PARTS)
+    p.add_argument("--parts", nargs="+", default=list(PARTS), help=f"of {', '.join(PARTS)} (and X-noitl)")
     p.add_argument("--loads", nargs="+", type=float, default=list(HELD_OUT + HIGH))
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--duration-s", type=float, default=75.0)

@@ -9,13 +9,11 @@ real engine's shape on this box) until it can take a fitted step model.
 from __future__ import annotations
 
 import math
-import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from bench.lib.e2e_stats import Figures
-from bench.lib.engines import SHIPPED
 from llmd.plan.sim.trace import Trace
 from llmd.plan.stepmodel import StepModel, StepShape, StepTime
 
@@ -52,10 +50,10 @@ def step_time(step_model: Path | None) -> StepTime:
 
 
 def simulated(trace: Trace, step: StepTime, ingress_s: float, delivery_s: float, warmup_s: float,
-              fake: dict[str, Any] | None = None) -> dict[str, Figures] | None:
-    """The simulator's figures for `trace` on one replica configured as config.toml ships
-    (`fake`: on the fake backend with these knobs), by class and, where the simulator reports
-    it, "all"; None while the simulator is not there."""
+              raw: dict[str, Any]) -> dict[str, Figures] | None:
+    """The simulator's figures for `trace` on one replica of the first model of `raw` (a parsed
+    config.toml, as the measured llmd ran it), by class and, where the simulator reports it,
+    "all"; None while the simulator is not there."""
     try:
         from llmd.plan.sim.report import simulate  # type: ignore[import-not-found,unused-ignore]
         from llmd.plan.sim.spec import SimSpec, engine_from_model  # type: ignore[import-not-found,unused-ignore]
@@ -63,11 +61,7 @@ def simulated(trace: Trace, step: StepTime, ingress_s: float, delivery_s: float,
         return None
     from llmd.config import Config
 
-    raw = tomllib.loads(SHIPPED.read_text(encoding="utf-8"))
-    if fake is not None:
-        raw["models"][0] |= {"backend": "fake", "fake": {"max_num_seqs": 64, **fake}}
-    cfg = Config.model_validate(raw)
-    m = cfg.models[0]
+    m = Config.model_validate(raw).models[0]
     spec = SimSpec(replicas=1, engine=engine_from_model(m), scheduling=m.scheduling, ingress_s=ingress_s,
                    delivery_s=delivery_s, warmup_s=warmup_s)
     return figures_of(simulate(spec, trace, step))
