@@ -159,7 +159,7 @@ def run(parts: tuple[str, ...] = PARTS, loads: tuple[float, ...] = HELD_OUT + HI
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--parts", nargs="+", default=list(PARTS), help=f"of {', '.join(PARTS)} (and X-noitl)")
+    p.add_argument("--parts", nargs="*", default=list(PARTS), help=f"of {', '.join(PARTS)} (and X-noitl)")
     p.add_argument("--loads", nargs="+", type=float, default=list(HELD_OUT + HIGH))
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--duration-s", type=float, default=75.0)
