@@ -109,10 +109,12 @@ async def _turn(job: Job, choice: Choice, current: list[str]) -> None:
 
 def resumed(prompt: Prompt, sampling: Sampling, produced: list[int]) -> tuple[Prompt, Sampling]:
     """What a choice runs again with: its prompt and what it produced, the rest of its
-    max_tokens, the same sampling otherwise (seed included)."""
+    max_tokens and of its min_tokens (vLLM refuses more min than max), the same sampling
+    otherwise (seed included)."""
     ids = prompt.token_ids + produced
     return (Prompt(token_ids=ids, engine_input={"prompt_token_ids": ids}),
             replace(sampling, max_tokens=max(1, sampling.max_tokens - len(produced)),
+                    min_tokens=max(0, sampling.min_tokens - len(produced)),
                     prompt_logprobs=None))  # the echo's logprobs went out with the first attempt
 
 

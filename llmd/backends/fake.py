@@ -197,6 +197,8 @@ class FakeBackend:
             raise PromptError(f"prompt has {prompt.num_tokens} tokens; the model's limit is {self.max_model_len}")
         if sampling.max_tokens < 1:
             raise ValueError("max_tokens must be at least 1")
+        if sampling.min_tokens > sampling.max_tokens:  # as vLLM's SamplingParams refuses it
+            raise ValueError(f"min_tokens must be less than or equal to max_tokens={sampling.max_tokens}")
         text = prompt.engine_input if isinstance(prompt.engine_input, str) else self.tokenizer.decode(prompt.token_ids)
         m = outputs.EOS_MARKER.search(text)
         say = outputs.SAY_MARKER.search(text)

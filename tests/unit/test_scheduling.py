@@ -203,6 +203,20 @@ async def test_batch_is_preempted_and_resumes(make_server) -> None:
     assert live.runtime("fake").scheduler.preempted == 1
 
 
+async def test_a_preempted_sequence_with_min_tokens_resumes_with_the_rest_of_them(make_server) -> None:
+    # Resumed with max_tokens lowered by what it produced: min_tokens must come down too, or the
+    # engine (vLLM, and the fake as it does) refuses the resumed sequence mid-stream.
+    live = await make_server(toml(max_running=1, step_ms=5))
+    be = live.backend()
+    c = client(live, KEY_A)
+    batch = asyncio.create_task(c.completions.create(model="fake", prompt="x", max_tokens=120, extra_body={
+        "min_tokens": 120, "ignore_eos": True}, extra_headers={"X-Priority-Class": "batch"}))
+    assert await async_wait_until(lambda: be.stats.generated_tokens >= 20)
+    await c.completions.create(model="fake", prompt="x", max_tokens=5)
+    done = await batch
+    assert len(be.aborted) == 1 and done.usage.completion_tokens == 120
+
+
 async def test_batch_keeps_only_its_capped_seats_while_interactive_traffic_is_about(make_server) -> None:
     live = await make_server(toml(max_running=8, step_ms=5).replace(
         "[models.scheduling]", "[models.scheduling]\nbatch_seats_with_interactive = 2\ninteractive_quiet_s = 0.3"))

@@ -1,0 +1,102 @@
+"""The end-to-end figures a replay is judged by, and how measured and simulated ones compare.
+
+One definition for both sides: TTFT and ITL percentiles over the requests that arrived inside
+the measured window (after the warm-up, before the last arrival), ITL over every gap between
+a stream's chunks (a chunk that carried k tokens counts as one gap: what a client sees), and
+throughput as output tokens delivered inside the window per second of it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+
+from bench.lib import stats
+from bench.lib.replayer import Sent
+
+FIGURES = (("TTFT p50 ms", "ttft_p50"), ("TTFT p95 ms", "ttft_p95"), ("ITL p50 ms", "itl_p50"),
+           ("ITL p95 ms", "itl_p95"), ("out tok/s", "tput"))
+
+
+@dataclass(frozen=True)
+class Figures:
+    """What is compared: seconds for latencies, output tokens/s for throughput."""
+
+    ttft_p50: float
+    ttft_p95: float
+    itl_p50: float
+    itl_p95: float
+    tput: float
+
+    def as_row(self) -> dict[str, float]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Measured:
+    figures: Figures
+    n: int  # requests in the window
+    statuses: dict[str, int]
+    tokens_per_chunk: float
+    send_late_p95: float  # how late the client sent, s (open loop held if this is small)
+    e2e_p50: float
+    by_class: dict[str, Figures] = field(default_factory=dict)
+    tput_run: float = math.nan  # every output token / (last chunk - trace time 0): the simulator's definition
+
+
+def window(t0: float, warmup_s: float, duration: float) -> tuple[float, float]:
+    """The measured window in the replay's clock: warm-up dropped, ends with the last arrival."""
+    return t0 + warmup_s, t0 + max(duration, warmup_s + 1e-9)
+
+
+def _figures(sent: Sequence[Sent], inside: Sequence[Sent], lo: float, hi: float) -> Figures:
+    ttfts = [s.ttft for s in inside if s.ttft is not None and s.status == "ok"]
+    gaps = [g for s in inside if s.status == "ok" for g in s.gaps()]
+    tokens = sum(n for s in sent for t, n in zip(s.chunks, s.tokens, strict=True) if lo <= t < hi)
+    return Figures(stats.pct(ttfts, 50), stats.pct(ttfts, 95), stats.pct(gaps, 50), stats.pct(gaps, 95),
+                   tokens / (hi - lo))
+
+
+def _run_tput(sent: Sequence[Sent], t0: float) -> float:
+    last = max((s.chunks[-1] for s in sent if s.chunks), default=t0)
+    return sum(s.output_tokens for s in sent) / (last - t0) if last > t0 else math.nan
+
+
+def summarise(sent: Sequence[Sent], t0: float, warmup_s: float, duration: float) -> Measured:
+    """The figures of a replay (see the module docstring for what is counted), all requests
+    together and by class."""
+    lo, hi = window(t0, warmup_s, duration)
+    inside = [s for s in sent if lo <= s.t_sched <= hi]
+    chunks = sum(len(s.chunks) for s in inside)
+    e2e = [e for s in inside if s.status == "ok" and (e := s.e2e) is not None]
+    by_class = {k: _figures([s for s in sent if s.klass == k], [s for s in inside if s.klass == k], lo, hi)
+                for k in sorted({s.klass for s in inside})}
+    return Measured(
+        figures=_figures(sent, inside, lo, hi), n=len(inside), statuses=dict(Counter(s.status for s in inside)),
+        tokens_per_chunk=sum(s.output_tokens for s in inside) / chunks if chunks else math.nan,
+        send_late_p95=stats.pct([s.t_send - s.t_sched for s in inside], 95), e2e_p50=stats.pct(e2e, 50),
+        by_class=by_class, tput_run=_run_tput(sent, t0))
+
+
+def error_pct(predicted: float, measured: float) -> float:
+    """Signed relative error of a prediction, % of the measured value."""
+    if not measured or math.isnan(measured) or math.isnan(predicted):
+        return math.nan
+    return 100.0 * (predicted - measured) / measured
+
+
+def spread_pct(values: Sequence[float]) -> float:
+    """How far repeats of one measurement spread: (max - min) / median, %."""
+    v = [x for x in values if not math.isnan(x)]
+    if len(v) < 2:
+        return math.nan
+    return 100.0 * (max(v) - min(v)) / stats.median(v)
+
+
+def fmt(label: str, key: str, value: float) -> str:
+    """A figure for a table: milliseconds for latencies, one decimal for throughput."""
+    if math.isnan(value):
+        return "-"
+    return f"{value:.1f}" if key == "tput" else f"{value * 1000:.1f}"

@@ -1,0 +1,181 @@
+"""End to end: does `llmd plan sim` predict what llmd does? (issue L, "What it must show")
+
+Measured: llmd as shipped (config.toml, real vLLM engine on this box) replaying the planner's
+request mix open loop at fractions of its capacity; the same on the fake backend with the same
+step function the simulator uses (separating policy fidelity from step-model error); llmd's own
+overheads (ingress per request, delivery per token) on the fake backend at low load, given to
+the simulator. Simulated: the same traces through `llmd plan sim`. bench/plan.py calls `run`,
+which measures the parts it is asked for, keeps every result in a JSON file (a real-engine
+sweep is split over several short runs under the box lock) and returns the markdown report.
+
+    python -m bench.lib.plan_e2e --parts overhead capacity-fake points-fake --loads 0.3 0.5
+    flock /work/notes/box.lock python -m bench.lib.plan_e2e --parts capacity-real
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from bench.lib import plan_servers as ps
+from bench.lib.plan_load import capacity, dump, load_point, mix_trace
+from bench.lib.plan_overhead import measure
+from bench.lib.plan_report import report
+from bench.lib.plan_sim import fake_knobs, simulated, step_time
+from bench.lib.replayer import Sent
+
+ROOT = Path(__file__).resolve().parents[2]
+RESULTS = ROOT / "bench" / "data" / "plan-e2e.json"
+CALIBRATED = ROOT / "bench" / "data" / "stepmodel-local-cpu.json"  # `llmd plan calibrate` on this box
+MODEL = "smollm2"  # config.toml's model
+ENGINES, VARIANTS = ("real", "fake"), ("", "noitl")
+PARTS = ("overhead", "capacity-fake", "capacity-real", "points-fake", "points-real", "simulate")  # and -noitl ones
+HELD_OUT = (0.3, 0.5, 0.7, 0.8)  # loads the step model was not fitted at; >= 0.9 reported apart
+HIGH = (0.9, 1.0)
+
+
+def load_results(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text()) if path.exists() else {"capacity": {}, "points": []}
+
+
+def save_results(path: Path, res: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(res, indent=1, sort_keys=True) + "\n")
+
+
+def config_for(engine: str, step_model: Path | None) -> dict[str, Any]:
+    """config.toml as shipped on the real engine ("real") or the fake backend ("fake"); with
+    "-noitl" the bench-only variant without target_itl_ms (on a CPU whose prefill steps take
+    longer than the target, the ITL controller keeps the seats near 1: reported beside)."""
+    base, _, variant = engine.partition("-")
+    if base not in ENGINES or variant not in VARIANTS:
+        raise SystemExit(f"unknown engine {engine!r}: one of {ENGINES}, optionally -{VARIANTS[1]}")
+    cfg = ps.shipped()
+    if variant == "noitl":
+        cfg["models"][0]["scheduling"].pop("target_itl_ms", None)
+    return ps.as_fake(cfg, fake_knobs(step_model)) if base == "fake" else cfg
+
+
+async def _capacity(res: dict[str, Any], engine: str, a: argparse.Namespace) -> None:
+    with ps.serve(f"cap-{engine}", config_for(engine, a.step_model)) as (srv, _pid):
+        trace = mix_trace(rate=10.0, duration=600.0, seed=5)  # only its request shapes are used
+        sent: list[Sent] = []
+        t0 = time.monotonic()
+        cap = await capacity(srv, MODEL, trace, a.concurrency, a.capacity_s, a.warmup_s, sent)
+    dump(_raw(a, f"capacity-{engine}"), sent, t0)
+    print(f"  capacity {engine}: {cap.describe()}", flush=True)
+    res["capacity"][engine] = asdict(cap)
+
+
+async def _overhead(res: dict[str, Any], a: argparse.Namespace) -> None:
+    with ps.serve("overhead", config_for("fake", a.step_model)) as (srv, _pid):
+        o = await measure(srv, MODEL)
+    print(f"  overheads: {o.describe()}", flush=True)
+    res["overheads"] = asdict(o)
+
+
+def _raw(a: argparse.Namespace, tag: str) -> Path:
+    """Where a run's per-request rows go: beside the results file."""
+    d = a.results.parent / (a.results.stem + "-requests")
+    d.mkdir(parents=True, exist_ok=True)
+    return d / f"{tag}.json"
+
+
+def _seed(load: float, rep: int) -> int:
+    return 1000 + round(load * 100) * 10 + rep
+
+
+async def _points(res: dict[str, Any], engine: str, a: argparse.Namespace) -> None:
+    cap = res["capacity"].get(engine)
+    if cap is None:
+        raise SystemExit(f"measure capacity-{engine} first (--parts capacity-{engine})")
+    with ps.serve(f"points-{engine}", config_for(engine, a.step_model)) as (srv, pid):
+        for rep in range(a.first_rep, a.first_rep + a.repeats):
+            for load in a.loads:
+                rate = load * cap["req_s"]
+                trace = mix_trace(rate, a.duration_s, _seed(load, rep))
+                p, sent, t0 = await load_point(srv, pid, MODEL, engine, load, rate, trace, _seed(load, rep),
+                                               a.warmup_s, a.drain_s)
+                dump(_raw(a, f"{engine}-{load:g}-{rep}"), sent, t0)
+                row = {**asdict(p), "rep": rep, "duration_s": a.duration_s, "warmup_s": a.warmup_s,
+                       "step_model": str(a.step_model) if a.step_model else None, "sim": None}
+                res["points"] = [x for x in res["points"] if (x["engine"], x["load"], x["rep"]) != (engine, load, rep)]
+                res["points"].append(row)
+                save_results(a.results, res)
+                f = p.measured.figures
+                print(f"  {engine} {load:.0%} rep {rep}: {rate:.2f} req/s, n {p.measured.n} {p.measured.statuses}, "
+                      f"TTFT p50/p95 {f.ttft_p50 * 1000:.0f}/{f.ttft_p95 * 1000:.0f} ms, ITL p50/p95 "
+                      f"{f.itl_p50 * 1000:.0f}/{f.itl_p95 * 1000:.0f} ms, {f.tput:.1f} tok/s, client CPU "
+                      f"{p.client_cpu:.2f}, {p.measured.tokens_per_chunk:.2f} tokens/chunk", flush=True)
+
+
+def _simulate(res: dict[str, Any], a: argparse.Namespace) -> None:
+    """Simulate every measured point (no engine runs: no lock needed)."""
+    o = res.get("overheads") or {}
+    for row in res["points"]:
+        trace = mix_trace(row["rate"], row["duration_s"], row["seed"])
+        model = Path(row["step_model"]) if row.get("step_model") else None
+        real = a.real_step_model or (CALIBRATED if CALIBRATED.exists() else None)
+        fake = row["engine"].startswith("fake")
+        step = step_time(model if fake else real)
+        figs = simulated(trace, step, o.get("ingress_s", 0.0), o.get("delivery_s", 0.0), row["warmup_s"],
+                         config_for(row["engine"], model))
+        by = {k: asdict(f) for k, f in (figs or {}).items()}
+        row["sim"], row["sim_by_class"] = by.pop("all", None), by or None
+
+
+def run(parts: tuple[str, ...] = PARTS, loads: tuple[float, ...] = HELD_OUT + HIGH, repeats: int = 1,
+        duration_s: float = 75.0, warmup_s: float = 15.0, step_model: Path | None = None,
+        real_step_model: Path | None = None, results: Path = RESULTS, concurrency: int = 64,
+        capacity_s: float = 75.0, drain_s: float = 60.0, first_rep: int = 0) -> str:
+    """Measure `parts` (see PARTS), merge them into `results` and return the markdown report of
+    everything measured so far. `step_model`: the fitted step model the fake backend and the
+    simulator use for the fake points; `real_step_model`: the one the simulator uses for the
+    real engine's points (default: CALIBRATED, this box's fitted model)."""
+    a = argparse.Namespace(loads=loads, repeats=repeats, duration_s=duration_s, warmup_s=warmup_s,
+                           step_model=step_model, real_step_model=real_step_model, results=results,
+                           concurrency=concurrency, capacity_s=capacity_s, drain_s=drain_s, first_rep=first_rep)
+    res = load_results(results)
+    for part in parts:
+        if part not in PARTS and part.removesuffix("-noitl") not in PARTS:
+            raise SystemExit(f"unknown part {part!r}; the parts are {', '.join(PARTS)} (and -noitl variants)")
+        if part == "overhead":
+            asyncio.run(_overhead(res, a))
+        elif part.startswith("capacity-"):
+            asyncio.run(_capacity(res, part.split("-", 1)[1], a))
+        elif part.startswith("points-"):
+            asyncio.run(_points(res, part.split("-", 1)[1], a))
+        else:
+            _simulate(res, a)
+        save_results(results, res)
+    return report(res, HELD_OUT)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--parts", nargs="*", default=list(PARTS), help=f"of {', '.join(PARTS)} (and X-noitl)")
+    p.add_argument("--loads", nargs="+", type=float, default=list(HELD_OUT + HIGH))
+    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--duration-s", type=float, default=75.0)
+    p.add_argument("--warmup-s", type=float, default=15.0)
+    p.add_argument("--step-model", type=Path)
+    p.add_argument("--real-step-model", type=Path)
+    p.add_argument("--results", type=Path, default=RESULTS)
+    p.add_argument("--concurrency", type=int, default=64)
+    p.add_argument("--capacity-s", type=float, default=75.0)
+    p.add_argument("--drain-s", type=float, default=60.0)
+    p.add_argument("--first-rep", type=int, default=0, help="number repeats from here (a later run adds repeats)")
+    a = p.parse_args(argv)
+    print(run(tuple(a.parts), tuple(a.loads), a.repeats, a.duration_s, a.warmup_s, a.step_model, a.real_step_model,
+              a.results, a.concurrency, a.capacity_s, a.drain_s, a.first_rep))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,85 @@
+"""The simulator's side of the end-to-end check: the step function each engine is priced by,
+and one call that simulates a load point with llmd's shipped policies and the measured overheads.
+
+Until `llmd plan sim` (llmd/plan/sim/) is merged, `simulated` returns None and the report
+shows the measured side only; the fake backend runs on its own step knobs (FAKE_STEP, the
+real engine's shape on this box) until it can take a fitted step model.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from bench.lib.e2e_stats import Figures
+from llmd.plan.sim.trace import Trace
+from llmd.plan.stepmodel import StepModel, StepShape, StepTime
+
+# The real engine's step on this box as `llmd plan calibrate` fitted it (calib's
+# bench/data/stepmodel-local-cpu.json: 77.5 ms a step, 1.25 ms a sequence, 2.06 ms a token, so
+# 3.3 ms a decoding sequence and 486 prefill tokens/s; its small KV and attention terms left
+# out) in the fake backend's own knobs: the fake's step function when no step model is given.
+FAKE_STEP = {"step_ms": 77.5, "step_ms_per_seq": 3.3, "prefill_tokens_per_s": 486.0}
+
+
+@dataclass(frozen=True)
+class FakeKnobStep:
+    """The fake backend's built-in step function (llmd/backends/fake.py `step_seconds`) as a
+    StepTime: a base, a share per sequence in the step, its prefill tokens at a rate."""
+
+    step_ms: float
+    step_ms_per_seq: float
+    prefill_tokens_per_s: float
+
+    def seconds(self, shape: StepShape) -> float:
+        rate = self.prefill_tokens_per_s
+        return ((self.step_ms + self.step_ms_per_seq * shape.seqs) / 1000.0
+                + (shape.prefill_tokens / rate if rate else 0.0))
+
+
+def fake_knobs(step_model: Path | None) -> dict[str, Any]:
+    """The fake backend's [models.fake] table: the fitted step model, else FAKE_STEP."""
+    return {"step_model": str(step_model)} if step_model else dict(FAKE_STEP)
+
+
+def step_time(step_model: Path | None) -> StepTime:
+    """What the simulator prices steps by: the fitted model, else the fake's knob function."""
+    return StepModel.load(step_model) if step_model else FakeKnobStep(**FAKE_STEP)
+
+
+def simulated(trace: Trace, step: StepTime, ingress_s: float, delivery_s: float, warmup_s: float,
+              raw: dict[str, Any]) -> dict[str, Figures] | None:
+    """The simulator's figures for `trace` on one replica of the first model of `raw` (a parsed
+    config.toml, as the measured llmd ran it), by class and, where the simulator reports it,
+    "all"; None while the simulator is not there."""
+    try:
+        from llmd.plan.sim.report import simulate  # type: ignore[import-not-found,unused-ignore]
+        from llmd.plan.sim.spec import SimSpec, engine_from_model  # type: ignore[import-not-found,unused-ignore]
+    except ImportError:
+        return None
+    from llmd.config import Config
+
+    m = Config.model_validate(raw).models[0]
+    spec = SimSpec(replicas=1, engine=engine_from_model(m), scheduling=m.scheduling, ingress_s=ingress_s,
+                   delivery_s=delivery_s, warmup_s=warmup_s)
+    return figures_of(simulate(spec, trace, step))
+
+
+def figures_of(out: dict[str, Any]) -> dict[str, Figures]:
+    """The simulator's report (llmd/plan/sim/report.py) as Figures per class (and "all" where it
+    has it). Its throughput is over the whole simulated run, the same for every class."""
+    def get(d: Any, *keys: str) -> float:
+        for k in keys:
+            if not isinstance(d, dict) or k not in d:
+                return math.nan
+            d = d[k]
+        return float(d) if d is not None else math.nan
+
+    tput = get(out, "throughput", "output_tokens_per_s")
+    groups = dict(out.get("by_class") or {})
+    if "all" in out:
+        groups["all"] = out["all"]
+    return {k: Figures(get(g, "ttft_s", "p50"), get(g, "ttft_s", "p95"), get(g, "itl_s", "p50"),
+                       get(g, "itl_s", "p95"), tput) for k, g in groups.items()}

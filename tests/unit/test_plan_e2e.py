@@ -1,0 +1,68 @@
+"""The end-to-end check's logic that needs no server: matching a lone request's chunks to the
+engine steps that made them (llmd's overheads), reading the simulator's report, and the
+markdown verdicts against the targets."""
+
+from __future__ import annotations
+
+import math
+
+from bench.lib.plan_overhead import match
+from bench.lib.plan_report import report
+from bench.lib.plan_sim import FakeKnobStep, figures_of
+from bench.lib.replayer import Sent
+from llmd.plan.stepmodel import StepShape
+
+
+def test_a_lone_requests_steps_give_its_ingress_engine_ttft_and_delivery() -> None:
+    # Sent at 10.0 (client clock); the engine ran a prefill step 10.004-10.024, then decode steps
+    # of 20 ms; the client got token 1 alone, then tokens 2 and 3 in one chunk.
+    s = Sent(0, "a", "interactive", 10.0, t_send=10.0, chunks=[10.046, 10.090], tokens=[1, 2], t_end=10.091)
+    steps = [{"t": 9.9, "duration": 0.02, "generated_tokens": 1},  # before it: another request's
+             {"t": 10.024, "duration": 0.02, "generated_tokens": 0},
+             {"t": 10.044, "duration": 0.02, "generated_tokens": 1},
+             {"t": 10.064, "duration": 0.02, "generated_tokens": 1},
+             {"t": 10.084, "duration": 0.02, "generated_tokens": 1}]
+    got = match(s, wall=0.0, steps=steps)
+    assert got is not None
+    ingress, engine_ttft, delivery = got
+    assert math.isclose(ingress, 0.004) and math.isclose(engine_ttft, 0.040)
+    assert [round(d, 6) for d in delivery] == [0.002, 0.006]  # a chunk leaves with its last token
+    assert match(Sent(1, "a", "interactive", 0, t_send=0, chunks=[], t_end=1), 0.0, steps) is None
+
+
+def test_the_fake_backends_knob_step_function_as_a_step_time() -> None:
+    f = FakeKnobStep(step_ms=17, step_ms_per_seq=1.3, prefill_tokens_per_s=1000)  # 4 sequences below: 22.2 ms
+    assert math.isclose(f.seconds(StepShape(decode_seqs=10)), 0.030)
+    assert math.isclose(f.seconds(StepShape(decode_seqs=3, prefill_tokens=200, prefill_seqs=1)), 0.0222 + 0.2)
+
+
+SIM = {"throughput": {"output_tokens_per_s": 100.0},
+       "by_class": {"interactive": {"ttft_s": {"p50": 0.22, "p95": 0.4}, "itl_s": {"p50": 0.05, "p95": 0.08}},
+                    "batch": {"ttft_s": {"p50": 1.0, "p95": None}, "itl_s": {"p50": 0.05, "p95": 0.08}}}}
+
+
+def test_the_simulators_report_read_by_class() -> None:
+    f = figures_of(SIM)
+    assert sorted(f) == ["batch", "interactive"]
+    assert (f["interactive"].ttft_p95, f["interactive"].tput) == (0.4, 100.0)
+    assert math.isnan(f["batch"].ttft_p95)
+
+
+def row(engine: str, load: float, ttft50: float, sim_ttft50: float | None) -> dict:
+    fig = {"ttft_p50": ttft50, "ttft_p95": 0.4, "itl_p50": 0.05, "itl_p95": 0.08, "tput": 99.0}
+    sim = None if sim_ttft50 is None else {"interactive": {**fig, "ttft_p50": sim_ttft50, "tput": 100.0}}
+    return {"engine": engine, "load": load, "rep": 0, "rate": 1.0, "client_cpu": 0.05, "sim": None,
+            "sim_by_class": sim, "measured": {"figures": fig, "n": 10, "statuses": {"ok": 10}, "tput_run": 100.0,
+                                              "by_class": {"interactive": fig}}}
+
+
+def test_the_report_judges_held_out_real_points_and_every_fake_point() -> None:
+    res = {"capacity": {}, "points": [row("real", 0.5, 0.20, 0.21),  # +5 %: within 10 %
+                                      row("real", 1.0, 0.20, 0.40),  # near saturation: reported apart, not judged
+                                      row("fake", 0.5, 0.20, 0.21)]}  # +5 %: over 3 %
+    text = report(res, (0.3, 0.5))
+    assert "- real (held-out loads ≤ 80 %): worst |error| TTFT p50 ms 5.0%" in text and "PASS" in text
+    assert "- fake (all loads): worst |error| TTFT p50 ms 5.0%" in text and "MISS" in text
+    assert "≥ 90 %" in text and "200.0 / 210.0 (+5.0%)" in text
+    res["points"] = [row("real", 0.5, 0.2, None)]
+    assert "real: no simulated points yet" in report(res, (0.5,))
