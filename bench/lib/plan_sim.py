@@ -15,7 +15,7 @@ from typing import Any
 
 from bench.lib.e2e_stats import Figures
 from llmd.plan.sim.trace import Trace
-from llmd.plan.stepmodel import StepModel, StepShape, StepTime
+from llmd.stepmodel import StepModel, StepShape, StepTime
 
 # The real engine's step on this box as `llmd plan calibrate` fitted it (calib's
 # bench/data/stepmodel-local-cpu.json: 77.5 ms a step, 1.25 ms a sequence, 2.06 ms a token, so

@@ -10,7 +10,7 @@ from bench.lib.plan_overhead import match
 from bench.lib.plan_report import report
 from bench.lib.plan_sim import FakeKnobStep, figures_of
 from bench.lib.replayer import Sent
-from llmd.plan.stepmodel import StepShape
+from llmd.stepmodel import StepShape
 
 
 def test_a_lone_requests_steps_give_its_ingress_engine_ttft_and_delivery() -> None:
