@@ -5,6 +5,7 @@ warm pool, and a failed replica's requests finishing elsewhere."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from llmd.config import TenantConfig
 from llmd.config.parts import SchedulingConfig
@@ -99,3 +100,18 @@ def test_a_failed_replicas_requests_complete_elsewhere() -> None:
     assert rep["failures"]["lost"] == 0
     assert rep["requests"]["arrived"] == len(tr)
     assert rep["requests"]["completed"] == len(tr) - rep["requests"].get("shed", 0) > 0.9 * len(tr)
+
+
+@pytest.mark.timeout(30)  # without the fix the simulation never ends
+def test_a_batch_request_held_back_on_an_idle_engine_is_seated_after_the_quiet_period() -> None:
+    """While interactive work ran in the last second, batch gets no seat (the shipped config's
+    batch_seats_with_interactive = 0); the engine then goes idle with the batch request queued,
+    and the scheduler must tick again on its own (a simulation once waited forever here)."""
+    tr = Trace(t=np.array([0.0, 0.05]), tenant=np.zeros(2, np.int32), klass=np.array([0, 1], np.int8),
+               prompt_tokens=np.array([10, 10], np.int32), output_tokens=np.array([3, 3], np.int32),
+               prefix=np.full(2, -1, np.int32), prefix_tokens=np.zeros(2, np.int32), tenants=("a",))
+    sched = SchedulingConfig(batch_seats_with_interactive=0, interactive_quiet_s=1.0)
+    rep = simulate(SimSpec(replicas=1, scheduling=sched), tr, STEP)
+    assert rep["requests"]["completed"] == 2
+    batch_ttft = rep["by_class"]["batch"]["ttft_s"]["p50"]
+    assert 0.95 <= batch_ttft <= 1.2  # seated once the interactive request's second of quiet has passed

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from llmd.config import TenantConfig
 from llmd.plan.sim.hist import Hist
 from llmd.plan.sim.metrics import Recorder
-from llmd.plan.sim.replica import Replica
+from llmd.plan.sim.replica import IDLE_TICK_S, Replica
 from llmd.plan.sim.request import Req
 from llmd.plan.sim.scaling import Scaler
 from llmd.plan.sim.spec import SimSpec
@@ -199,6 +199,10 @@ class Fleet:
         for r in dropped:
             self._end(r, r.prompt + r.generated)
             rec.counts["deadline_dropped"] += 1
+        if rep.next_t is None and len(rep.core.queue):
+            # Idle engine, work queued that this tick held back (the batch cap's quiet period, a
+            # lowered seat limit): llmd's scheduler loop ticks again every IDLE_TICK_S; so here.
+            rep.next_t = now + IDLE_TICK_S
         self._schedule(rep, rep.next_t)
         if rep.state == "draining" and not rep.reqs:
             self.scaler.drained(rep)

@@ -27,6 +27,7 @@ from llmd.policy.steptime import StepTimeModel
 from llmd.stepmodel import StepShape, StepTime
 
 TICK_EVERY_S = 0.5  # the ITL controller's interval: a replica ticks at least this often while busy
+IDLE_TICK_S = 0.01  # llmd.scheduler.Scheduler.TICK_S: how often it ticks while requests wait and nothing runs
 GAP_SAMPLES = 96  # the gaps the ITL controller reads (the real gateway keeps 16,384: a cost here)
 STEP_WINDOW = HISTORY  # steps the step-time model fits over (llmd keeps 512: refits cost per replica here)
 

