@@ -102,21 +102,21 @@ def _noise(rows: list[dict[str, Any]]) -> list[str]:
 
 
 def report(res: dict[str, Any], held_out: tuple[float, ...]) -> str:
-    lines = ["### Capacity (closed loop, the mix)", ""]
+    lines = ["#### Capacity (closed loop, the mix)", ""]
     for engine, c in sorted(res.get("capacity", {}).items()):
         lines.append(f"- {engine}: {c['req_s']:.2f} req/s ({c['tok_s']:.1f} output tok/s), {c['completed']} completed "
                      f"in {c['seconds']:.0f} s at {c['concurrency']} streams; seat limit {c['seats']}, queue up to "
                      f"{c['queued_max']}")
     o = res.get("overheads")
     if o:
-        lines += ["", "### llmd's own overheads (fake backend, lone requests)", "",
+        lines += ["", "#### llmd's own overheads (fake backend, lone requests)", "",
                   f"- ingress (send → first engine step) {o['ingress_s'] * 1000:.1f} ms median, p95 "
                   f"{o['ingress_p95_s'] * 1000:.1f} ms; delivery (step end → client) {o['delivery_s'] * 1000:.2f} ms "
                   f"per token, p95 {o['delivery_p95_s'] * 1000:.2f} ms; client TTFT − engine TTFT "
                   f"{o['ttft_extra_s'] * 1000:.1f} ms ({o['requests']} requests)"]
     rows = res.get("points", [])
     near = [r for r in rows if r["engine"].startswith("real") and r["load"] not in held_out]
-    lines += ["", "### Load points: measured / simulated (error)", "",
+    lines += ["", "#### Load points: measured / simulated (error)", "",
               "Latencies in ms; ITL over every gap between a stream's chunks; output tok/s over the window after "
               "the warm-up; client CPU in cores (the client must not be the bottleneck).", ""]
     lines += _points_table([r for r in rows if r not in near])
@@ -124,7 +124,7 @@ def report(res: dict[str, Any], held_out: tuple[float, ...]) -> str:
         lines += ["", "Real engine at ≥ 90 % of capacity (reported apart: near saturation errors explode):", ""]
         lines += _points_table(near)
     lines += ["", "By class:", "", *_class_table(rows)]
-    lines += ["", *_verdicts(rows, held_out), "", "### Noise: spread of repeats ((max − min) / median)", ""]
+    lines += ["", *_verdicts(rows, held_out), "", "#### Noise: spread of repeats ((max − min) / median)", ""]
     lines += _noise(rows)
     cpu = [r["client_cpu"] for r in rows]
     if cpu:
