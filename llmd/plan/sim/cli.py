@@ -42,14 +42,19 @@ def spec_from_config(path: Path, model: str | None, replicas: int, **over: Any) 
                    tenants=tuple(cfg.tenants), slo=cfg.slo.slo_for(m.name), deadline_s=deadline, **over)
 
 
-def _step_model(path: Path | None) -> StepModel:
+def _step_model(path: Path | None, model: str | None) -> tuple[StepModel, Path]:
+    """--step-model; else this box's own `llmd plan calibrate` (its default output for the model);
+    else the calibration committed with the repository (bench/data, measured on its CI box)."""
     if path is None:
+        from llmd.store import home
+
+        mine = home() / "plan" / f"stepmodel-vllm-{model or 'smollm2'}.json"
         here = Path(__file__).resolve().parents[3] / DEFAULT_STEP_MODEL
-        path = next((p for p in (DEFAULT_STEP_MODEL, here) if p.exists()), None)
+        path = next((p for p in (mine, DEFAULT_STEP_MODEL, here) if p.exists()), None)
         if path is None:
-            raise PlanError(f"no --step-model given and no {DEFAULT_STEP_MODEL}: run `llmd plan calibrate`, "
-                            "or pass a step model JSON")
-    return StepModel.load(path)
+            raise PlanError(f"no --step-model given, no {mine} and no {DEFAULT_STEP_MODEL}: run "
+                            "`llmd plan calibrate`, or pass a step model JSON")
+    return StepModel.load(path), path
 
 
 def _trace(o: dict[str, Any], tenants: tuple[str, ...]) -> Trace:
@@ -97,7 +102,8 @@ def _spec(o: dict[str, Any]) -> SimSpec:
               "and scheduling, the tenants, [slo] (default: llmd's defaults, one tenant).")
 @click.option("--model", default=None, help="Which of the config's models (default: the first).")
 @click.option("--step-model", type=click.Path(path_type=Path), default=None,
-              help=f"A step model JSON (llmd plan calibrate); default {DEFAULT_STEP_MODEL}.")
+              help="A step model JSON. Default: `llmd plan calibrate`'s own output for --model, else "
+                   f"{DEFAULT_STEP_MODEL}.")
 @click.option("--replicas", type=click.IntRange(min=1), default=1, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--trace", type=click.Path(path_type=Path), default=None, help="A workload (.npz trace file).")
@@ -122,9 +128,10 @@ def sim_cmd(**o: Any) -> None:
 
     try:
         spec = _spec(o)
-        step = _step_model(o["step_model"])
+        step, step_path = _step_model(o["step_model"], o["model"])
         trace = _trace(o, tuple(t.name for t in spec.tenants))
         report = simulate(spec, trace, step)
+        report["step_model"] = {"path": str(step_path), **step.stamp}  # which fit priced the steps
         text = json.dumps(report, indent=1, sort_keys=True) + "\n"
         if o["out"] is not None:
             o["out"].write_text(text)
