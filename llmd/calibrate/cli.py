@@ -11,6 +11,7 @@ import asyncio
 import json
 import os
 import statistics
+from dataclasses import replace
 from datetime import UTC, datetime
 from importlib import metadata
 from pathlib import Path
@@ -20,10 +21,10 @@ import click
 
 from llmd.backends.base import Backend, BackendError, PromptError
 from llmd.calibrate.grid import FULL, QUICK, Grid
-from llmd.calibrate.runner import Calibrator
+from llmd.calibrate.runner import REFERENCE, REFERENCE_TOKENS, Calibrator
 from llmd.config import EngineConfig, FakeEngineConfig
 from llmd.plan.errors import PlanError
-from llmd.plan.fit import PointError, Sample, error_table, fit, samples_from_json, samples_json
+from llmd.plan.fit import PointError, Sample, error_summary, error_table, fit, samples_from_json, samples_json
 from llmd.plan.gpus import get_gpu, local_box
 from llmd.stepmodel import StepModel
 from llmd.store import StoreError, WeightStore, home
@@ -76,14 +77,15 @@ def build(backend: str, model: str, dtype: str, bind: str | None, step_model: Pa
     return VllmBackend(model, stored.version, stored.path, cfg), f"{model}@{stored.short_version}"
 
 
-async def measure(b: Backend, grid: Grid) -> tuple[list[Sample], list[float]]:
+async def measure(b: Backend, grid: Grid, passes: int = 1,
+                  reference: bool = True) -> tuple[list[Sample], list[float], list[float]]:
     try:
         await b.start()
     except Exception as e:  # the engine's own start-up failure, said in one line
         raise PlanError(f"no engine: the backend failed to start ({type(e).__name__}: {e})") from None
     try:
-        cal = Calibrator(b, grid, lambda m: click.echo(f"  {m}", err=True))
-        return await cal.run(), cal.gaps
+        cal = Calibrator(b, grid, lambda m: click.echo(f"  {m}", err=True), passes, reference)
+        return await cal.run(), cal.gaps, cal.references
     except (BackendError, PromptError) as e:
         raise PlanError(f"the engine failed during calibration: {e}") from None
     finally:
@@ -130,16 +132,35 @@ def merge_runs(paths: tuple[Path, ...]) -> tuple[dict[str, str], list[Sample]]:
     return stamp, samples
 
 
-def _measure(o: dict[str, Any]) -> tuple[dict[str, str], list[Sample]]:
+def _grid(o: dict[str, Any]) -> Grid:
+    """The grid asked for, with more steps per point where asked: a point's median step is
+    then less noisy on a box whose steps jitter by 15-30 % (its held-out error is the target)."""
     grid = QUICK if o["quick"] else FULL
+    if o.get("steps") is not None or o.get("repeats") is not None:
+        if min(x for x in (o.get("steps"), o.get("repeats")) if x is not None) < 1:
+            raise PlanError("--steps and --repeats must be at least 1")
+        grid = replace(grid, name=f"{grid.name} (steps {o.get('steps') or grid.decode_steps}, "
+                       f"repeats {o.get('repeats') or grid.repeats})",
+                       decode_steps=o.get("steps") or grid.decode_steps, repeats=o.get("repeats") or grid.repeats)
+    return grid
+
+
+def _measure(o: dict[str, Any]) -> tuple[dict[str, str], list[Sample]]:
+    grid = _grid(o)
     b, name = build(o["backend"], o["model"], o["dtype"], o["cpu_bind"], o["fake_step_model"])
     stamp = local_stamp(o["backend"] if o["backend"] == "fake" else "vllm", name, o["dtype"])
     started = datetime.now(UTC)
     if grid.longest() > b.max_model_len:
         raise PlanError(f"the {grid.name} grid needs sequences of {grid.longest()} tokens; the engine holds "
                         f"{b.max_model_len}")
-    samples, gaps = asyncio.run(measure(b, grid))
+    if o.get("passes", 1) < 1:
+        raise PlanError("--passes must be at least 1")
+    samples, gaps, refs = asyncio.run(measure(b, grid, o.get("passes", 1), not o.get("no_reference")))
     gap = statistics.median(gaps) * 1e3 if gaps else 0.0
+    if refs and all(r > 0 for r in refs):
+        stamp.update(reference=f"{REFERENCE.name}, {REFERENCE_TOKENS} tokens, before and after each visit: median "
+                     f"{statistics.median(refs) * 1e3:.1f} ms, range {min(refs) * 1e3:.1f}-{max(refs) * 1e3:.1f} ms")
+    stamp["passes"] = str(o.get("passes", 1))
     stamp.update(grid=grid.name, fitted_at=started.strftime("%Y-%m-%dT%H:%M:%SZ"),
                  duration_source="step period (engine-core output stamps) where a sequence decoded in "
                  "consecutive steps, else engine-core forward+sampling time + the median gap between the two"
@@ -154,6 +175,11 @@ def _measured(o: dict[str, Any]) -> None:
     out = o["out"] or home() / "plan" / f"stepmodel-{o['backend']}-{o['model']}.json"
     write(StepModel({}, stamp), [], samples, out)  # the measurements first: a failed fit loses nothing
     fitted, errors = fit(samples, stamp, folds=o["folds"])
+    if any(s.scale != 1.0 for s in samples):  # what the box-speed correction buys, said beside it
+        raw = error_summary(fit([s.uncorrected() for s in samples], stamp, folds=o["folds"])[1])
+        fitted.error.update(uncorrected_median=raw["median"], uncorrected_p90=raw["p90"])
+        click.echo(f"without the reference correction: held-out median {raw['median'] * 100:.1f} %, "
+                   f"p90 {raw['p90'] * 100:.1f} %")
     pts = write(fitted, errors, samples, out)
     click.echo(error_table(errors), nl=False)
     click.echo("coefficients: " + ", ".join(f"{k} {v:.4g}" for k, v in fitted.coef.items()))
@@ -182,6 +208,15 @@ def _prior(o: dict[str, Any]) -> None:
 
 @click.command("calibrate")
 @click.option("--quick", is_flag=True, help="A small grid (a few minutes): for tests and a first look.")
+@click.option("--steps", type=int, default=None,
+              help="Decode steps per decode point (full grid: 16). More: less noisy point medians, longer run.")
+@click.option("--repeats", type=int, default=None,
+              help="Measured steps per prefill and mixed point (full grid: 3).")
+@click.option("--passes", type=int, default=1, show_default=True,
+              help="Visit every grid point this many times, each pass in a new order (a point's median then "
+              "spans several moments of a shared box).")
+@click.option("--no-reference", is_flag=True,
+              help="Do not bracket each visit with reference steps nor scale it by the box's speed then.")
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Where to write the model (JSON). Default: $LLMD_HOME/plan/stepmodel-<backend>-<model>.json.")
 @click.option("--backend", type=click.Choice(["vllm", "fake"]), default="vllm", show_default=True)

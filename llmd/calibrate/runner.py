@@ -8,6 +8,13 @@ the engine measured one (the least inter-token latency in it: engine-core time s
 step's outputs less the previous step's), else its StepRecord.duration (for vLLM with iteration
 details on: the engine core's clock around the forward pass and sampling) plus the median gap
 between the two over the run's decode steps (scheduling and output processing, ~2 ms here).
+
+A shared box's speed changes from one visit to a point to the next (the same point measured
+twice minutes apart differs by 10-35 % here, while its steps within one visit agree within a
+few per cent). So every visit is bracketed by a *reference*: a few B=1 decode steps just before
+it and just after (the next visit's). A visit's steps are scaled by the run's median reference
+over the mean of its two brackets (`Sample.scale`); `passes` > 1 visits every point again in a
+new order, so a point's median spans several moments of the box.
 """
 
 from __future__ import annotations
@@ -24,15 +31,21 @@ from llmd.plan.fit import Sample
 from llmd.stepmodel import StepShape
 
 TOKEN_LO, TOKEN_HI = 1000, 9000  # prompt token ids: ordinary vocabulary in any tokenizer here
+REFERENCE = Point("decode", 1, 64)  # the visits' bracket: cheap (~0.5 s), the same every time
+REFERENCE_TOKENS = 8
 
 
 class Calibrator:
     """One backend, one grid: `await run()` gives every measured step as a Sample."""
 
-    def __init__(self, backend: Backend, grid: Grid, progress: Callable[[str], None] = lambda _m: None) -> None:
+    def __init__(self, backend: Backend, grid: Grid, progress: Callable[[str], None] = lambda _m: None,
+                 passes: int = 1, reference: bool = True) -> None:
         self.backend = backend
         self.grid = grid
         self.progress = progress
+        self.passes = passes
+        self.reference = reference
+        self.references: list[float] = []  # each bracket's median step, in order (one more than visits)
         self._rng = random.Random(0)
         self._salt = uuid.uuid4().hex[:8]  # fresh prompts per run: an earlier run's cache never hits
         # Per timed step: the engine's step period less the step's duration, what the duration
@@ -101,18 +114,44 @@ class Calibrator:
         await self.warm_up()
         # In a shuffled order: a box whose speed drifts over minutes then adds noise to every kind
         # of point alike, where in grid order it would bias one term (the last contexts measured).
-        points = list(self.grid.points)
-        random.Random(f"{self._salt}:order").shuffle(points)
-        for i, p in enumerate(points, 1):
+        visits: list[Point] = []
+        for k in range(self.passes):
+            points = list(self.grid.points)
+            random.Random(f"{self._salt}:order:{k}").shuffle(points)
+            visits += points
+        spans: list[tuple[int, int]] = []
+        for i, p in enumerate(visits, 1):
+            if self.reference:
+                self.references.append(await self._reference())
+            start = len(self._out)
             pairs = await {"decode": self._decode, "prefill": self._prefill, "mixed": self._mixed}[p.kind](p)
             got = self._keep(pairs)
+            spans.append((start, len(self._out)))
             med = statistics.median(s.seconds for s in got) * 1e3 if got else float("nan")
-            self.progress(f"[{i}/{len(points)}] {p.name}: {len(got)} steps, median {med:.1f} ms")
+            self.progress(f"[{i}/{len(visits)}] {p.name}: {len(got)} steps, median {med:.1f} ms")
+        if self.reference:
+            self.references.append(await self._reference())
         gap = statistics.median(self.gaps) if self.gaps else 0.0
         for i in self._untimed:
             s = self._out[i]
             self._out[i] = Sample(s.point, s.shape, s.seconds + gap)
+        if self.reference:
+            self._out = rescale(self._out, spans, self.references)
         return self._out
+
+    async def _reference(self) -> float:
+        """The median period of a few B=1 decode steps now (0.0 when none was timed)."""
+        prefix = self._ids(REFERENCE.context, "reference")
+        await self._run_one(prefix, 1)
+        await self._settle()
+        mark = self.backend.stats.steps
+        await self._run_one(prefix, REFERENCE_TOKENS)
+        await self._settle()
+        itl: dict[float, float] = {}
+        for t, x in self.backend.stats.itl:
+            itl[t] = min(x, itl.get(t, x))
+        periods = [itl[r.t] for _, r in decode_samples(REFERENCE, self._since(mark)) if itl.get(r.t, 0) > 0]
+        return statistics.median(periods) if periods else 0.0
 
     async def _decode(self, p: Point) -> list[tuple[Sample, StepRecord]]:
         prefix = self._ids(p.context, f"ctx{p.context}")
@@ -197,4 +236,20 @@ def mixed_samples(p: Point, recs: list[StepRecord]) -> list[tuple[Sample, StepRe
             j += 1
         if r.decode_seqs == p.batch and r.prefill_tokens > 0:
             out.extend(prefill_samples(p, [r], p.chunk, p.batch, p.batch * (p.context + j)))
+    return out
+
+
+def rescale(samples: list[Sample], spans: list[tuple[int, int]], references: list[float]) -> list[Sample]:
+    """Visit v's samples (`samples[a:b]` for spans[v] = (a, b)) × (the median reference / the mean
+    of references v and v + 1, its brackets). Unchanged when a bracket has no timed step (0): a
+    run is corrected whole or not at all, never guessed."""
+    if len(references) != len(spans) + 1 or not references or min(references) <= 0:
+        return list(samples)
+    mid = statistics.median(references)
+    out = list(samples)
+    for v, (a, b) in enumerate(spans):
+        scale = mid / ((references[v] + references[v + 1]) / 2)
+        for i in range(a, b):
+            s = out[i]
+            out[i] = Sample(s.point, s.shape, s.seconds * scale, scale)
     return out

@@ -33,6 +33,10 @@ class Sample:
     point: str  # e.g. "decode B=8 ctx=256"; the unit of the held-out split
     shape: StepShape
     seconds: float
+    scale: float = 1.0  # the box-speed correction applied (`seconds` = measured × scale); 1: none
+
+    def uncorrected(self) -> Sample:
+        return Sample(self.point, self.shape, self.seconds / self.scale)
 
 
 @dataclass(frozen=True)
@@ -114,14 +118,15 @@ def fit(samples: Sequence[Sample], stamp: dict[str, str], folds: int = 5,
 
 
 def samples_json(samples: Sequence[Sample]) -> list[list[object]]:
-    """Samples as compact JSON rows: point, the StepShape's fields in order, seconds."""
+    """Samples as compact JSON rows: point, the StepShape's fields in order, seconds, scale."""
     return [[s.point, s.shape.decode_seqs, s.shape.prefill_tokens, s.shape.prefill_seqs, s.shape.context_tokens,
-             s.shape.prefill_attn, s.seconds] for s in samples]
+             s.shape.prefill_attn, s.seconds, s.scale] for s in samples]
 
 
 def samples_from_json(rows: object, source: str) -> list[Sample]:
     try:
-        return [Sample(str(r[0]), StepShape(int(r[1]), int(r[2]), int(r[3]), int(r[4]), float(r[5])), float(r[6]))
+        return [Sample(str(r[0]), StepShape(int(r[1]), int(r[2]), int(r[3]), int(r[4]), float(r[5])), float(r[6]),
+                       float(r[7]) if len(r) > 7 else 1.0)
                 for r in rows]  # type: ignore[attr-defined]
     except (TypeError, ValueError, IndexError, KeyError) as e:
         raise PlanError(f"{source}: not calibration samples ({e})") from None

@@ -170,3 +170,34 @@ def test_cli_quick_calibration_on_the_fake_backend(tmp_path: Path) -> None:
                                   "--out", str(refit)])
     assert r.exit_code == 1 and "measured on another engine_version" in r.output
 
+
+
+def test_each_visit_is_scaled_by_the_box_speed_its_references_saw() -> None:
+    from llmd.calibrate.runner import rescale
+
+    shape = StepShape(decode_seqs=1)
+    samples = [Sample("a", shape, 0.1), Sample("a", shape, 0.1), Sample("b", shape, 0.3)]
+    # visit 0 (two steps) bracketed by 0.05 and 0.15 s references (a slow moment), visit 1 by 0.15, 0.10
+    out = rescale(samples, [(0, 2), (2, 3)], [0.05, 0.15, 0.10])
+    assert [round(s.scale, 6) for s in out] == [1.0, 1.0, 0.8]
+    assert out[2].seconds == 0.3 * 0.8 and out[2].uncorrected().seconds == 0.3
+    # a bracket without a timed step: the run stays uncorrected, never half-corrected
+    assert rescale(samples, [(0, 2), (2, 3)], [0.05, 0.0, 0.10]) == samples
+
+
+def test_cli_passes_visit_every_point_again_with_references(tmp_path: Path) -> None:
+    truth = tmp_path / "truth.json"
+    truth.write_text(StepModel({"c_step": 0.002, "c_seq": 0.0001, "c_tok": 0.00001}).to_json())
+    out = tmp_path / "fit.json"
+    r = CliRunner().invoke(main, ["plan", "calibrate", "--backend", "fake", "--quick", "--fake-step-model", str(truth),
+                                  "--passes", "2", "--steps", "4", "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    m = StepModel.load(out)
+    assert m.stamp["passes"] == "2" and m.stamp["reference"].startswith("decode B=1 ctx=64")
+    assert m.stamp["grid"] == "quick (steps 4, repeats 2)" and m.error["points"] == 10
+    rows = json.loads(out.with_suffix(".points.json").read_text())["samples"]
+    assert all(len(row) == 8 and row[7] > 0 for row in rows)
+    assert "without the reference correction" in r.output
+    r = CliRunner().invoke(main, ["plan", "calibrate", "--backend", "fake", "--quick", "--passes", "0",
+                                  "--out", str(out)])
+    assert r.exit_code != 0 and "--passes must be at least 1" in r.output
