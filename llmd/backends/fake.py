@@ -35,7 +35,7 @@ from llmd.backends.base import (
     now,
 )
 from llmd.backends.fake_cache import CacheSeq, FakePrefixCache
-from llmd.backends.fake_steps import StepPricer
+from llmd.backends.fake_steps import StepPricer, step_plan
 from llmd.backends.fake_tools import FakeToolReader
 from llmd.backends.kv_events import KvListener
 from llmd.backends.tokenizer import TiktokenTokenizer
@@ -285,11 +285,13 @@ class FakeBackend:
                     await self._wake.wait()
                     continue
                 self._admit()
-                cost = self.pricer.price(self._running)
+                batch = list(self._running)
+                chunks = step_plan(batch, self.cfg.prefill_tokens_per_step)
+                cost = self.pricer.price(batch)
                 self.busy_s += cost
                 t0 = asyncio.get_running_loop().time()
                 await asyncio.sleep(cost)
-                self._step(asyncio.get_running_loop().time() - t0)
+                self._step(asyncio.get_running_loop().time() - t0, list(zip(batch, chunks, strict=True)))
         except asyncio.CancelledError:
             raise
         except Exception as e:  # a bug in the double is an engine crash, not a hang
@@ -308,27 +310,30 @@ class FakeBackend:
             req.prefill_todo = req.prompt.num_tokens - kv.cached
             self._running.append(req)
 
-    def _step(self, took: float = 0.0) -> None:
-        """One step of `took` seconds (what the loop slept: step_seconds plus any lag): reported
-        with its prefill tokens, as vLLM's per-step stats are, for the step-time model."""
-        batch = list(self._running)  # aborted mid-step requests are already gone
-        generated = prefilled = prefilling = 0
-        ptps = self.cfg.prefill_tokens_per_step
-        for req in batch:
+    def _step(self, took: float, plan: list[tuple[_Req, int]]) -> None:
+        """One step of `took` s (what the loop slept) over `plan`: each request with its prefill chunk
+        (llmd.stepplan); a chunk that ends its prompt samples the first token, as vLLM's does. Stats
+        as vLLM's: prefill tokens for the step model, ITL samples of the decoding requests only."""
+        plan = [(r, c) for r, c in plan if not r.done]  # aborted mid-step requests are already gone
+        generated = decoded = prefilled = prefilling = 0
+        for req, chunk in plan:
             if req.prefill_todo > 0:
-                chunk = min(ptps, req.prefill_todo)
+                if chunk <= 0:
+                    continue  # the step's budget did not reach it: it waits for the next
                 req.prefill_todo -= chunk
                 prefilled, prefilling = prefilled + chunk, prefilling + 1
                 self.cache.commit(req.kv, req.prompt.num_tokens - req.prefill_todo)
-                continue
+                if req.prefill_todo > 0:
+                    continue
+            else:
+                decoded += 1
             generated += 1
             self._emit(req)
         queries, hits = self.cache.take_stats()
-        self.stats.record(StepRecord(t=now(), running=len(batch), waiting=len(self._waiting),
+        self.stats.record(StepRecord(t=now(), running=len(plan), waiting=len(self._waiting),
                                      kv_usage=min(1.0, self.cache.usage()), generated_tokens=generated, duration=took,
-                                     prefill_tokens=prefilled, decode_seqs=len(batch) - prefilling,
-                                     prefill_seqs=prefilling),
-                          prefix_queries=queries, prefix_hits=hits, itl=[took] * generated)
+                                     prefill_tokens=prefilled, decode_seqs=decoded, prefill_seqs=prefilling),
+                          prefix_queries=queries, prefix_hits=hits, itl=[took] * decoded)
         self.cache.flush(self.kv_events)
 
     def _emit(self, req: _Req) -> None:

@@ -10,6 +10,7 @@ from typing import Protocol
 from llmd.backends.base import Prompt
 from llmd.config import FakeEngineConfig
 from llmd.stepmodel import StepModel, StepShape
+from llmd.stepplan import chunk_attention, decode_context, prefill_chunks
 
 
 class StepReq(Protocol):
@@ -20,15 +21,24 @@ class StepReq(Protocol):
     prefill_todo: int  # prompt tokens still to compute
 
 
-def step_shape(batch: Sequence[StepReq], chunk_cap: int) -> StepShape:
-    """The step's shape: each prefilling request computes up to `chunk_cap` more prompt tokens
-    after those already done; every other one decodes a token over its prompt and output so far."""
+def step_plan(batch: Sequence[StepReq], budget: int) -> list[int]:
+    """Each prefilling request's chunk this step, in batch order (llmd.stepplan: decodes first,
+    then chunks from what is left of the step's token budget); 0 for a decoding one or one the
+    budget did not reach."""
+    pre = [r.prefill_todo for r in batch if r.prefill_todo > 0]
+    chunks = iter(prefill_chunks(len(batch) - len(pre), pre, budget))
+    return [next(chunks, 0) if r.prefill_todo > 0 else 0 for r in batch]
+
+
+def step_shape(batch: Sequence[StepReq], budget: int) -> StepShape:
+    """The step's shape: the prefilling requests compute their chunks of the `budget` after the
+    prompt tokens already done; every other one decodes a token over its prompt and output so far."""
+    plan = step_plan(batch, budget)
     decode = [r for r in batch if r.prefill_todo <= 0]
-    chunks = [(min(chunk_cap, r.prefill_todo), r.prompt.num_tokens - r.prefill_todo) for r in batch
-              if r.prefill_todo > 0]
+    chunks = [(c, r.prompt.num_tokens - r.prefill_todo) for r, c in zip(batch, plan, strict=True) if c > 0]
     return StepShape(decode_seqs=len(decode), prefill_tokens=sum(c for c, _ in chunks), prefill_seqs=len(chunks),
-                     context_tokens=sum(r.prompt.num_tokens + r.generated + 1 for r in decode),
-                     prefill_attn=float(sum(c * (before + c / 2) for c, before in chunks)))
+                     context_tokens=sum(decode_context(r.prompt.num_tokens, r.generated) for r in decode),
+                     prefill_attn=float(sum(chunk_attention(c, before) for c, before in chunks)))
 
 
 class StepPricer:
@@ -47,4 +57,4 @@ class StepPricer:
         ptps = self.cfg.prefill_tokens_per_step
         if self.model is not None:
             return self.model.seconds(step_shape(batch, ptps))
-        return self.knobs(len(batch), sum(min(ptps, r.prefill_todo) for r in batch))
+        return self.knobs(len(batch), sum(step_plan(batch, ptps)))

@@ -138,14 +138,17 @@ async def test_prefill_steps_and_stats() -> None:
         p = b.render_completion("a b c d e f g h i j")  # 10 tokens -> 3 prefill steps
         out = [d async for d in b.generate("r", p, Sampling(max_tokens=5))]
         hist = list(b.stats.history)
-        assert [r.generated_tokens for r in hist] == [0] * math.ceil(10 / 4) + [1] * 5
+        # The step that computes the prompt's last chunk samples the first token (vLLM's way).
+        assert [r.generated_tokens for r in hist] == [0] * (math.ceil(10 / 4) - 1) + [1] * 5
         assert sum(d.num_tokens for d in out) == 5
         assert all(r.running == 1 and r.waiting == 0 for r in hist)
-        assert 0 < hist[2].kv_usage < hist[3].kv_usage  # prompt held, then grows by a token per step
-        assert hist[3].kv_usage == pytest.approx(11 / (64 * 512))
-        assert b.stats.steps == len(hist) == 8
+        assert 0 < hist[1].kv_usage < hist[2].kv_usage < hist[3].kv_usage  # prompt held, then a token per step
+        assert hist[2].kv_usage == pytest.approx(11 / (64 * 512))
+        assert b.stats.steps == len(hist) == 7
         # Each step reports the prompt tokens it computed and how long it took (the step model's samples).
-        assert [r.prefill_tokens for r in hist] == [4, 4, 2] + [0] * 5
+        assert [r.prefill_tokens for r in hist] == [4, 4, 2] + [0] * 4
+        assert [r.prefill_seqs for r in hist] == [1, 1, 1] + [0] * 4
+        assert [r.decode_seqs for r in hist] == [0, 0, 0] + [1] * 4
         assert all(r.duration >= b.step_seconds(1) * 0.9 for r in hist)
     finally:
         await b.stop()

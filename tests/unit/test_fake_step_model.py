@@ -10,7 +10,7 @@ import pytest
 from openai import AsyncOpenAI
 
 from llmd.backends.base import Prompt
-from llmd.backends.fake_steps import step_shape
+from llmd.backends.fake_steps import step_plan, step_shape
 from llmd.config import ConfigError, load_config
 from llmd.stepmodel import StepModel, StepShape
 
@@ -62,10 +62,14 @@ class _R:
 
 
 def test_step_shape_of_a_mixed_batch() -> None:
-    # Two decoding (prompt 100 + 5 out, prompt 10 + 0 out), one prefilling 300 of 500 (200 done), chunk cap 256.
-    s = step_shape([_R(100, 5, 0), _R(10, 0, 0), _R(500, 0, 300)], 256)
-    assert s == StepShape(decode_seqs=2, prefill_tokens=256, prefill_seqs=1, context_tokens=106 + 11,
-                          prefill_attn=256 * (200 + 128))
+    # Two decoding (prompt 100 + 5 out, prompt 10 + 1 out), one prefilling 300 of 500 (200 done), and
+    # one more prefilling 50 of 50; a step budget of 256 tokens: the decodes take 2, the first
+    # prefill the remaining 254, the second nothing (it waits: a later one never overtakes).
+    s = step_shape([_R(100, 5, 0), _R(10, 1, 0), _R(500, 0, 300), _R(50, 0, 50)], 256)
+    assert s == StepShape(decode_seqs=2, prefill_tokens=254, prefill_seqs=1, context_tokens=105 + 11,
+                          prefill_attn=254 * (200 + 127))
+    assert step_plan([_R(100, 5, 0), _R(500, 0, 300), _R(50, 0, 50)], 400) == [0, 300, 50]
+    assert step_plan([_R(100, 5, 0), _R(500, 0, 300), _R(50, 0, 50)], 320) == [0, 300, 19]
 
 
 async def test_steps_cost_what_the_model_says_through_http(make_server: Any, tmp_path: Path) -> None:

@@ -21,6 +21,7 @@ from llmd.plan.sim.metrics import Recorder
 from llmd.plan.sim.request import Req
 from llmd.plan.sim.spec import EngineSpec
 from llmd.stepmodel import StepShape, StepTime
+from llmd.stepplan import chunk_attention, prefill_chunks
 
 HISTORY = 64  # steps kept for the ITL controller's step-time model
 
@@ -50,8 +51,10 @@ class Seq:
 
 
 class Engine:
-    def __init__(self, spec: EngineSpec, step: StepTime, sink: Recorder, gaps_kept: int) -> None:
+    def __init__(self, spec: EngineSpec, step: StepTime, sink: Recorder, gaps_kept: int, history: int = HISTORY,
+                 exact: bool = False) -> None:
         self.spec = spec
+        self.exact = exact  # the ITL controller's samples as llmd takes them: a gap per token, a record per step
         self.step = step
         self.sink = sink
         # (time, gap) per token, batch-weighted roughly: what the ITL controller reads
@@ -78,7 +81,7 @@ class Engine:
         self.mixed: list[tuple[Seq, int]] | None = None  # the mixed step under way: its chunks
         self.end = 0.0  # when the work under way ends
         self.step_time_of_last = 0.0  # the mixed step's time
-        self.history: deque[StepRec] = deque(maxlen=HISTORY)
+        self.history: deque[StepRec] = deque(maxlen=history)
 
     # -- state ---------------------------------------------------------------
     @property
@@ -182,18 +185,10 @@ class Engine:
         free = self.spec.kv_tokens - self.kv_used() - b
         if free < 0 or (b == 0 and free <= 0):
             return None
-        budget = self.spec.max_num_batched_tokens - b
-        chunks: list[tuple[Seq, int]] = []
-        tokens, attn = 0, 0.0
-        for s in self.prefill:
-            c = min(s.plen - s.done, budget, free)
-            if c <= 0:
-                break
-            chunks.append((s, c))
-            tokens += c
-            attn += c * (s.done + c / 2)
-            budget -= c
-            free -= c
+        pre = self.prefill
+        sizes = prefill_chunks(b, [s.plen - s.done for s in pre], self.spec.max_num_batched_tokens, free)
+        chunks = list(zip(pre, sizes, strict=False))
+        tokens, attn = sum(sizes), sum(chunk_attention(c, s.done) for s, c in chunks)
         if not chunks and b == 0:
             return None
         ctx = self.context()
@@ -267,9 +262,12 @@ class Engine:
         done)."""
         started: list[Req] = []
         if self.seg is not None:
-            _, k, first, slope = self.seg
+            t0, k, first, slope = self.seg
             self.seg = None
-            self.history.append(StepRec(now, len(self.decoding), 0, first + slope * (k - 1) / 2))
+            if self.exact and k > 1:
+                self._steps_of(t0, k, first, slope)
+            else:
+                self.history.append(StepRec(now, len(self.decoding), 0, first + slope * (k - 1) / 2))
             self._decoded(k, first, slope)
         elif self.mixed is not None:
             chunks, self.mixed = self.mixed, None
@@ -294,7 +292,10 @@ class Engine:
         self.generated += b * k
         rise = slope * (k - 1)
         mid = first + rise / 2
-        self.gaps.extend([(self.sink.now, mid)] * min(3, 1 + b * k // 64))
+        if not self.exact:
+            self.gaps.extend([(self.sink.now, mid)] * min(3, 1 + b * k // 64))
+        elif k == 1:
+            self.gaps.extend([(self.sink.now, first)] * b)
         if self.sink.now < self.sink.warmup_s:
             return
         hists = self.sink.itl_by_key
@@ -309,6 +310,17 @@ class Engine:
             if n:
                 hists[key].add(lo, n * k / 2)
                 hists[key].add(hi, n * k / 2)
+
+    def _steps_of(self, t0: float, k: int, first: float, slope: float) -> None:
+        """Exact mode: each of a segment's k decode steps as llmd would have seen it, a history
+        record and a gap per decoding sequence, stamped when the step ended (the last ones the
+        history keeps)."""
+        b = len(self.decoding)
+        for j in range(max(0, k - self.history.maxlen) if self.history.maxlen else 0, k):
+            gap = first + slope * j
+            t = t0 + (j + 1) * first + slope * (j + 1) * j / 2
+            self.history.append(StepRec(t, b, 0, gap))
+            self.gaps.extend([(t, gap)] * b)
 
     def _prefilled(self, s: Seq, now: float) -> Req:
         """Prefill done: the step sampled its next token; the sequence decodes from here on."""
