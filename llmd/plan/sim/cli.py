@@ -10,6 +10,7 @@ from typing import Any
 
 import click
 
+from llmd.config import Config, ModelConfig
 from llmd.plan.errors import PlanError
 from llmd.plan.sim.spec import Autoscale, SimSpec, engine_from_model
 from llmd.plan.sim.trace import Trace
@@ -37,9 +38,15 @@ def spec_from_config(path: Path, model: str | None, replicas: int, **over: Any) 
     m = models.get(model) if model is not None else cfg.models[0]
     if m is None:
         raise PlanError(f"{path}: no model {model!r}; it has {sorted(models)}")
+    return spec_of(cfg, m, replicas, **over)
+
+
+def spec_of(cfg: Config, m: ModelConfig, replicas: int, **over: Any) -> SimSpec:
+    """The SimSpec of model `m` of a loaded config (see spec_from_config)."""
     deadline = {"interactive": cfg.server.default_deadline_s, "batch": 86400.0}
     return SimSpec(replicas=replicas, engine=engine_from_model(m), scheduling=m.scheduling,
-                   tenants=tuple(cfg.tenants), slo=cfg.slo.slo_for(m.name), deadline_s=deadline, **over)
+                   degradation=m.degradation, tenants=tuple(cfg.tenants), slo=cfg.slo.slo_for(m.name),
+                   deadline_s=deadline, **over)
 
 
 def _step_model(path: Path | None, model: str | None) -> tuple[StepModel, Path]:

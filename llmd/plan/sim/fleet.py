@@ -15,6 +15,7 @@ import random
 from collections.abc import Callable
 
 from llmd.config import TenantConfig
+from llmd.plan.sim.degrade import SHED_REASON, Degradation
 from llmd.plan.sim.hist import Hist
 from llmd.plan.sim.metrics import Recorder
 from llmd.plan.sim.replica import IDLE_TICK_S, Replica
@@ -49,9 +50,13 @@ class Fleet:
         self.reservations = Reservations(clock, ttl_s=max(1.0, 4 * spec.gossip_s))
         self.router = ScoreRouting(self.reservations, random.Random(spec.seed))
         self.rng = random.Random(spec.seed + 1)  # candidates and failures
-        self.replicas = [Replica(i, spec.engine, spec.scheduling, self.tenants, step, clock, self.rec)
+        self.replicas = [Replica(i, spec.engine, spec.scheduling, self.tenants, step, clock, self.rec,
+                                 spec.exact_controller)
                          for i in range(spec.replicas)]
         self.loads: list[VersionLoad] = [self._load(r) for r in self.replicas]
+        self.vtc = spec.scheduling.fairness == "vtc"
+        self.degrade = [Degradation(spec.degradation, clock, self.vtc) for _ in self.replicas] \
+            if spec.degradation.steps else None
         self.prefill_tps = self.replicas[0].prefill_tps()
         self.scaler = Scaler(self)
         self.heap: list[tuple[float, int, int, int, int]] = []
@@ -61,7 +66,6 @@ class Fleet:
         self.home: dict[int, int] = {}  # prefix group -> the replica its last request went to
         self.next_i = 0
         self.events = 0  # arrivals and events handled, for the speed bench
-        self.vtc = spec.scheduling.fairness == "vtc"
         self.minute_arrivals = 0
         self.timeline: list[dict[str, float | int | None]] = []
 
@@ -128,7 +132,9 @@ class Fleet:
             return
         t = self.tenants[tenant]
         core = rep.core
-        got = self.admission.admit(t, prompt + output, queue_depth=len(core.queue),
+        if self.degrade is not None and klass == 0 and not self._degraded(r, rep, self.degrade[rep.idx]):
+            return
+        got = self.admission.admit(t, prompt + r.output, queue_depth=len(core.queue),
                                    max_queue=spec.scheduling.max_queue,
                                    est_wait_s=core.estimate_wait(q.tenant, cname, self.vtc),
                                    time_left_s=q.deadline - self.now)
@@ -140,6 +146,17 @@ class Fleet:
         self.in_flight += 1
         self.rec.counts["admitted"] += 1
         self.send(r, rep)
+
+    def _degraded(self, r: Req, rep: Replica, d: Degradation) -> bool:
+        """llmd's degradation on the replica's overload: max_tokens capped, or False: refused
+        (a 503 that points at the Batch API)."""
+        out = d.apply(rep.core, r.q.tenant, r.output)
+        if out is None:
+            self.reservations.release(rep.name, r.reserved)
+            self.rec.refused(r.q.tenant, SHED_REASON)
+            return False
+        r.output = r.q.max_tokens = out
+        return True
 
     def route(self, r: Req) -> Replica | None:
         """Placement's score among a few sampled replicas plus the one its prefix group last went to."""

@@ -30,18 +30,20 @@ TICK_EVERY_S = 0.5  # the ITL controller's interval: a replica ticks at least th
 IDLE_TICK_S = 0.01  # llmd.scheduler.Scheduler.TICK_S: how often it ticks while requests wait and nothing runs
 GAP_SAMPLES = 96  # the gaps the ITL controller reads (the real gateway keeps 16,384: a cost here)
 STEP_WINDOW = HISTORY  # steps the step-time model fits over (llmd keeps 512: refits cost per replica here)
+LLMD_GAPS, LLMD_HISTORY = 16384, 2048  # llmd/runtime.py's gaps, EngineStats.history: SimSpec.exact_controller
 
 
 class Replica:
     """Engine + llmd's scheduler for it. `state` is the fleet's: active, warm, cold, starting, failed."""
 
     def __init__(self, idx: int, spec: EngineSpec, sched: SchedulingConfig, tenants: list[TenantConfig],
-                 step: StepTime, clock: Callable[[], float], rec: Recorder) -> None:
+                 step: StepTime, clock: Callable[[], float], rec: Recorder, exact: bool = False) -> None:
         self.idx = idx
         self.name = f"r{idx:03d}"
         self.state = "active"
         self.clock = clock
-        self.engine = Engine(spec, step, rec, GAP_SAMPLES)
+        self.exact = exact  # the ITL controller sees what llmd's does (SimSpec.exact_controller)
+        self.engine = Engine(spec, step, rec, *((LLMD_GAPS, LLMD_HISTORY, True) if exact else (GAP_SAMPLES,)))
         self.gaps = self.engine.gaps
         self.core = self._core(spec, sched, tenants)
         self.version = 0  # bumps when its pending boundary event moves
@@ -65,7 +67,7 @@ class Replica:
         detector = SaturationDetector(seats, sc.kv_high, sc.target_itl_ms, sc.target_itl_margin, clock=self.clock,
                                       itl_samples=lambda: self.gaps,
                                       steps=(lambda: self.engine.history) if sc.itl_step_model else None)
-        if isinstance(detector.itl, StepModelITL):
+        if isinstance(detector.itl, StepModelITL) and not self.exact:
             detector.itl.model = StepTimeModel(window=STEP_WINDOW)
         batch_seats = sc.batch_seats_with_interactive if sc.batch_seats_with_interactive is not None \
             else max(1, seats // 4)
@@ -105,23 +107,31 @@ class Replica:
 
     def boundary(self, now: float) -> tuple[list[Req], list[Req], list[Req]]:
         """The engine reached a step boundary (or was idle): finish what ended, tick if anything
-        changed, start the next work. Returns (first tokens, finished, dropped by deadline)."""
+        changed, start the next work. Returns (first tokens, finished, dropped by deadline).
+        llmd hears of the finished requests only while the engine runs its next step (it reads
+        the engine's output then, as llmd/scheduler.py does on the fake and the real engine): what
+        arrived before the boundary is seated in the next step, a seat they free a step later."""
         eng = self.engine
         started, done = eng.complete(now) if not eng.idle() else ([], [])
-        for r in done:
-            self._release(r, r.output)
         for r in self.aborts:
             self._abort(r, now)
         self.aborts.clear()
-        dropped: list[Req] = []
-        # A freed seat matters only to a queued request; a lowered limit or the batch cap's
-        # quiet period is seen by the next periodic tick.
-        if self.dirty or (done and len(self.core.queue)) or now - self.last_tick >= TICK_EVERY_S:
-            self.dirty = False
-            self.last_tick = now
-            dropped = self._apply(self.core.tick(), now)
+        # A lowered limit or the batch cap's quiet period is seen by the next periodic tick.
+        dropped = self._tick(now) if self.dirty or now - self.last_tick >= TICK_EVERY_S else []
         self.next_t = eng.plan(now)
+        for r in done:
+            self._release(r, r.output)
+        if done and len(self.core.queue):  # a freed seat matters only to a queued request
+            waiting = len(eng.waiting)
+            dropped += self._tick(now)
+            if len(eng.waiting) > waiting:  # they join at the end of the step just started
+                self.next_t = eng.cut(now) if self.next_t is not None else eng.plan(now)
         return started, done, dropped
+
+    def _tick(self, now: float) -> list[Req]:
+        self.dirty = False
+        self.last_tick = now
+        return self._apply(self.core.tick(), now)
 
     def _release(self, r: Req, output: int | None) -> None:
         self.core.on_output(r.q, r.generated - r.charged)
@@ -152,6 +162,8 @@ class Replica:
             self.engine.add(r)
         for q in d.preempt:
             r = self.reqs[q.seq]
+            if r.seq is None and r.generated >= r.output:
+                continue  # it finished in the step just ended: llmd's abort finds nothing to stop
             if self.engine.idle():
                 self._abort(r, now)
             else:

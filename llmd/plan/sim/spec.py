@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from llmd.config import ModelConfig, TenantConfig
 from llmd.config.cluster import WarmPoolConfig
-from llmd.config.parts import SchedulingConfig
+from llmd.config.parts import DegradationConfig, SchedulingConfig
 from llmd.config.slo import SLO
 from llmd.plan.errors import PlanError
 
@@ -52,8 +52,11 @@ class SimSpec:
     tenants: tuple[TenantConfig, ...] = ()  # none: one tenant per trace tenant, weight 1, no quota
     slo: SLO = field(default_factory=SLO)
     deadline_s: dict[str, float] = field(default_factory=lambda: {"interactive": 120.0, "batch": 86400.0})
-    ingress_s: float = 0.002  # the gateway's overhead per request, before admission
-    delivery_s: float = 0.0005  # per token, from the engine to the client
+    # llmd's shedding under sustained overload ([models.X.degradation]; llmd/plan/sim/degrade.py)
+    degradation: DegradationConfig = field(default_factory=DegradationConfig)
+    # llmd's own overheads (bench/lib/plan_overhead.py measures them on the fake backend):
+    ingress_s: float = 0.002  # per request, from the client's send to its admission
+    delivery_s: float = 0.0005  # per token, from the engine step that made it to the client
     price_per_hour: float = 16.0  # per replica-hour, active and warm (and starting) billed
     autoscale: Autoscale | None = None  # None: all `replicas` active all along
     mtbf_s: float | None = None  # mean time between failures of one replica; None: none fail
@@ -62,6 +65,10 @@ class SimSpec:
     gossip_s: float = 0.5  # how stale the router's view of a replica is (placement's reservations cover it)
     seed: int = 0
     warmup_s: float = 0.0  # requests arriving before this are served but not measured
+    # The ITL controller sees every sample llmd's would (a gap per token, a step record per step,
+    # its 512-step fit window) instead of a few per decode segment: exact, and slower with many
+    # replicas; the end-to-end check against llmd sets it.
+    exact_controller: bool = False
 
     def __post_init__(self) -> None:
         e = self.engine
