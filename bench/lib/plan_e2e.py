@@ -62,6 +62,13 @@ def config_for(engine: str, step_model: Path | None) -> dict[str, Any]:
     return ps.as_fake(cfg, fake_knobs(step_model)) if base == "fake" else cfg
 
 
+def served(cfg: dict[str, Any]) -> dict[str, Any]:
+    """`cfg` as ps.serve runs it (the bench tenants with the shipped one's limits, its deadlines):
+    what the simulator must be given. Keys and port are placeholders: nothing listens."""
+    hashes = {t: "sha256:" + f"{i + 1:064x}" for i, t in enumerate(ps.TENANTS)}
+    return ps.bench_config(cfg, 8000, Path("unused.db"), "sha256:" + "0" * 64, hashes)
+
+
 async def _capacity(res: dict[str, Any], engine: str, a: argparse.Namespace) -> None:
     with ps.serve(f"cap-{engine}", config_for(engine, a.step_model)) as (srv, _pid):
         trace = mix_trace(rate=10.0, duration=600.0, seed=5)  # only its request shapes are used
@@ -99,9 +106,10 @@ async def _points(res: dict[str, Any], engine: str, a: argparse.Namespace) -> No
         for rep in range(a.first_rep, a.first_rep + a.repeats):
             for load in a.loads:
                 rate = load * cap["req_s"]
-                trace = mix_trace(rate, a.duration_s, _seed(load, rep))
-                p, sent, t0 = await load_point(srv, pid, MODEL, engine, load, rate, trace, _seed(load, rep),
-                                               a.warmup_s, a.drain_s)
+                seed = _seed(load, 0 if a.same_trace else rep)  # same trace: the spread is the box's, not the draw's
+                trace = mix_trace(rate, a.duration_s, seed)
+                p, sent, t0 = await load_point(srv, pid, MODEL, engine, load, rate, trace, seed, a.warmup_s,
+                                               a.drain_s)
                 dump(_raw(a, f"{engine}-{load:g}-{rep}"), sent, t0)
                 row = {**asdict(p), "rep": rep, "duration_s": a.duration_s, "warmup_s": a.warmup_s,
                        "step_model": str(a.step_model) if a.step_model else None, "sim": None}
@@ -125,7 +133,7 @@ def _simulate(res: dict[str, Any], a: argparse.Namespace) -> None:
         fake = row["engine"].startswith("fake")
         step = step_time(model if fake else real)
         figs = simulated(trace, step, o.get("ingress_s", 0.0), o.get("delivery_s", 0.0), row["warmup_s"],
-                         config_for(row["engine"], model))
+                         served(config_for(row["engine"], model)))
         by = {k: asdict(f) for k, f in (figs or {}).items()}
         row["sim"], row["sim_by_class"] = by.pop("all", None), by or None
 
@@ -133,14 +141,15 @@ def _simulate(res: dict[str, Any], a: argparse.Namespace) -> None:
 def run(parts: tuple[str, ...] = PARTS, loads: tuple[float, ...] = HELD_OUT + HIGH, repeats: int = 1,
         duration_s: float = 75.0, warmup_s: float = 15.0, step_model: Path | None = None,
         real_step_model: Path | None = None, results: Path = RESULTS, concurrency: int = 64,
-        capacity_s: float = 75.0, drain_s: float = 60.0, first_rep: int = 0) -> str:
+        capacity_s: float = 75.0, drain_s: float = 60.0, first_rep: int = 0, same_trace: bool = False) -> str:
     """Measure `parts` (see PARTS), merge them into `results` and return the markdown report of
     everything measured so far. `step_model`: the fitted step model the fake backend and the
     simulator use for the fake points; `real_step_model`: the one the simulator uses for the
     real engine's points (default: CALIBRATED, this box's fitted model)."""
     a = argparse.Namespace(loads=loads, repeats=repeats, duration_s=duration_s, warmup_s=warmup_s,
                            step_model=step_model, real_step_model=real_step_model, results=results,
-                           concurrency=concurrency, capacity_s=capacity_s, drain_s=drain_s, first_rep=first_rep)
+                           concurrency=concurrency, capacity_s=capacity_s, drain_s=drain_s, first_rep=first_rep,
+                           same_trace=same_trace)
     res = load_results(results)
     for part in parts:
         if part not in PARTS and part.removesuffix("-noitl") not in PARTS:
@@ -171,9 +180,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--capacity-s", type=float, default=75.0)
     p.add_argument("--drain-s", type=float, default=60.0)
     p.add_argument("--first-rep", type=int, default=0, help="number repeats from here (a later run adds repeats)")
+    p.add_argument("--same-trace", action="store_true", help="every repeat replays rep 0's trace (box noise only)")
     a = p.parse_args(argv)
     print(run(tuple(a.parts), tuple(a.loads), a.repeats, a.duration_s, a.warmup_s, a.step_model, a.real_step_model,
-              a.results, a.concurrency, a.capacity_s, a.drain_s, a.first_rep))
+              a.results, a.concurrency, a.capacity_s, a.drain_s, a.first_rep, a.same_trace))
     return 0
 
 

@@ -52,18 +52,19 @@ def step_time(step_model: Path | None) -> StepTime:
 def simulated(trace: Trace, step: StepTime, ingress_s: float, delivery_s: float, warmup_s: float,
               raw: dict[str, Any]) -> dict[str, Figures] | None:
     """The simulator's figures for `trace` on one replica of the first model of `raw` (a parsed
-    config.toml, as the measured llmd ran it), by class and, where the simulator reports it,
-    "all"; None while the simulator is not there."""
+    config.toml, as the measured llmd ran it: its engine, scheduling, degradation, tenants and
+    default deadline, as `llmd plan sim --config` reads them) with llmd's measured overheads, by
+    class and, where the simulator reports it, "all"; None while the simulator is not there."""
     try:
+        from llmd.plan.sim.cli import spec_of  # type: ignore[import-not-found,unused-ignore]
         from llmd.plan.sim.report import simulate  # type: ignore[import-not-found,unused-ignore]
-        from llmd.plan.sim.spec import SimSpec, engine_from_model  # type: ignore[import-not-found,unused-ignore]
     except ImportError:
         return None
     from llmd.config import Config
 
-    m = Config.model_validate(raw).models[0]
-    spec = SimSpec(replicas=1, engine=engine_from_model(m), scheduling=m.scheduling, ingress_s=ingress_s,
-                   delivery_s=delivery_s, warmup_s=warmup_s)
+    cfg = Config.model_validate(raw)
+    spec = spec_of(cfg, cfg.models[0], 1, ingress_s=ingress_s, delivery_s=delivery_s, warmup_s=warmup_s,
+                   exact_controller=True)
     return figures_of(simulate(spec, trace, step))
 
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import math
 
+import pytest
+
 from bench.lib.plan_overhead import match
 from bench.lib.plan_report import report
 from bench.lib.plan_sim import FakeKnobStep, figures_of
@@ -66,3 +68,23 @@ def test_the_report_judges_held_out_real_points_and_every_fake_point() -> None:
     assert "≥ 90 %" in text and "200.0 / 210.0 (+5.0%)" in text
     res["points"] = [row("real", 0.5, 0.2, None)]
     assert "real: no simulated points yet" in report(res, (0.5,))
+
+
+def test_the_simulator_is_given_llmd_as_served_and_its_measured_overheads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fake points' simulation: the served config (bench tenants, their limits, the bench's
+    deadline, the model's degradation steps), llmd's overheads as measured, the exact controller."""
+    import llmd.plan.sim.report as sim_report
+    from bench.lib.plan_e2e import config_for, served
+    from bench.lib.plan_load import mix_trace
+    from bench.lib.plan_sim import simulated
+
+    seen = []
+    monkeypatch.setattr(sim_report, "simulate", lambda spec, trace, step: seen.append(spec) or SIM)
+    simulated(mix_trace(0.5, 30.0, 1), FakeKnobStep(77.5, 3.3, 486.0), 0.0078, 0.0014, 5.0,
+              served(config_for("fake", None)))
+    spec = seen[0]
+    assert (spec.ingress_s, spec.delivery_s, spec.warmup_s, spec.replicas) == (0.0078, 0.0014, 5.0, 1)
+    assert spec.exact_controller and spec.degradation.steps == ["cap_max_tokens", "batch"]
+    assert [t.name for t in spec.tenants] == ["a", "b"] and spec.tenants[0].max_concurrent == 64
+    assert spec.deadline_s["interactive"] == 600.0
+    assert spec.scheduling.target_itl_ms == 200 and spec.engine.max_num_batched_tokens == 2048
