@@ -141,6 +141,8 @@ class Replica:
 
     def _abort(self, r: Req, now: float) -> None:
         """A preemption by llmd: out of the engine, back in the queue, to resume from its tokens."""
+        if r.seq is None and r.generated >= r.output:
+            return  # it finished in the step just ended: llmd's abort finds nothing to stop
         if r.seq is not None:
             self.engine.remove(r.seq, now)
         self.core.on_output(r.q, r.generated - r.charged)
@@ -162,8 +164,6 @@ class Replica:
             self.engine.add(r)
         for q in d.preempt:
             r = self.reqs[q.seq]
-            if r.seq is None and r.generated >= r.output:
-                continue  # it finished in the step just ended: llmd's abort finds nothing to stop
             if self.engine.idle():
                 self._abort(r, now)
             else:
