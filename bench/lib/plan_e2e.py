@@ -38,6 +38,7 @@ ENGINES, VARIANTS = ("real", "fake"), ("", "noitl")
 PARTS = ("overhead", "capacity-fake", "capacity-real", "points-fake", "points-real", "simulate")  # and -noitl ones
 HELD_OUT = (0.3, 0.5, 0.7, 0.8)  # loads the step model was not fitted at; >= 0.9 reported apart
 HIGH = (0.9, 1.0)
+DRAIN_S = 60.0  # a replay cuts what still runs this long after its last arrival
 
 
 def load_results(path: Path) -> dict[str, Any]:
@@ -112,6 +113,7 @@ async def _points(res: dict[str, Any], engine: str, a: argparse.Namespace) -> No
                                                a.drain_s)
                 dump(_raw(a, f"{engine}-{load:g}-{rep}"), sent, t0)
                 row = {**asdict(p), "rep": rep, "duration_s": a.duration_s, "warmup_s": a.warmup_s,
+                       "drain_s": a.drain_s,
                        "step_model": str(a.step_model) if a.step_model else None, "sim": None}
                 res["points"] = [x for x in res["points"] if (x["engine"], x["load"], x["rep"]) != (engine, load, rep)]
                 res["points"].append(row)
@@ -133,7 +135,7 @@ def _simulate(res: dict[str, Any], a: argparse.Namespace) -> None:
         fake = row["engine"].startswith("fake")
         step = step_time(model if fake else real)
         figs = simulated(trace, step, o.get("ingress_s", 0.0), o.get("delivery_s", 0.0), row["warmup_s"],
-                         served(config_for(row["engine"], model)))
+                         served(config_for(row["engine"], model)), row.get("drain_s", DRAIN_S))
         by = {k: asdict(f) for k, f in (figs or {}).items()}
         row["sim"], row["sim_by_class"] = by.pop("all", None), by or None
 
@@ -141,7 +143,7 @@ def _simulate(res: dict[str, Any], a: argparse.Namespace) -> None:
 def run(parts: tuple[str, ...] = PARTS, loads: tuple[float, ...] = HELD_OUT + HIGH, repeats: int = 1,
         duration_s: float = 75.0, warmup_s: float = 15.0, step_model: Path | None = None,
         real_step_model: Path | None = None, results: Path = RESULTS, concurrency: int = 64,
-        capacity_s: float = 75.0, drain_s: float = 60.0, first_rep: int = 0, same_trace: bool = False) -> str:
+        capacity_s: float = 75.0, drain_s: float = DRAIN_S, first_rep: int = 0, same_trace: bool = False) -> str:
     """Measure `parts` (see PARTS), merge them into `results` and return the markdown report of
     everything measured so far. `step_model`: the fitted step model the fake backend and the
     simulator use for the fake points; `real_step_model`: the one the simulator uses for the
@@ -178,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--results", type=Path, default=RESULTS)
     p.add_argument("--concurrency", type=int, default=64)
     p.add_argument("--capacity-s", type=float, default=75.0)
-    p.add_argument("--drain-s", type=float, default=60.0)
+    p.add_argument("--drain-s", type=float, default=DRAIN_S)
     p.add_argument("--first-rep", type=int, default=0, help="number repeats from here (a later run adds repeats)")
     p.add_argument("--same-trace", action="store_true", help="every repeat replays rep 0's trace (box noise only)")
     a = p.parse_args(argv)

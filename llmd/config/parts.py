@@ -109,6 +109,7 @@ class FakeEngineConfig(_Strict):
     step_ms: Annotated[float, Field(ge=0)] = 5.0
     step_ms_per_seq: Annotated[float, Field(ge=0)] = 0.2
     max_num_seqs: Annotated[int, Field(gt=0)] = 64
+    # A step's token budget (vLLM's max_num_batched_tokens): decodes first, prefill chunks from the rest.
     prefill_tokens_per_step: Annotated[int, Field(gt=0)] = 2048
     sleep_mode: bool = False  # act as an engine with vLLM's sleep mode (a GPU) for the registry
     start_s: Annotated[float, Field(ge=0)] = 0.0  # how long start() takes, as an engine's load does

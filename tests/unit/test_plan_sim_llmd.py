@@ -5,6 +5,8 @@ finished request freed is filled (llmd reads the engine's output while the next 
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -122,3 +124,16 @@ def test_exact_controller_sees_a_gap_per_token_and_a_record_per_step() -> None:
             assert all(g > 0 for _, g in eng.gaps)
         else:
             assert len(eng.history) < int(eng.basis[0]) and len(eng.gaps) < 3 * (30 - 1)
+
+
+def test_a_horizon_cuts_what_still_runs_and_counts_only_completed_requests() -> None:
+    """As a replay cuts its streams a while after the last arrival: the long request has its
+    first token by the horizon but does not complete, so only the short one's TTFT counts."""
+    tr = trace_of([(0.0, 10, 1000), (0.5, 10, 3)])
+    base = SimSpec(replicas=1, ingress_s=0.0, delivery_s=0.0)
+    for horizon, counted in ((None, 2), (2.0, 1)):
+        fleet = Fleet(replace(base, horizon_s=horizon), tr, FLAT)
+        fleet.run()
+        assert fleet.rec.ttft[("class", "interactive")].n == counted
+        assert fleet.rec.counts["completed"] == counted
+        assert fleet.now <= (horizon or 1e9)

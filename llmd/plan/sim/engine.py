@@ -275,6 +275,8 @@ class Engine:
             self.history.append(StepRec(now, len(self.decoding) + len(chunks), sum(c for _, c in chunks), dt))
             self._decoded(1, dt, 0.0)
             for s, c in chunks:
+                if s.dead:
+                    continue  # removed mid-step (llmd aborted it): its chunk is lost
                 s.done += c
                 self.kv_prefill += c
                 if s.done >= s.plen:

@@ -43,7 +43,7 @@ class Fleet:
         self.trace = trace
         self.now = 0.0
         self.tenants = tenant_configs(spec, trace.tenants)
-        self.rec = Recorder(trace.tenants, spec.warmup_s, spec.delivery_s)
+        self.rec = Recorder(trace.tenants, spec.warmup_s, spec.delivery_s, spec.horizon_s)
         clock: Callable[[], float] = lambda: self.now  # noqa: E731 - the one virtual clock
         self.clock = clock
         self.admission = AdmissionController(self.tenants, clock)
@@ -82,10 +82,13 @@ class Fleet:
         self.push(60.0, MINUTE)
         self.scaler.start()
         heap = self.heap
+        horizon = math.inf if self.spec.horizon_s is None else self.spec.horizon_s
         while True:
             ta = arrivals[self.next_i] if self.next_i < n else math.inf
             if heap and heap[0][0] <= ta:
                 t, _, kind, idx, version = heapq.heappop(heap)
+                if t > horizon:
+                    break  # the clients cut what is still running
                 if kind != BOUNDARY and self.next_i >= n and self.in_flight == 0:
                     break  # only the periodic work is left
                 self.now = self.rec.now = t

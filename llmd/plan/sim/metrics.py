@@ -11,8 +11,10 @@ from llmd.plan.sim.trace import CLASSES
 
 
 class Recorder:
-    def __init__(self, tenants: tuple[str, ...], warmup_s: float, delivery_s: float) -> None:
+    def __init__(self, tenants: tuple[str, ...], warmup_s: float, delivery_s: float,
+                 horizon_s: float | None = None) -> None:
         self.tenants = tenants
+        self.horizon_s = horizon_s  # set: a TTFT counts once its request completed (by then)
         self.warmup_s = warmup_s
         self.delivery_s = delivery_s
         self.now = 0.0  # the fleet's clock, kept current by the event loop
@@ -47,10 +49,14 @@ class Recorder:
         if not r.measured:
             return
         x = t + self.delivery_s - r.t_arr
+        if self.horizon_s is None:
+            self._ttft(r, x)
+        self.minute_ttft.add(x)
+
+    def _ttft(self, r: Req, x: float) -> None:
         a, b = self._by_key[r.key]
         self.ttft[a].add(x)
         self.ttft[b].add(x)
-        self.minute_ttft.add(x)
 
     def completed(self, r: Req, t: float) -> None:
         self.counts["completed"] += 1
@@ -58,6 +64,8 @@ class Recorder:
         self.tokens_in[tenant] += r.prompt
         self.tokens_out[tenant] += r.output
         if r.measured:
+            if self.horizon_s is not None and r.first_t is not None:
+                self._ttft(r, r.first_t + self.delivery_s - r.t_arr)  # a stream cut at the horizon never completes
             x = t + self.delivery_s - r.t_arr
             a, b = self._by_key[r.key]
             self.e2e[a].add(x)

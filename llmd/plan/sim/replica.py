@@ -54,6 +54,7 @@ class Replica:
         self.reqs: dict[int, Req] = {}  # queued or in the engine, by QueuedRequest.seq
         self.queued_tokens = 0  # prefill tokens waiting in its queue (routing reads it)
         self.sched_preempted = 0
+        self.early: list[Req] = []  # dropped by a tick between boundaries (exact mode)
 
     def _core(self, spec: EngineSpec, sc: SchedulingConfig, tenants: list[TenantConfig]) -> SchedulerCore:
         """llmd/runtime.py's build_runtime, on the virtual clock."""
@@ -104,6 +105,8 @@ class Replica:
         self.reqs[r.q.seq] = r
         self.core.submit(r.q)
         self.dirty = True
+        if self.exact and not self.engine.idle():  # llmd ticks as it queues: its preemptions stop mid-step
+            self.early += self._tick(now)
 
     def boundary(self, now: float) -> tuple[list[Req], list[Req], list[Req]]:
         """The engine reached a step boundary (or was idle): finish what ended, tick if anything
@@ -112,20 +115,26 @@ class Replica:
         the engine's output then, as llmd/scheduler.py does on the fake and the real engine): what
         arrived before the boundary is seated in the next step, a seat they free a step later."""
         eng = self.engine
-        started, done = eng.complete(now) if not eng.idle() else ([], [])
-        for r in self.aborts:
+        for r in self.aborts:  # first: llmd's abort takes effect mid-step, the step's token never reaches it
             self._abort(r, now)
         self.aborts.clear()
-        # A lowered limit or the batch cap's quiet period is seen by the next periodic tick.
-        dropped = self._tick(now) if self.dirty or now - self.last_tick >= TICK_EVERY_S else []
+        started, done = eng.complete(now) if not eng.idle() else ([], [])
+        # A lowered limit or the batch cap's quiet period is seen by the next periodic tick (exact:
+        # at every boundary while anything is queued, as llmd ticks every 10 ms then).
+        queued = self.exact and len(self.core.queue) > 0
+        dropped, self.early = self.early, []
+        if self.dirty or queued or now - self.last_tick >= TICK_EVERY_S:
+            dropped += self._tick(now)
         self.next_t = eng.plan(now)
         for r in done:
             self._release(r, r.output)
         if done and len(self.core.queue):  # a freed seat matters only to a queued request
             waiting = len(eng.waiting)
             dropped += self._tick(now)
-            if len(eng.waiting) > waiting:  # they join at the end of the step just started
+            if len(eng.waiting) > waiting or self.aborts:  # they join (leave) at the end of the step just started
                 self.next_t = eng.cut(now) if self.next_t is not None else eng.plan(now)
+        if self.exact and len(self.core.queue) and self.next_t is not None:
+            self.next_t = eng.cut(now)  # a step at a time while anything waits: it is seated in the next one
         return started, done, dropped
 
     def _tick(self, now: float) -> list[Req]:
@@ -142,7 +151,7 @@ class Replica:
     def _abort(self, r: Req, now: float) -> None:
         """A preemption by llmd: out of the engine, back in the queue, to resume from its tokens."""
         if r.seq is None and r.generated >= r.output:
-            return  # it finished in the step just ended: llmd's abort finds nothing to stop
+            return  # it finished in an earlier step: llmd's abort finds nothing to stop
         if r.seq is not None:
             self.engine.remove(r.seq, now)
         self.core.on_output(r.q, r.generated - r.charged)

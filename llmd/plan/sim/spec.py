@@ -69,6 +69,9 @@ class SimSpec:
     # its 512-step fit window) instead of a few per decode segment: exact, and slower with many
     # replicas; the end-to-end check against llmd sets it.
     exact_controller: bool = False
+    # The clients give up at this time (a replay cuts its streams a while after the last arrival):
+    # the run stops there and only requests completed by then count their TTFT. None: all finish.
+    horizon_s: float | None = None
 
     def __post_init__(self) -> None:
         e = self.engine
