@@ -272,7 +272,8 @@ class Engine:
         elif self.mixed is not None:
             chunks, self.mixed = self.mixed, None
             dt = self.step_time_of_last
-            self.history.append(StepRec(now, len(self.decoding) + len(chunks), sum(c for _, c in chunks), dt))
+            # running as EngineStats counts it: every seated sequence, those the budget did not reach too
+            self.history.append(StepRec(now, len(self.decoding) + len(self.prefill), sum(c for _, c in chunks), dt))
             self._decoded(1, dt, 0.0)
             for s, c in chunks:
                 if s.dead:
