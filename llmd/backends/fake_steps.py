@@ -28,7 +28,8 @@ def step_shape(batch: Sequence[StepReq], chunk_cap: int) -> StepShape:
               if r.prefill_todo > 0]
     return StepShape(decode_seqs=len(decode), prefill_tokens=sum(c for c, _ in chunks), prefill_seqs=len(chunks),
                      context_tokens=sum(r.prompt.num_tokens + r.generated + 1 for r in decode),
-                     prefill_attn=float(sum(c * (before + c / 2) for c, before in chunks)))
+                     prefill_attn=float(sum(c * (before + c / 2) for c, before in chunks)),
+                     longest_context=max((r.prompt.num_tokens + r.generated + 1 for r in decode), default=0))
 
 
 class StepPricer:

@@ -65,7 +65,7 @@ def test_step_shape_of_a_mixed_batch() -> None:
     # Two decoding (prompt 100 + 5 out, prompt 10 + 0 out), one prefilling 300 of 500 (200 done), chunk cap 256.
     s = step_shape([_R(100, 5, 0), _R(10, 0, 0), _R(500, 0, 300)], 256)
     assert s == StepShape(decode_seqs=2, prefill_tokens=256, prefill_seqs=1, context_tokens=106 + 11,
-                          prefill_attn=256 * (200 + 128))
+                          prefill_attn=256 * (200 + 128), longest_context=106)
 
 
 async def test_steps_cost_what_the_model_says_through_http(make_server: Any, tmp_path: Path) -> None:
