@@ -142,12 +142,11 @@ def _solve(m: list[list[float]]) -> list[float] | None:
     return x
 
 
-def _normal(x: np.ndarray, y: np.ndarray, w: np.ndarray) -> tuple[list[list[float]], list[float]]:
-    """The weighted normal equations over the columns of `x` (1, running, prefill)."""
-    xw = x * w
-    m: list[list[float]] = (xw @ x.T).tolist()
-    v: list[float] = (xw @ y).tolist()
-    return m, v
+def _normal(x: np.ndarray, w: np.ndarray) -> tuple[list[list[float]], list[float]]:
+    """The weighted normal equations over the rows (1, running, prefill) of `x`, its 4th row the
+    durations: one product gives both sides."""
+    both: list[list[float]] = ((x[:3] * w) @ x.T).tolist()
+    return [row[:3] for row in both], [row[3] for row in both]
 
 
 def _least_squares(m: list[list[float]], v: list[float], prior: tuple[float, float]) -> list[float] | None:
@@ -219,34 +218,36 @@ class StepTimeModel:
         return self.fit
 
     def _fit(self) -> StepFit | None:
-        n = len(self.window)  # columns t, running, prefill, duration (fromiter: twice np.array's speed)
-        cols = np.fromiter(chain.from_iterable(self.window), np.float64, 4 * n).reshape(n, 4).T
-        t, y = cols[0], cols[3]
-        x = np.vstack((np.ones_like(t), cols[1], cols[2]))
+        n = len(self.window)  # fromiter: twice np.array's speed
+        x = np.fromiter(chain.from_iterable(self.window), np.float64, 4 * n).reshape(n, 4).T.copy()
+        t = x[0].copy()
+        x[0] = 1.0  # rows: 1, running, prefill, duration
         decay = 0.5 ** ((t[-1] - t) / self.half_life_s)
         w = decay
         coef: list[float] | None = None
         for _ in range(self.irls_rounds):
-            m, v = _normal(x, y, w)
+            m, v = _normal(x, w)
             coef = _least_squares(m, v, (self.a_prior, self.prior_weight * float(w.sum())))
             if coef is None:
                 return None
-            w = _huber(x, y, coef, decay)
+            w = _huber(x, coef, decay)
         assert coef is not None
         a, b, c = coef
-        if _spread(x[1], decay) >= 4.0:
+        total = float(decay.sum())
+        mean_running = float((decay * x[1]).sum()) / total
+        if float((decay * (x[1] - mean_running) ** 2).sum()) / total >= 4.0:  # batch sizes varied: a, b apart
             self.a_prior, self.identified = a, True
         elif not self.identified:
             return None  # one batch size, and no intercept seen yet: a and b are anyone's guess
-        sizes, share = _prefills(x[1], x[2], decay)
-        return replace(self._recent(a, b, c, t, x, y), prefill_sizes=sizes, prefill_share_per_seq=share)
+        sizes, share = _prefills(x[2], decay, total, mean_running)
+        return replace(self._recent(a, b, c, t, x), prefill_sizes=sizes, prefill_share_per_seq=share)
 
-    def _recent(self, a: float, b: float, c: float, t: np.ndarray, x: np.ndarray, y: np.ndarray) -> StepFit:
+    def _recent(self, a: float, b: float, c: float, t: np.ndarray, x: np.ndarray) -> StepFit:
         """Speed and noise over the steps of the last `recent_s` (at least `recent_min` steps)."""
         start = min(int(np.searchsorted(t, t[-1] - self.recent_s, side="left")), max(0, len(t) - self.recent_min))
         fitted = a + b * x[1, start:] + c * x[2, start:]
         ok = fitted > 0
-        ratios = np.sort(y[start:][ok] / fitted[ok])
+        ratios = np.sort(x[3, start:][ok] / fitted[ok])
         speed = _median(ratios) if len(ratios) else 1.0
         spread = np.sort(np.abs(ratios / speed - 1.0))
         return StepFit(a, b, c, speed, 1.4826 * _median(spread), len(t))
@@ -258,21 +259,20 @@ def _median(sorted_values: np.ndarray) -> float:
     return float(sorted_values[min(n - 1, max(0, math.ceil(0.5 * n) - 1))]) if n else 0.0
 
 
-def _huber(x: np.ndarray, y: np.ndarray, coef: Sequence[float], decay: np.ndarray) -> np.ndarray:
+def _huber(x: np.ndarray, coef: list[float], decay: np.ndarray) -> np.ndarray:
     """Huber weights (k = 1.345 robust sigmas, sigma from the median absolute residual) times decay."""
-    a, b, c = coef
-    res = np.abs(y - (a + b * x[1] + c * x[2]))
+    res = np.abs(x[3] - np.array(coef) @ x[:3])
     scale = 1.4826 * _median(np.sort(res))
     if scale <= 0:
         return decay
     k = 1.345 * scale
-    return np.where(res <= k, decay, decay * k / np.maximum(res, k))
+    weights: np.ndarray = decay * (k / np.maximum(res, k))  # k/k = 1 within k
+    return weights
 
 
-def _prefills(running: np.ndarray, prefill: np.ndarray, w: np.ndarray) -> tuple[tuple[float, ...], float]:
+def _prefills(prefill: np.ndarray, w: np.ndarray, total: float, mean_running: float) -> tuple[tuple[float, ...], float]:
     """(the weighted quantiles 1/20 .. 20/20 of the steps' prefills, the weighted share of steps
-    with one per running sequence)."""
-    total = float(w.sum())
+    with one per running sequence); `total` is w's sum, `mean_running` the weighted batch size."""
     has = prefill > 0
     if not has.any() or total <= 0:
         return (), 0.0
@@ -282,12 +282,4 @@ def _prefills(running: np.ndarray, prefill: np.ndarray, w: np.ndarray) -> tuple[
     mass = float(acc[-1])
     at = np.searchsorted(acc, mass * np.arange(1, 21) / 20 - 1e-12, side="left")  # first reaching k/20
     sizes = tuple(float(v) for v in p[np.minimum(at, len(p) - 1)])
-    mean_running = float((w * running).sum()) / total
     return sizes, mass / total / mean_running if mean_running > 0 else 0.0
-
-
-def _spread(running: np.ndarray, w: np.ndarray) -> float:
-    """Weighted variance of the batch size: how well the data alone separates a from b."""
-    total = float(w.sum())
-    mean = float((w * running).sum()) / total
-    return float((w * (running - mean) ** 2).sum()) / total
