@@ -49,7 +49,8 @@ class Fleet:
         self.reservations = Reservations(clock, ttl_s=max(1.0, 4 * spec.gossip_s))
         self.router = ScoreRouting(self.reservations, random.Random(spec.seed))
         self.rng = random.Random(spec.seed + 1)  # candidates and failures
-        self.replicas = [Replica(i, spec.engine, spec.scheduling, self.tenants, step, clock, self.rec)
+        self.replicas = [Replica(i, spec.engine, spec.scheduling, self.tenants, step, clock, self.rec,
+                                 spec.control_interval_s)
                          for i in range(spec.replicas)]
         self.loads: list[VersionLoad] = [self._load(r) for r in self.replicas]
         self.prefill_tps = self.replicas[0].prefill_tps()

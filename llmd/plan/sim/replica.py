@@ -36,13 +36,14 @@ class Replica:
     """Engine + llmd's scheduler for it. `state` is the fleet's: active, warm, cold, starting, failed."""
 
     def __init__(self, idx: int, spec: EngineSpec, sched: SchedulingConfig, tenants: list[TenantConfig],
-                 step: StepTime, clock: Callable[[], float], rec: Recorder) -> None:
+                 step: StepTime, clock: Callable[[], float], rec: Recorder, control_s: float | None = None) -> None:
         self.idx = idx
         self.name = f"r{idx:03d}"
         self.state = "active"
         self.clock = clock
         self.engine = Engine(spec, step, rec, GAP_SAMPLES)
         self.gaps = self.engine.gaps
+        self.tick_every_s = TICK_EVERY_S if control_s is None else control_s
         self.core = self._core(spec, sched, tenants)
         self.version = 0  # bumps when its pending boundary event moves
         self.next_t: float | None = None  # its pending boundary event
@@ -67,6 +68,8 @@ class Replica:
                                       steps=(lambda: self.engine.history) if sc.itl_step_model else None)
         if isinstance(detector.itl, StepModelITL):
             detector.itl.model = StepTimeModel(window=STEP_WINDOW)
+        if detector.itl is not None:  # SimSpec.control_interval_s: coarser trades accuracy for speed
+            detector.itl.interval_s = self.tick_every_s
         batch_seats = sc.batch_seats_with_interactive if sc.batch_seats_with_interactive is not None \
             else max(1, seats // 4)
         throughput = ThroughputEstimate(sc.prior_tokens_per_s, clock=self.clock)
@@ -116,7 +119,7 @@ class Replica:
         dropped: list[Req] = []
         # A freed seat matters only to a queued request; a lowered limit or the batch cap's
         # quiet period is seen by the next periodic tick.
-        if self.dirty or (done and len(self.core.queue)) or now - self.last_tick >= TICK_EVERY_S:
+        if self.dirty or (done and len(self.core.queue)) or now - self.last_tick >= self.tick_every_s:
             self.dirty = False
             self.last_tick = now
             dropped = self._apply(self.core.tick(), now)
