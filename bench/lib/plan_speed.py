@@ -76,6 +76,8 @@ def section(duration_s: float = 3600.0, control_s: float | None = None) -> str:
             ("ITL controller interval", "llmd's own, 0.5 s (exact)" if control_s is None
              else f"{control_s:g} s (SimSpec.control_interval_s: an approximation)"),
             ("wall time", f"{m['wall_s']:.1f} s ({ok} the ≤ 60 s/hour bar)"),
+            *([] if duration_s >= 3600 else
+              [("an hour, extrapolated", f"{m['wall_s'] * 3600 / duration_s:.0f} s (target ≤ 60 s)")]),
             ("events", f"{m['events']:,} ({m['events_per_s']:,.0f}/s)"), ("engine steps", f"{m['steps']:,.0f}"),
             ("peak RSS", f"{m['rss_mib']:.0f} MiB"), ("completed", f"{m['completed']:,}"),
             ("interactive TTFT / ITL p95", f"{m['ttft_p95']} s / {m['itl_p95']} s"),
