@@ -10,6 +10,10 @@ coefficient fitted by NNLS (so every term is monotone and extrapolates sanely):
       + c_tok   · tokens             per token computed (decode seqs + prefill tokens): GEMM FLOPs
       + c_kv    · context_tokens     per KV token the decoding sequences read: attention bandwidth
       + c_attn  · prefill_attn       per (chunk token × context token) of prefill attention
+      + c_ctx   · longest_context    per token of the longest context a decoding sequence reads:
+                                     the decode attention's critical path (on this CPU a B=1 step
+                                     at context 2,049 costs ~15 ms more than at 64, B=32 barely more
+                                     per sequence: the kernel's time follows the longest sequence)
 
 Pure: no clock, no engine, no numpy in the hot path (the simulator calls `seconds` per step).
 It sits below llmd.config (which checks a configured step-model file at load) and llmd.plan, so
@@ -28,7 +32,7 @@ class PlanError(Exception):
     """Input the planner cannot use (a file, a GPU name, an option); its CLI prints it in one line."""
 
 
-BASIS = ("c_step", "c_seq", "c_tok", "c_kv", "c_attn")
+BASIS = ("c_step", "c_seq", "c_tok", "c_kv", "c_attn", "c_ctx")
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,6 +44,7 @@ class StepShape:
     prefill_seqs: int = 0  # sequences with a prefill chunk in the step
     context_tokens: int = 0  # KV tokens the decoding sequences attend over (sum of their lengths)
     prefill_attn: float = 0.0  # sum over chunks of chunk_tokens × (tokens before it + chunk_tokens / 2)
+    longest_context: int = 0  # the longest context among the decoding sequences (0: none decodes)
 
     @property
     def seqs(self) -> int:
@@ -49,9 +54,10 @@ class StepShape:
     def tokens(self) -> int:
         return self.decode_seqs + self.prefill_tokens
 
-    def basis(self) -> tuple[float, float, float, float, float]:
+    def basis(self) -> tuple[float, float, float, float, float, float]:
         """The regressors, in BASIS order."""
-        return (1.0, float(self.seqs), float(self.tokens), float(self.context_tokens), float(self.prefill_attn))
+        return (1.0, float(self.seqs), float(self.tokens), float(self.context_tokens), float(self.prefill_attn),
+                float(self.longest_context))
 
 
 class StepTime(Protocol):
@@ -80,7 +86,8 @@ class StepModel:
     def seconds(self, shape: StepShape) -> float:
         c = self.coef
         return (c.get("c_step", 0.0) + c.get("c_seq", 0.0) * shape.seqs + c.get("c_tok", 0.0) * shape.tokens
-                + c.get("c_kv", 0.0) * shape.context_tokens + c.get("c_attn", 0.0) * shape.prefill_attn)
+                + c.get("c_kv", 0.0) * shape.context_tokens + c.get("c_attn", 0.0) * shape.prefill_attn
+                + c.get("c_ctx", 0.0) * shape.longest_context)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, sort_keys=True) + "\n"

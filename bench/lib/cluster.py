@@ -16,7 +16,8 @@ SECRET = "bench-cluster-secret-0123456789abcdef"
 SECTION = "## Cluster (J)"
 INTRO = ("Issue J's cluster on llmd processes with fake engines on loopback (the engines' prefix cache and "
          "prefill cost are simulated; routing, forwarding, gossip, metering and failover are the real code). "
-         "(a) and (d): `bench/cluster.py`; (b): `bench/cluster_faults.py`; (c): `bench/cluster_gossip.py`; "
+         "(a) and (d): `bench/cluster.py`; (a2): `bench/cluster_ceiling.py`; (a3): `bench/cluster_hot.py`; "
+         "(b): `bench/cluster_faults.py`; (c): `bench/cluster_gossip.py`; "
          "(e): `bench/cluster_registry.py`; "
          "the real engine: tests/engine/test_cluster_engine.py. Each subsection names the run that produced it.")
 ADMIN_KEY = "sk-bench-cluster-admin"
@@ -162,8 +163,9 @@ class Workload:
     chats of a few turns on each; every turn's prompt is the system prompt plus the chat so far."""
 
     def __init__(self, seed: int = 7, n_systems: int = 36, system_words: int = 800, zipf_s: float = 0.3,
-                 hot: float | None = None) -> None:
+                 hot: float | None = None, user_words: int = 60, turns: tuple[int, int] = (4, 7)) -> None:
         self.rng = random.Random(seed)
+        self.user_words, self.turns = user_words, turns
         self.systems = [f"System prompt {i}. " + words(self.rng, system_words) for i in range(n_systems)]
         if hot is not None:
             rest = (1 - hot) / (n_systems - 1)
@@ -173,10 +175,10 @@ class Workload:
 
     def new_chat(self) -> Chat:
         i = self.rng.choices(range(len(self.systems)), weights=self.weights)[0]
-        return Chat(i, self.rng.randint(4, 7), [{"role": "system", "content": self.systems[i]}])
+        return Chat(i, self.rng.randint(*self.turns), [{"role": "system", "content": self.systems[i]}])
 
     def next_turn(self, chat: Chat) -> dict[str, Any]:
-        chat.messages.append({"role": "user", "content": words(self.rng, 60) + "?"})
+        chat.messages.append({"role": "user", "content": words(self.rng, self.user_words) + "?"})
         return {"model": "fake", "messages": list(chat.messages), "max_tokens": 48, "temperature": 0}
 
     @staticmethod

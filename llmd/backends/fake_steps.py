@@ -38,7 +38,8 @@ def step_shape(batch: Sequence[StepReq], budget: int) -> StepShape:
     chunks = [(c, r.prompt.num_tokens - r.prefill_todo) for r, c in zip(batch, plan, strict=True) if c > 0]
     return StepShape(decode_seqs=len(decode), prefill_tokens=sum(c for c, _ in chunks), prefill_seqs=len(chunks),
                      context_tokens=sum(decode_context(r.prompt.num_tokens, r.generated) for r in decode),
-                     prefill_attn=float(sum(chunk_attention(c, before) for c, before in chunks)))
+                     prefill_attn=float(sum(chunk_attention(c, before) for c, before in chunks)),
+                     longest_context=max((decode_context(r.prompt.num_tokens, r.generated) for r in decode), default=0))
 
 
 class StepPricer:

@@ -209,8 +209,8 @@ def decode_samples(p: Point, recs: list[StepRecord]) -> list[tuple[Sample, StepR
         if r.decode_seqs > 0:
             j += 1
         if r.prefill_tokens == 0 and r.decode_seqs == p.batch and r.duration > 0:
-            out.append((Sample(p.name, StepShape(decode_seqs=p.batch, context_tokens=p.batch * (p.context + j)),
-                               r.duration), r))
+            out.append((Sample(p.name, StepShape(decode_seqs=p.batch, context_tokens=p.batch * (p.context + j),
+                                                 longest_context=p.context + j), r.duration), r))
     return out
 
 
@@ -222,7 +222,8 @@ def prefill_samples(p: Point, recs: list[StepRecord], prompt_len: int, decode_se
         if r.prefill_tokens > 0 and r.prefill_seqs == 1 and r.decode_seqs == decode_seqs and r.duration > 0:
             before = max(0, prompt_len - r.prefill_tokens)
             shape = StepShape(decode_seqs=decode_seqs, prefill_tokens=r.prefill_tokens, prefill_seqs=1,
-                              context_tokens=context, prefill_attn=r.prefill_tokens * (before + r.prefill_tokens / 2))
+                              context_tokens=context, prefill_attn=r.prefill_tokens * (before + r.prefill_tokens / 2),
+                              longest_context=context // decode_seqs if decode_seqs else 0)
             out.append((Sample(p.name, shape, r.duration), r))
     return out
 

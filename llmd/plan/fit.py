@@ -18,6 +18,7 @@ import statistics
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 from scipy.optimize import nnls
@@ -118,15 +119,24 @@ def fit(samples: Sequence[Sample], stamp: dict[str, str], folds: int = 5,
 
 
 def samples_json(samples: Sequence[Sample]) -> list[list[object]]:
-    """Samples as compact JSON rows: point, the StepShape's fields in order, seconds, scale."""
+    """Samples as compact JSON rows: point, the StepShape's fields but the last, seconds, scale, and
+    the shape's longest context (added later: rows of older files end before it)."""
     return [[s.point, s.shape.decode_seqs, s.shape.prefill_tokens, s.shape.prefill_seqs, s.shape.context_tokens,
-             s.shape.prefill_attn, s.seconds, s.scale] for s in samples]
+             s.shape.prefill_attn, s.seconds, s.scale, s.shape.longest_context] for s in samples]
+
+
+def _longest(row: Any) -> int:
+    """A row's longest decode context; in rows from before the field, the grid's decoders all
+    share one context, so it is their context over their count."""
+    if len(row) > 8:
+        return int(row[8])
+    return int(row[4]) // int(row[1]) if int(row[1]) > 0 else 0
 
 
 def samples_from_json(rows: object, source: str) -> list[Sample]:
     try:
-        return [Sample(str(r[0]), StepShape(int(r[1]), int(r[2]), int(r[3]), int(r[4]), float(r[5])), float(r[6]),
-                       float(r[7]) if len(r) > 7 else 1.0)
+        return [Sample(str(r[0]), StepShape(int(r[1]), int(r[2]), int(r[3]), int(r[4]), float(r[5]), _longest(r)),
+                       float(r[6]), float(r[7]) if len(r) > 7 else 1.0)
                 for r in rows]  # type: ignore[attr-defined]
     except (TypeError, ValueError, IndexError, KeyError) as e:
         raise PlanError(f"{source}: not calibration samples ({e})") from None

@@ -47,6 +47,7 @@ def prior_model_coef(gpu: Gpu, model: ModelSpec, tp: int = 1, weight_dtype: str 
         "c_tok": 2 * model.params / flops,
         "c_kv": model.kv_bytes_per_token(kv_dtype) / bw,
         "c_attn": 4 * model.layers * model.heads * model.head_dim / flops,
+        "c_ctx": 0.0,  # a GPU's decode attention spreads the longest sequence over its SMs: no datasheet term
     }
 
 

@@ -20,9 +20,10 @@ import click
 from llmd.config.slo import DEFAULT_ITL_P95_S, DEFAULT_TTFT_P95_S
 from llmd.plan.errors import PlanError
 from llmd.plan.search import Candidate, Evaluator, Grid, Slo, Targets, Trial, render, search, to_json
+from llmd.plan.sim.cli import resolve_step_model
 from llmd.plan.sim.trace import Trace
 from llmd.plan.sim.workload_spec import KEYS, spec_from_options, workload_options
-from llmd.stepmodel import StepModel, StepTime
+from llmd.stepmodel import StepTime
 
 
 def simulator_evaluator(trace: Trace, step: StepTime, price: float, targets: Targets,
@@ -102,8 +103,9 @@ def _trace(o: dict[str, Any]) -> Trace:
 @click.option("--config", type=click.Path(path_type=Path), default=None,
               help="config.toml: the model's engine and scheduling, the tenants, [slo] (as llmd plan sim).")
 @click.option("--model", default=None, help="Which of the config's models (default: the first).")
-@click.option("--step-model", type=click.Path(path_type=Path), required=True,
-              help="The step-time model (llmd plan calibrate's JSON).")
+@click.option("--step-model", type=click.Path(path_type=Path), default=None,
+              help="The step-time model (llmd plan calibrate's JSON). Default: as llmd plan sim, this box's "
+              "own calibration for --model, else the one committed with llmd.")
 @click.option("--price", type=float, default=16.0, show_default=True, help="$ per replica-hour, active or warm.")
 @click.option("--ttft-ms", type=float, default=DEFAULT_TTFT_P95_S * 1000, show_default=True,
               help="Interactive TTFT p95 target.")
@@ -129,7 +131,7 @@ def search_cmd(as_json: bool, **o: Any) -> None:
         targets = _targets(o)
         grid = Grid(_ints(o["max_num_seqs"], "max-num-seqs"), _itl_targets(o["itl_target_ms"]),
                     _ints(o["warm_pool"], "warm-pool"), o["min_replicas"], o["max_replicas"], o["start"])
-        step = StepModel.load(o["step_model"])
+        step, _ = resolve_step_model(o["step_model"], o["model"])
         evaluate = evaluator_factory(_trace(o), step, o["price"], targets, o["config"], o["model"])
         res = search(evaluate, targets, grid, o["price"], progress=None if as_json else _progress)
         doc = to_json(res)

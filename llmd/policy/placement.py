@@ -20,7 +20,6 @@ version.
 from __future__ import annotations
 
 import random
-import statistics
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -148,8 +147,11 @@ def fits(c: Candidate, prompt_tokens: int, expected_output: int) -> bool:
 def _default_tps(cands: Sequence[Candidate], floor_tps: float) -> float:
     """A node not yet measured is assumed as fast as its peers' median (a fresh node is not
     shunned), or `floor_tps` when none is measured."""
-    known = [c.load.prefill_tps for c in cands if c.load.prefill_tps > 0]
-    return max(floor_tps, statistics.median(known)) if known else floor_tps
+    known = sorted(c.load.prefill_tps for c in cands if c.load.prefill_tps > 0)
+    if not known:
+        return floor_tps
+    i = len(known) // 2  # statistics.median's own arithmetic, without its overhead (a hot path)
+    return max(floor_tps, known[i] if len(known) % 2 else (known[i - 1] + known[i]) / 2)
 
 
 def place(cands: Sequence[Candidate], prompt_tokens: int, expected_output: int,
@@ -167,12 +169,22 @@ def place(cands: Sequence[Candidate], prompt_tokens: int, expected_output: int,
     hand it to whichever node frees a block first, off its cache; and on a saturated cluster a
     miss is a full prefill added to a queue that every later request waits behind."""
     reserved = {c.node: reservations.of(c.node) for c in cands}
-    fitting = [c for c in cands if fits(c, prompt_tokens, expected_output)]
+    # fits(), eligible() and estimated_ttft(), each candidate's uncached tokens counted once (hot path)
+    need = max(0, expected_output)
+    fitting: list[Candidate] = []
+    unc: list[int] = []
+    for c in cands:
+        u = uncached(c, prompt_tokens)
+        if not (c.load.draining or c.load.standby) and c.load.kv_capacity_tokens >= u + need:
+            fitting.append(c)
+            unc.append(u)
     if not fitting:
         return None
     default = _default_tps(fitting, floor_tps)
-    ttft = {c.node: estimated_ttft(c, prompt_tokens, reserved[c.node], hop_s, default) for c in fitting}
-    roomy = [c for c in fitting if eligible(c, prompt_tokens, expected_output, reserved[c.node])]
+    ttft = {c.node: (max(0, c.load.waiting_prefill_tokens) + max(0, reserved[c.node]) + u)
+            / (c.load.prefill_tps if c.load.prefill_tps > 0 else max(default, 1e-9)) + (0.0 if c.local else hop_s)
+            for c, u in zip(fitting, unc, strict=True)}
+    roomy = [c for c, u in zip(fitting, unc, strict=True) if c.load.kv_free_tokens - reserved[c.node] >= u + need]
     full = saturated(fitting, prompt_tokens, reserved) or not roomy
     ok = fitting if full else roomy
     best_ttft = min(ttft[c.node] for c in ok)

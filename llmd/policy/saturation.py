@@ -107,14 +107,16 @@ class ITLController:
         edge = now - self.lag  # later samples are left to a step model, which reacts first
         since = edge - self._settled_at
         itl = list(self.samples()) if self.samples is not None else signals.itl
-        full = [x for t, x in itl if max(edge - self.window_s, self._settled_at) <= t <= edge]
+        lo = max(edge - self.window_s, self._settled_at)
+        full = [x for t, x in itl if lo <= t <= edge]
         if len(full) < 8:
             return
         self.last_p95 = p95(full)
         # Only a binding limit is to blame: while sequences ramp up (running well below it)
         # the stalls are prefills, and a cut would only be undone.
         binding = not self._cut and running >= 0.9 * self.limit
-        short = [x for t, x in itl if max(edge - self.window_s / 2, self._settled_at) <= t <= edge]
+        lo = max(edge - self.window_s / 2, self._settled_at)
+        short = [x for t, x in itl if lo <= t <= edge]
         if binding and since >= self.window_s / 2 and len(short) >= 8 and p95(short) > 1.25 * self.target:
             self._cut_or_undo(now, p95(short))  # far over: half a window is evidence enough
         elif self.last_p95 > self.target:

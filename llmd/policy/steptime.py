@@ -39,7 +39,10 @@ import math
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from itertools import chain
 from typing import Protocol
+
+import numpy as np
 
 _Sample = tuple[float, int, int, float]  # (t, running, prefill tokens, duration s)
 
@@ -114,63 +117,57 @@ class StepFit:
         return lo
 
 
-def _solve(m: list[list[float]], v: list[float]) -> list[float] | None:
-    """Gaussian elimination with partial pivoting; None if (nearly) singular. `m` is scaled to a
-    unit diagonal by the caller, so one absolute threshold fits every problem."""
-    k = len(v)
-    m = [[*row, v[i]] for i, row in enumerate(m)]
+def _solve(m: list[list[float]]) -> list[float] | None:
+    """Gaussian elimination with partial pivoting on an augmented matrix [A | v] (changed in
+    place); None if (nearly) singular. A is scaled to a unit diagonal by the caller, so one
+    absolute threshold fits every problem."""
+    k = len(m)
     for col in range(k):
-        piv = max(range(col, k), key=lambda r: abs(m[r][col]))
-        if abs(m[piv][col]) < 1e-9:
+        piv, top = col, abs(m[col][col])  # the first row with the largest |pivot|
+        for r in range(col + 1, k):
+            if abs(m[r][col]) > top:
+                piv, top = r, abs(m[r][col])
+        if top < 1e-9:
             return None
         m[col], m[piv] = m[piv], m[col]
+        pivot_row = m[col]
         for r in range(col + 1, k):
-            f = m[r][col] / m[col][col]
+            row = m[r]
+            f = row[col] / pivot_row[col]
             for j in range(col, k + 1):
-                m[r][j] -= f * m[col][j]
+                row[j] -= f * pivot_row[j]
     x = [0.0] * k
     for r in range(k - 1, -1, -1):
         x[r] = (m[r][k] - sum(m[r][j] * x[j] for j in range(r + 1, k))) / m[r][r]
     return x
 
 
-def _normal(samples: Sequence[_Sample], w: Sequence[float]) -> tuple[list[list[float]], list[float]]:
-    """The weighted normal equations over the columns (1, running, prefill)."""
-    s = [0.0] * 9  # 1, r, p, rr, rp, pp, y, ry, py
-    for (_, r, p, y), wi in zip(samples, w, strict=True):
-        wr, wp = wi * r, wi * p
-        s[0] += wi
-        s[1] += wr
-        s[2] += wp
-        s[3] += wr * r
-        s[4] += wr * p
-        s[5] += wp * p
-        s[6] += wi * y
-        s[7] += wr * y
-        s[8] += wp * y
-    return [[s[0], s[1], s[2]], [s[1], s[3], s[4]], [s[2], s[4], s[5]]], [s[6], s[7], s[8]]
+def _normal(x: np.ndarray, w: np.ndarray) -> tuple[list[list[float]], list[float]]:
+    """The weighted normal equations over the rows (1, running, prefill) of `x`, its 4th row the
+    durations: one product gives both sides."""
+    both: list[list[float]] = ((x[:3] * w) @ x.T).tolist()
+    return [row[:3] for row in both], [row[3] for row in both]
 
 
 def _least_squares(m: list[list[float]], v: list[float], prior: tuple[float, float]) -> list[float] | None:
     """Nonnegative (a, b, c) from the normal equations, the intercept pulled toward prior[0]
     with weight prior[1]: a negative coefficient is dropped (held at 0) and the rest refitted."""
     cols = [i for i in range(3) if m[i][i] > 0]
+    pull, pull_to = prior[1], prior[1] * prior[0]
     while cols:
-        sub = [[m[i][j] for j in cols] for i in cols]
-        rhs = [v[i] for i in cols]
-        if 0 in cols:
-            sub[0][0] += prior[1]
-            rhs[0] += prior[1] * prior[0]
-        d = [math.sqrt(sub[i][i]) for i in range(len(cols))]
-        x = _solve([[sub[i][j] / (d[i] * d[j]) for j in range(len(cols))] for i in range(len(cols))],
-                   [rhs[i] / d[i] for i in range(len(cols))])
+        d = [math.sqrt(m[i][i] + pull if i == 0 else m[i][i]) for i in cols]
+        aug = [[(m[i][j] + pull if i == j == 0 else m[i][j]) / (di * dj) for j, dj in zip(cols, d, strict=True)]
+               + [(v[i] + pull_to if i == 0 else v[i]) / di] for i, di in zip(cols, d, strict=True)]
+        x = _solve(aug)
         if x is None:
             cols.pop()  # prefill, then running, whichever the data cannot separate
             continue
-        coef = dict(zip(cols, (xi / di for xi, di in zip(x, d, strict=True)), strict=True))
-        negative = [i for i in (2, 1, 0) if i in coef and coef[i] < 0]
+        coef = [0.0, 0.0, 0.0]
+        for i, xi, di in zip(cols, x, d, strict=True):
+            coef[i] = xi / di
+        negative = [i for i in (2, 1, 0) if i in cols and coef[i] < 0]
         if not negative:
-            return [coef.get(i, 0.0) for i in range(3)]
+            return coef
         cols.remove(negative[0])
     return None
 
@@ -221,69 +218,68 @@ class StepTimeModel:
         return self.fit
 
     def _fit(self) -> StepFit | None:
-        samples = list(self.window)
-        newest = samples[-1][0]
-        decay = [0.5 ** ((newest - s[0]) / self.half_life_s) for s in samples]
+        n = len(self.window)  # fromiter: twice np.array's speed
+        x = np.fromiter(chain.from_iterable(self.window), np.float64, 4 * n).reshape(n, 4).T.copy()
+        t = x[0].copy()
+        x[0] = 1.0  # rows: 1, running, prefill, duration
+        decay = 0.5 ** ((t[-1] - t) / self.half_life_s)
         w = decay
         coef: list[float] | None = None
         for _ in range(self.irls_rounds):
-            m, v = _normal(samples, w)
-            coef = _least_squares(m, v, (self.a_prior, self.prior_weight * sum(w)))
+            m, v = _normal(x, w)
+            coef = _least_squares(m, v, (self.a_prior, self.prior_weight * float(w.sum())))
             if coef is None:
                 return None
-            w = _huber(samples, coef, decay)
+            w = _huber(x, coef, decay)
         assert coef is not None
         a, b, c = coef
-        if _spread(samples, decay) >= 4.0:
+        total = float(decay.sum())
+        mean_running = float((decay * x[1]).sum()) / total
+        if float((decay * (x[1] - mean_running) ** 2).sum()) / total >= 4.0:  # batch sizes varied: a, b apart
             self.a_prior, self.identified = a, True
         elif not self.identified:
             return None  # one batch size, and no intercept seen yet: a and b are anyone's guess
-        sizes, share = _prefills(samples, decay)
-        return replace(self._recent(a, b, c, samples), prefill_sizes=sizes, prefill_share_per_seq=share)
+        sizes, share = _prefills(x[2], decay, total, mean_running)
+        return replace(self._recent(a, b, c, t, x), prefill_sizes=sizes, prefill_share_per_seq=share)
 
-    def _recent(self, a: float, b: float, c: float, samples: list[_Sample]) -> StepFit:
-        newest = samples[-1][0]
-        recent = [s for s in samples if s[0] >= newest - self.recent_s] or samples
-        if len(recent) < self.recent_min:
-            recent = samples[-self.recent_min:]
-        ratios = sorted(y / fitted for _, r, p, y in recent if (fitted := a + b * r + c * p) > 0)
-        speed = quantile(ratios, 0.5) if ratios else 1.0
-        spread = sorted(abs(x / speed - 1.0) for x in ratios)
-        return StepFit(a, b, c, speed, 1.4826 * quantile(spread, 0.5), len(samples))
+    def _recent(self, a: float, b: float, c: float, t: np.ndarray, x: np.ndarray) -> StepFit:
+        """Speed and noise over the steps of the last `recent_s` (at least `recent_min` steps)."""
+        start = min(int(np.searchsorted(t, t[-1] - self.recent_s, side="left")), max(0, len(t) - self.recent_min))
+        fitted = a + b * x[1, start:] + c * x[2, start:]
+        ok = fitted > 0
+        ratios = np.sort(x[3, start:][ok] / fitted[ok])
+        speed = _median(ratios) if len(ratios) else 1.0
+        spread = np.sort(np.abs(ratios / speed - 1.0))
+        return StepFit(a, b, c, speed, 1.4826 * _median(spread), len(t))
 
 
-def _huber(samples: Sequence[_Sample], coef: Sequence[float], decay: Sequence[float]) -> list[float]:
+def _median(sorted_values: np.ndarray) -> float:
+    """`quantile(sorted_values, 0.5)` for an array."""
+    n = len(sorted_values)
+    return float(sorted_values[min(n - 1, max(0, math.ceil(0.5 * n) - 1))]) if n else 0.0
+
+
+def _huber(x: np.ndarray, coef: list[float], decay: np.ndarray) -> np.ndarray:
     """Huber weights (k = 1.345 robust sigmas, sigma from the median absolute residual) times decay."""
-    a, b, c = coef
-    res = [y - (a + b * r + c * p) for _, r, p, y in samples]
-    scale = 1.4826 * quantile(sorted(abs(x) for x in res), 0.5)
+    res = np.abs(x[3] - np.array(coef) @ x[:3])
+    scale = 1.4826 * _median(np.sort(res))
     if scale <= 0:
-        return list(decay)
+        return decay
     k = 1.345 * scale
-    return [d if abs(x) <= k else d * k / abs(x) for x, d in zip(res, decay, strict=True)]
+    weights: np.ndarray = decay * (k / np.maximum(res, k))  # k/k = 1 within k
+    return weights
 
 
-def _prefills(samples: Sequence[_Sample], w: Sequence[float]) -> tuple[tuple[float, ...], float]:
+def _prefills(prefill: np.ndarray, w: np.ndarray, total: float, mean_running: float) -> tuple[tuple[float, ...], float]:
     """(the weighted quantiles 1/20 .. 20/20 of the steps' prefills, the weighted share of steps
-    with one per running sequence)."""
-    total = sum(w)
-    with_prefill = sorted((s[2], wi) for s, wi in zip(samples, w, strict=True) if s[2] > 0)
-    if not with_prefill or total <= 0:
+    with one per running sequence); `total` is w's sum, `mean_running` the weighted batch size."""
+    has = prefill > 0
+    if not has.any() or total <= 0:
         return (), 0.0
-    mass = sum(wi for _, wi in with_prefill)
-    sizes, acc, k = [], 0.0, 1
-    for p, wi in with_prefill:
-        acc += wi
-        while k <= 20 and acc >= mass * k / 20 - 1e-12:
-            sizes.append(float(p))
-            k += 1
-    sizes += [float(with_prefill[-1][0])] * (20 - len(sizes))
-    running = sum(wi * s[1] for s, wi in zip(samples, w, strict=True)) / total
-    return tuple(sizes), mass / total / running if running > 0 else 0.0
-
-
-def _spread(samples: Sequence[_Sample], w: Sequence[float]) -> float:
-    """Weighted variance of the batch size: how well the data alone separates a from b."""
-    total = sum(w)
-    mean = sum(wi * s[1] for s, wi in zip(samples, w, strict=True)) / total
-    return sum(wi * (s[1] - mean) ** 2 for s, wi in zip(samples, w, strict=True)) / total
+    p, pw = prefill[has], w[has]
+    order = np.lexsort((pw, p))  # by size, ties by weight
+    p, acc = p[order], np.cumsum(pw[order])
+    mass = float(acc[-1])
+    at = np.searchsorted(acc, mass * np.arange(1, 21) / 20 - 1e-12, side="left")  # first reaching k/20
+    sizes = tuple(float(v) for v in p[np.minimum(at, len(p) - 1)])
+    return sizes, mass / total / mean_running if mean_running > 0 else 0.0

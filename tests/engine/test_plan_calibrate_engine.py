@@ -32,4 +32,8 @@ def test_quick_calibration_on_the_engine(smollm2_path: Path, tmp_path: Path) -> 
     assert len(points) == 10 and all(p["steps"] >= 1 and p["measured_s"] > 0 for p in points)
     assert any(p["point"].startswith("prefill") for p in points)
     assert float(m.stamp["period_gap_ms"]) >= 0
+    # Every visit was bracketed by timed reference steps (the engine gave their periods) and scaled.
+    assert m.stamp["reference"].startswith("decode B=1 ctx=64")
+    rows = json.loads(out.with_suffix(".points.json").read_text())["samples"]
+    assert rows and all(row[7] > 0 for row in rows) and any(row[7] != 1.0 for row in rows)
     assert "held-out over 10 points" in r.stdout

@@ -67,7 +67,7 @@ def test_step_shape_of_a_mixed_batch() -> None:
     # prefill the remaining 254, the second nothing (it waits: a later one never overtakes).
     s = step_shape([_R(100, 5, 0), _R(10, 1, 0), _R(500, 0, 300), _R(50, 0, 50)], 256)
     assert s == StepShape(decode_seqs=2, prefill_tokens=254, prefill_seqs=1, context_tokens=105 + 11,
-                          prefill_attn=254 * (200 + 127))
+                          prefill_attn=254 * (200 + 127), longest_context=105)
     assert step_plan([_R(100, 5, 0), _R(500, 0, 300), _R(50, 0, 50)], 400) == [0, 300, 50]
     assert step_plan([_R(100, 5, 0), _R(500, 0, 300), _R(50, 0, 50)], 320) == [0, 300, 19]
 

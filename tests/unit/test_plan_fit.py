@@ -13,7 +13,7 @@ from click.testing import CliRunner
 from llmd.calibrate.cli import STAMP_KEYS, local_stamp
 from llmd.cli import main
 from llmd.plan.errors import PlanError
-from llmd.plan.fit import Sample, cross_validate, error_summary, error_table, fit, fit_coef
+from llmd.plan.fit import Sample, cross_validate, error_summary, error_table, fit, fit_coef, samples_from_json
 from llmd.plan.gpus import get_gpu
 from llmd.plan.model import from_config
 from llmd.plan.prior import prior_model_coef
@@ -196,8 +196,23 @@ def test_cli_passes_visit_every_point_again_with_references(tmp_path: Path) -> N
     assert m.stamp["passes"] == "2" and m.stamp["reference"].startswith("decode B=1 ctx=64")
     assert m.stamp["grid"] == "quick (steps 4, repeats 2)" and m.error["points"] == 10
     rows = json.loads(out.with_suffix(".points.json").read_text())["samples"]
-    assert all(len(row) == 8 and row[7] > 0 for row in rows)
+    assert all(len(row) == 9 and row[7] > 0 for row in rows)  # ..., seconds, scale, longest context
     assert "without the reference correction" in r.output
     r = CliRunner().invoke(main, ["plan", "calibrate", "--backend", "fake", "--quick", "--passes", "0",
                                   "--out", str(out)])
     assert r.exit_code != 0 and "--passes must be at least 1" in r.output
+
+
+def test_the_longest_decode_context_is_a_term_and_old_rows_derive_it() -> None:
+    m = StepModel({"c_step": 0.01, "c_ctx": 1e-5})
+    assert m.seconds(StepShape(decode_seqs=4, context_tokens=4000, longest_context=2000)) == 0.01 + 0.02
+    # a row written before the field: the grid's decoders share one context, so it is context / count
+    old = ["decode B=4 ctx=1025", 4, 0, 0, 4104, 0.0, 0.1, 1.0]
+    assert samples_from_json([old], "x")[0].shape.longest_context == 1026
+    assert samples_from_json([[*old, 1500]], "x")[0].shape.longest_context == 1500
+    # fitted back from steps that follow it (NNLS recovers it beside the other terms)
+    truth = StepModel({"c_step": 0.05, "c_seq": 0.001, "c_kv": 1e-6, "c_ctx": 8e-6})
+    shapes = [StepShape(decode_seqs=b, context_tokens=b * c, longest_context=c) for b in (1, 4, 16, 64)
+              for c in (64, 512, 2048)]
+    got = fit_coef([Sample(f"p{i}", s, truth.seconds(s)) for i, s in enumerate(shapes)])
+    assert abs(got["c_ctx"] - 8e-6) < 1e-7 and abs(got["c_kv"] - 1e-6) < 1e-7

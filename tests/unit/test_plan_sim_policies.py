@@ -9,10 +9,13 @@ import pytest
 
 from llmd.config import TenantConfig
 from llmd.config.parts import SchedulingConfig
+from llmd.plan.errors import PlanError
 from llmd.plan.sim.builtin import poisson_trace
-from llmd.plan.sim.report import simulate
+from llmd.plan.sim.fleet import Fleet
+from llmd.plan.sim.report import report_of, simulate
 from llmd.plan.sim.spec import Autoscale, EngineSpec, SimSpec
 from llmd.plan.sim.trace import Trace
+from llmd.policy.saturation import SaturationDetector
 from llmd.stepmodel import StepModel
 
 STEP = StepModel(coef={"c_step": 0.005, "c_seq": 0.002, "c_tok": 1e-5})
@@ -66,6 +69,23 @@ def test_an_itl_target_lowers_the_seats_and_the_itl() -> None:
     assert free["seats"]["limit_at_end"] == [64]
     assert aimed["seats"]["limit_at_end"][0] < 32
     assert aimed["by_class"]["interactive"]["itl_s"]["p95"] < 0.06 < free["by_class"]["interactive"]["itl_s"]["p95"]
+
+
+def test_a_coarser_controller_interval_is_the_controllers_and_still_meets_the_target() -> None:
+    """SimSpec.control_interval_s, an approximation for speed: the ITL controller and a busy
+    replica's periodic tick run at it, and the seats still come down to meet the target."""
+    tr = poisson_trace(10, 120, 100, 200, seed=4)
+    fleet = Fleet(SimSpec(replicas=1, engine=EngineSpec(max_num_seqs=64), control_interval_s=2.0,
+                          scheduling=SchedulingConfig(target_itl_ms=50)), tr, STEP)
+    fleet.run()
+    rep, det = fleet.replicas[0], fleet.replicas[0].core.detector
+    assert isinstance(det, SaturationDetector) and det.itl is not None
+    assert det.itl.interval_s == rep.tick_every_s == 2.0
+    aimed = report_of(fleet, STEP)
+    assert aimed["seats"]["limit_at_end"][0] < 32
+    assert aimed["by_class"]["interactive"]["itl_s"]["p95"] < 0.06
+    with pytest.raises(PlanError, match="control_interval_s"):
+        SimSpec(replicas=1, control_interval_s=0.0)
 
 
 def test_batch_yields_to_interactive() -> None:

@@ -49,7 +49,7 @@ def spec_of(cfg: Config, m: ModelConfig, replicas: int, **over: Any) -> SimSpec:
                    deadline_s=deadline, **over)
 
 
-def _step_model(path: Path | None, model: str | None) -> tuple[StepModel, Path]:
+def resolve_step_model(path: Path | None, model: str | None) -> tuple[StepModel, Path]:
     """--step-model; else this box's own `llmd plan calibrate` (its default output for the model);
     else the calibration committed with the repository (bench/data, measured on its CI box)."""
     if path is None:
@@ -135,7 +135,7 @@ def sim_cmd(**o: Any) -> None:
 
     try:
         spec = _spec(o)
-        step, step_path = _step_model(o["step_model"], o["model"])
+        step, step_path = resolve_step_model(o["step_model"], o["model"])
         trace = _trace(o, tuple(t.name for t in spec.tenants))
         report = simulate(spec, trace, step)
         report["step_model"] = {"path": str(step_path), **step.stamp}  # which fit priced the steps

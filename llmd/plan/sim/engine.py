@@ -64,6 +64,7 @@ class Engine:
         self.prefill: list[Seq] = []
         self.decoding: dict[int, Seq] = {}  # by order
         self.heap: list[tuple[int, int, Seq]] = []
+        self.bases: list[tuple[int, int, Seq]] = []  # (−base, order): the longest decoder on top, lazily
         self.groups: dict[int, int] = {}  # decoding sequences per (tenant, class) key
         self.sum_base = 0
         self.kv_prefill = 0
@@ -72,7 +73,7 @@ class Engine:
         self.cache_tokens = 0
         self.cache_cap = spec.prefix_cache_tokens if spec.prefix_cache_tokens is not None else spec.kv_tokens // 4
         self.generated = 0  # output tokens, a counter
-        self.basis = [0.0] * 5  # summed StepShape basis terms: steps, seqs, tokens, context, attention
+        self.basis = [0.0] * 6  # summed StepShape basis terms: steps, seqs, tokens, context, attention, longest
         self.seat_s = 0.0  # ∫ sequences held dt
         self.busy_s = 0.0
         self.preempted = 0  # sequences preempted for KV (recompute)
@@ -94,6 +95,17 @@ class Engine:
 
     def context(self) -> int:
         return self.sum_base + len(self.decoding) * self.S
+
+    def longest(self) -> int:
+        """The longest decoding sequence's length (0: none decodes); stale heap entries (sequences
+        gone, or decoding again since with another base) are dropped on the way."""
+        h = self.bases
+        while h:
+            base, order, s = h[0]
+            if self.decoding.get(order) is s and s.base == -base:
+                return -base + self.S
+            heapq.heappop(h)
+        return 0
 
     def idle(self) -> bool:
         return self.seg is None and self.mixed is None
@@ -191,9 +203,9 @@ class Engine:
         tokens, attn = sum(sizes), sum(chunk_attention(c, s.done) for s, c in chunks)
         if not chunks and b == 0:
             return None
-        ctx = self.context()
-        dt = self.step.seconds(StepShape(b, tokens, len(chunks), ctx, attn))
-        self._account(1, b + len(chunks), b + tokens, ctx, attn, dt, self.running)
+        ctx, longest = self.context(), self.longest()
+        dt = self.step.seconds(StepShape(b, tokens, len(chunks), ctx, attn, longest))
+        self._account(1, b + len(chunks), b + tokens, ctx, attn, longest, dt, self.running)
         self.mixed, self.end, self.step_time_of_last = chunks, now + dt, dt
         return self.end
 
@@ -205,21 +217,24 @@ class Engine:
         if room <= 0:
             return None
         k = min(self.heap[0][0] - self.S, room)
-        ctx0 = self.context()
-        first = self.step.seconds(StepShape(b, context_tokens=ctx0))
-        slope = (self.step.seconds(StepShape(b, context_tokens=ctx0 + (k - 1) * b)) - first) / (k - 1) if k > 1 else 0.0
+        ctx0, long0 = self.context(), self.longest()
+        first = self.step.seconds(StepShape(b, context_tokens=ctx0, longest_context=long0))
+        slope = (self.step.seconds(StepShape(b, context_tokens=ctx0 + (k - 1) * b, longest_context=long0 + k - 1))
+                 - first) / (k - 1) if k > 1 else 0.0
         total = k * first + slope * k * (k - 1) / 2
-        self._account(k, b * k, b * k, k * ctx0 + b * k * (k - 1) / 2, 0.0, total, b)
+        self._account(k, b * k, b * k, k * ctx0 + b * k * (k - 1) / 2, 0.0, k * long0 + k * (k - 1) / 2, total, b)
         self.seg, self.end = (now, k, first, slope), now + total
         return self.end
 
-    def _account(self, steps: int, seqs: int, tokens: int, ctx: float, attn: float, dt: float, held: int) -> None:
+    def _account(self, steps: int, seqs: int, tokens: int, ctx: float, attn: float, longest: float, dt: float,
+                 held: int) -> None:
         a = self.basis
         a[0] += steps
         a[1] += seqs
         a[2] += tokens
         a[3] += ctx
         a[4] += attn
+        a[5] += longest
         self.busy_s += dt
         self.seat_s += held * dt
 
@@ -247,10 +262,11 @@ class Engine:
         k2 = j + 1
         if k2 < k:
             b = len(self.decoding)
-            ctx0 = self.context()
+            ctx0, long0 = self.context(), self.longest()
             cut_ctx = (k * ctx0 + b * k * (k - 1) / 2) - (k2 * ctx0 + b * k2 * (k2 - 1) / 2)
+            cut_long = (k * long0 + k * (k - 1) / 2) - (k2 * long0 + k2 * (k2 - 1) / 2)
             cut_t = (k * first + slope * k * (k - 1) / 2) - (k2 * first + slope * k2 * (k2 - 1) / 2)
-            self._account(-(k - k2), -b * (k - k2), -b * (k - k2), -cut_ctx, 0.0, -cut_t, b)
+            self._account(-(k - k2), -b * (k - k2), -b * (k - k2), -cut_ctx, 0.0, -cut_long, -cut_t, b)
             self.seg = (t0, k2, first, slope)
             self.end = t0 + k2 * first + slope * k2 * (k2 - 1) / 2
         return self.end
@@ -342,6 +358,10 @@ class Engine:
         self.sum_base += base
         self.groups[r.key] = self.groups.get(r.key, 0) + 1
         heapq.heappush(self.heap, (s.fin, s.order, s))
+        heapq.heappush(self.bases, (-base, s.order, s))
+        if len(self.bases) > 2 * len(self.decoding) + 64:  # stale entries under a long-lived top: rebuild
+            self.bases = [(-d.base, o, d) for o, d in self.decoding.items()]
+            heapq.heapify(self.bases)
         return r
 
     def _finished(self, now: float) -> list[Req]:

@@ -51,7 +51,7 @@ class Fleet:
         self.router = ScoreRouting(self.reservations, random.Random(spec.seed))
         self.rng = random.Random(spec.seed + 1)  # candidates and failures
         self.replicas = [Replica(i, spec.engine, spec.scheduling, self.tenants, step, clock, self.rec,
-                                 spec.exact_controller)
+                                 spec.control_interval_s, spec.exact_controller)
                          for i in range(spec.replicas)]
         self.loads: list[VersionLoad] = [self._load(r) for r in self.replicas]
         self.vtc = spec.scheduling.fairness == "vtc"

@@ -37,7 +37,8 @@ class Replica:
     """Engine + llmd's scheduler for it. `state` is the fleet's: active, warm, cold, starting, failed."""
 
     def __init__(self, idx: int, spec: EngineSpec, sched: SchedulingConfig, tenants: list[TenantConfig],
-                 step: StepTime, clock: Callable[[], float], rec: Recorder, exact: bool = False) -> None:
+                 step: StepTime, clock: Callable[[], float], rec: Recorder, control_s: float | None = None,
+                 exact: bool = False) -> None:
         self.idx = idx
         self.name = f"r{idx:03d}"
         self.state = "active"
@@ -45,6 +46,7 @@ class Replica:
         self.exact = exact  # the ITL controller sees what llmd's does (SimSpec.exact_controller)
         self.engine = Engine(spec, step, rec, *((LLMD_GAPS, LLMD_HISTORY, True) if exact else (GAP_SAMPLES,)))
         self.gaps = self.engine.gaps
+        self.tick_every_s = TICK_EVERY_S if control_s is None else control_s
         self.core = self._core(spec, sched, tenants)
         self.version = 0  # bumps when its pending boundary event moves
         self.next_t: float | None = None  # its pending boundary event
@@ -70,6 +72,8 @@ class Replica:
                                       steps=(lambda: self.engine.history) if sc.itl_step_model else None)
         if isinstance(detector.itl, StepModelITL) and not self.exact:
             detector.itl.model = StepTimeModel(window=STEP_WINDOW)
+        if detector.itl is not None:  # SimSpec.control_interval_s: coarser trades accuracy for speed
+            detector.itl.interval_s = self.tick_every_s
         batch_seats = sc.batch_seats_with_interactive if sc.batch_seats_with_interactive is not None \
             else max(1, seats // 4)
         throughput = ThroughputEstimate(sc.prior_tokens_per_s, clock=self.clock)
@@ -123,7 +127,7 @@ class Replica:
         # at every boundary while anything is queued, as llmd ticks every 10 ms then).
         queued = self.exact and len(self.core.queue) > 0
         dropped, self.early = self.early, []
-        if self.dirty or queued or now - self.last_tick >= TICK_EVERY_S:
+        if self.dirty or queued or now - self.last_tick >= self.tick_every_s:
             dropped += self._tick(now)
         self.next_t = eng.plan(now)
         for r in done:

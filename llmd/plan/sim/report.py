@@ -87,8 +87,9 @@ def _report(fleet: Fleet, step: StepTime) -> dict[str, Any]:
 
 def _utilisation(fleet: Fleet, step: StepTime, billed_s: float) -> dict[str, Any]:
     """Where the step time went, by the step model's terms, over the billed replica-time: KV reads
-    (c_kv: attention bandwidth), token compute (c_tok, c_attn: GEMM and prefill attention FLOPs),
-    fixed overheads (c_step, c_seq); and seats held over seats billed. Busy time says little."""
+    (c_kv, c_ctx: attention bandwidth and its longest sequence), token compute (c_tok, c_attn: GEMM
+    and prefill attention FLOPs), fixed overheads (c_step, c_seq); and seats held over seats billed.
+    Busy time says little."""
     basis = [sum(r.engine.basis[i] for r in fleet.replicas) for i in range(len(BASIS))]
     coef: dict[str, float] = getattr(step, "coef", {})
     seconds = {name: coef.get(name, 0.0) * basis[i] for i, name in enumerate(BASIS)}
@@ -101,7 +102,7 @@ def _utilisation(fleet: Fleet, step: StepTime, billed_s: float) -> dict[str, Any
         "steps": basis[0],
     }
     if coef:
-        out["kv_bandwidth"] = seconds["c_kv"] / d
+        out["kv_bandwidth"] = (seconds["c_kv"] + seconds["c_ctx"]) / d
         out["compute"] = (seconds["c_tok"] + seconds["c_attn"]) / d
         out["overhead"] = (seconds["c_step"] + seconds["c_seq"]) / d
         out["step_seconds_by_term"] = seconds

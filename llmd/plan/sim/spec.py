@@ -72,6 +72,10 @@ class SimSpec:
     # The clients give up at this time (a replay cuts its streams a while after the last arrival):
     # the run stops there and only requests completed by then count their TTFT. None: all finish.
     horizon_s: float | None = None
+    # The ITL controller's interval (its step-model refit and AIMD judgement, and the periodic
+    # tick of a busy replica); None: llmd's own (0.5 s). Coarser is an approximation that buys
+    # speed (refits dominate a big fleet's run): the seat limit follows a change of load later.
+    control_interval_s: float | None = None
 
     def __post_init__(self) -> None:
         e = self.engine
@@ -85,6 +89,8 @@ class SimSpec:
             raise PlanError("route_candidates must be ≥ 1 and gossip_s > 0")
         if self.ingress_s < 0 or self.delivery_s < 0 or self.price_per_hour < 0:
             raise PlanError("ingress_s, delivery_s and price_per_hour must not be negative")
+        if self.control_interval_s is not None and self.control_interval_s <= 0:
+            raise PlanError("control_interval_s must be positive")
         if self.mtbf_s is not None and self.mtbf_s <= 0:
             raise PlanError("mtbf_s must be positive")
         a = self.autoscale
