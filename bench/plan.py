@@ -58,9 +58,10 @@ def part_c(measure: tuple[str, ...]) -> list[str]:
               "bench.lib.plan_e2e --parts capacity-real capacity-real-noitl points-real-noitl` in several runs under "
               "the box lock, 2026-12-02 00:15-01:35 UTC. The fake backend's rows, its capacity and llmd's overheads "
               "run on the fitted step model (`[models.fake] step_model`, the function the simulator prices steps "
-              "by): `python -m bench.lib.plan_e2e --step-model bench/data/stepmodel-local-cpu.json --parts overhead "
-              "capacity-fake`, then one point per locked run, `--parts points-fake --loads L --first-rep R "
-              "--same-trace --duration-s 180 --warmup-s 20` (both repeats replay one trace: their spread is the "
+              "by; bench/data/stepmodel-fake-e2e.json, this box's fit when they ran): `python -m bench.lib.plan_e2e "
+              "--step-model bench/data/stepmodel-fake-e2e.json --parts overhead capacity-fake`, then one point "
+              "per locked run, `--parts points-fake --loads L --first-rep R --same-trace --duration-s 180 "
+              "--warmup-s 20` (both repeats replay one trace: their spread is the "
               "box's noise, not the draw's), 2026-12-02 03:23-04:35 UTC. This run simulated every one of them "
               "again with the code named above.")
     return ["### (c) End to end: the simulator against llmd", "",
