@@ -186,7 +186,7 @@ async def test_slo_pages_fire_on_a_breach_and_clear_on_recovery(make_server: Any
     scrapes = [await scrape(live.url)]
     await _traffic(live)
     scrapes.append(await scrape(live.url))
-    engine.step_ms = 300  # a first token after ~0.6 s (> 0.5), a token every 0.3 s (> 0.2)
+    engine.step_ms = 600  # a first token after ~0.6 s (> 0.5; the prefill step samples it), a token every 0.6 s (> 0.2)
     await _traffic(live, late=4)
     scrapes.append(await scrape(live.url))
     engine.step_ms = 2

@@ -113,12 +113,16 @@ async def test_running_streams_resume_with_the_same_text(make_server, records) -
 async def test_queued_and_unstarted_requests_run_on_the_new_engine_in_their_places(make_server, records) -> None:
     live = await make_server(toml(step_ms=100, max_running=2))
     c, be, rt = client(live), live.backend(), live.runtime()
+    # The step that computes a prompt samples its first token (as vLLM's does): a long first step
+    # keeps the two seated ones without a token while the other four queue behind them.
+    be.cfg.step_ms = 3000
     calls = [c.completions.create(model="fake", prompt=f"request {i}", max_tokens=5, temperature=0) for i in range(6)]
     tasks = []
     for call in calls:  # one at a time, so they queue in this order
         tasks.append(asyncio.ensure_future(call))
         assert await async_wait_until(lambda: len(rt.queue) + len(be.submitted) == len(tasks))
     assert len(be.submitted) == 2 and len(rt.queue) == 4 and be.stats.generated_tokens == 0
+    be.cfg.step_ms = 100  # the new engine's speed (whether or not it shares this config)
     be.kill()  # two seated in the engine, four in our queue: none has a token yet
     answers = await asyncio.gather(*tasks)
     assert all(a.usage.completion_tokens == 5 for a in answers)
