@@ -136,13 +136,16 @@ def _grid(o: dict[str, Any]) -> Grid:
     """The grid asked for, with more steps per point where asked: a point's median step is
     then less noisy on a box whose steps jitter by 15-30 % (its held-out error is the target)."""
     grid = QUICK if o["quick"] else FULL
-    if o.get("steps") is not None or o.get("repeats") is not None:
-        if min(x for x in (o.get("steps"), o.get("repeats")) if x is not None) < 1:
-            raise PlanError("--steps and --repeats must be at least 1")
-        grid = replace(grid, name=f"{grid.name} (steps {o.get('steps') or grid.decode_steps}, "
-                       f"repeats {o.get('repeats') or grid.repeats})",
-                       decode_steps=o.get("steps") or grid.decode_steps, repeats=o.get("repeats") or grid.repeats)
-    return grid
+    if o.get("passes", 1) < 1:
+        raise PlanError("--passes must be at least 1")
+    steps, repeats = o.get("steps"), o.get("repeats")
+    if steps is None and repeats is None:
+        return grid
+    if min(x for x in (steps, repeats) if x is not None) < 1:
+        raise PlanError("--steps and --repeats must be at least 1")
+    steps, repeats = steps or grid.decode_steps, repeats or grid.repeats
+    return replace(grid, name=f"{grid.name} (steps {steps}, repeats {repeats})", decode_steps=steps,
+                   repeats=repeats)
 
 
 def _measure(o: dict[str, Any]) -> tuple[dict[str, str], list[Sample]]:
@@ -153,8 +156,6 @@ def _measure(o: dict[str, Any]) -> tuple[dict[str, str], list[Sample]]:
     if grid.longest() > b.max_model_len:
         raise PlanError(f"the {grid.name} grid needs sequences of {grid.longest()} tokens; the engine holds "
                         f"{b.max_model_len}")
-    if o.get("passes", 1) < 1:
-        raise PlanError("--passes must be at least 1")
     samples, gaps, refs = asyncio.run(measure(b, grid, o.get("passes", 1), not o.get("no_reference")))
     gap = statistics.median(gaps) * 1e3 if gaps else 0.0
     if refs and all(r > 0 for r in refs):

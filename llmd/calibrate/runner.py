@@ -84,11 +84,16 @@ class Calibrator:
         hist = list(self.backend.stats.history)
         return hist[-n:] if n > 0 else []
 
-    def _keep(self, got: list[tuple[Sample, StepRecord]]) -> list[Sample]:
-        """Each sample timed by its step's period where the engine measured one."""
+    def _periods(self) -> dict[float, float]:
+        """Each step's period by its time stamp: the least inter-token latency the engine reported in it."""
         itl: dict[float, float] = {}
         for t, x in self.backend.stats.itl:
             itl[t] = min(x, itl.get(t, x))
+        return itl
+
+    def _keep(self, got: list[tuple[Sample, StepRecord]]) -> list[Sample]:
+        """Each sample timed by its step's period where the engine measured one."""
+        itl = self._periods()
         out = []
         for raw, r in got:
             period = itl.get(r.t)
@@ -147,9 +152,7 @@ class Calibrator:
         mark = self.backend.stats.steps
         await self._run_one(prefix, REFERENCE_TOKENS)
         await self._settle()
-        itl: dict[float, float] = {}
-        for t, x in self.backend.stats.itl:
-            itl[t] = min(x, itl.get(t, x))
+        itl = self._periods()
         periods = [itl[r.t] for _, r in decode_samples(REFERENCE, self._since(mark)) if itl.get(r.t, 0) > 0]
         return statistics.median(periods) if periods else 0.0
 

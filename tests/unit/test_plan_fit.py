@@ -131,6 +131,9 @@ def test_cli_prior_writes_a_stamped_model(tmp_path: Path) -> None:
     (["--prior", "H100", "--model-config", "/nonexistent/config.json"], "no such file"),
     (["--backend", "fake", "--fake-step-model", "/nonexistent/m.json"], "cannot read step model"),
     (["--model", "no-such-model"], "not in the weight store"),
+    (["--backend", "fake", "--quick", "--steps", "0"], "--steps and --repeats must be at least 1"),
+    (["--backend", "fake", "--quick", "--repeats", "-1"], "--steps and --repeats must be at least 1"),
+    (["--backend", "fake", "--quick", "--passes", "0"], "--passes must be at least 1"),
 ])
 def test_cli_bad_input_is_one_line(args: list[str], says: str, tmp_path: Path,
                                    monkeypatch: pytest.MonkeyPatch) -> None:
