@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from llmd.policy.classes import BATCH, INTERACTIVE, ModelQueue
+from llmd.policy.classes import BATCH, INTERACTIVE, ClassQueue, ModelQueue
 from llmd.policy.queue import QueuedRequest
 
 Heir = Callable[[], QueuedRequest | None]  # pops the request that takes a victim's seat, if any is left
@@ -134,12 +134,20 @@ class FairShare:
             return
         seats = r.seats
         share = seats.fair_share(r.limit)
-        if not any(seats.holds(q.tenant) < share for q in seats.queue.heads()):
+        # A waiting batch request may not have the seat while batch work is capped: BatchOverCap
+        # would take it back next tick, and the two would trade the seat, a re-prefill each time.
+        batch_held = sum(1 for t in r.untaken() if t.klass == BATCH)
+        queue: ModelQueue | ClassQueue = seats.queue
+        heads = list(seats.queue.heads())
+        if batch_held >= seats.batch_cap(r.limit):
+            queue = seats.queue.classes[INTERACTIVE]
+            heads = list(queue.heads().values())
+        if not any(seats.holds(q.tenant) < share for q in heads):
             return
         victim = most_over_share(seats, r.untaken(), share)
         if victim is not None:
             r.victims.append(victim)
-            r.heirs.append(lambda: seats.queue.pop_next(seats.below_share(share)))
+            r.heirs.append(lambda: queue.pop_next(seats.below_share(share)))
 
 
 def most_over_share(seats: SeatView, live: list[QueuedRequest], share: int) -> QueuedRequest | None:

@@ -209,6 +209,22 @@ def test_fair_share_preemption_takes_the_flooding_tenants_newest_one_at_a_time()
     assert core.tick() == Decision() and core.tenant_running == {"a": 2, "b": 2}
 
 
+def test_fair_share_does_not_hand_a_seat_to_batch_work_while_batch_is_capped() -> None:
+    """A holds every seat with chats; B, below its share, waits with batch work only. Batch may
+    hold no seat while chats run: a seat taken from A for it would go straight back (BatchOverCap
+    preempts it next tick), the two trading it each tick. B's batch request waits; a B chat
+    still gets a seat from A."""
+    core, _, _ = make(seats=3, batch_cap=0, fairness="vtc")
+    chats = [req("a") for _ in range(3)]
+    seat(core, *chats)
+    bulk = req("b", "batch")
+    assert submit(core, bulk) == Decision()
+    assert core.tick() == Decision()
+    chat = req("b")
+    d = submit(core, chat)
+    assert d.preempt == (chats[2],) and d.heirs == (chat,)
+
+
 def test_a_sequence_can_be_preempted_in_the_tick_that_seated_it() -> None:
     """FCFS seats A's `x` (first in line) in B's freed seat; A then holds both seats while B,
     below its fair share, waits: `x` yields at once, before it ever reaches the engine."""
