@@ -184,3 +184,17 @@ def test_the_longest_decoding_sequence_prices_the_step_until_it_leaves() -> None
     both = sum(2000 + 1 + j for j in range(49))  # both decode: the long one is the longest
     short = sum(100 + 1 + j for j in range(49, 399))  # then the short one alone
     assert got == pytest.approx(both + short, rel=0.03)
+
+
+def test_a_preempted_request_resumes_from_its_own_cached_blocks() -> None:
+    """A batch request preempted for a chat resumes by prefilling prompt + generated tokens;
+    vLLM kept its full blocks cached (so does the fake backend), so the resume computes only the
+    tail: the cache hits are its earlier attempt's blocks, prompt and output, not zero."""
+    tr = Trace(t=np.array([0.0, 1.0]), tenant=np.zeros(2, np.int32), klass=np.array([1, 0], np.int8),
+               prompt_tokens=np.array([500, 50], np.int32), output_tokens=np.array([1000, 20], np.int32),
+               prefix=np.array([-1, -1], np.int32), prefix_tokens=np.zeros(2, np.int32), tenants=("t",))
+    spec = SimSpec(replicas=1, ingress_s=0, delivery_s=0, scheduling=SchedulingConfig(batch_seats_with_interactive=0))
+    rep = simulate(spec, tr, STEP)
+    assert rep["preemptions"]["scheduler"] == 1 and rep["requests"]["completed"] == 2
+    hits = rep["utilisation"]["prefix_cache_hit_tokens"]
+    assert 500 < hits < 1500 and hits % 16 == 0  # past its prompt: its output's full blocks too

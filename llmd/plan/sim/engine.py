@@ -1,7 +1,7 @@
 """One replica's engine, after vLLM v1's scheduler: running sequences decode first (one token
 each), then prefill chunks fill the step's token budget; `max_num_seqs` seats; KV cache in
-blocks, preempt-by-recompute (newest first) when it runs out; prefix caching of a request's
-shared-prefix group when this replica holds it (LRU by group).
+blocks, preempt-by-recompute (newest first) when it runs out; prefix caching (one LRU) of each
+shared-prefix group and of a preempted request's own blocks, which its resume finds.
 
 Fast: a run of decode-only steps (nothing arrives, nothing finishes) is one segment, advanced in
 closed form: the context grows by B tokens a step, so step time is linear in the step index for
@@ -130,9 +130,12 @@ class Engine:
             r.last_t = now
             self.sum_base -= s.base
             self.groups[r.key] -= 1
+            if r.generated < r.output:  # cut short: its full blocks stay cached for its resume
+                self._keep_own(r, r.prompt + r.generated - 1)
         elif s in self.prefill:
             self.prefill.remove(s)
             self.kv_prefill -= s.done
+            self._keep_own(r, s.done)
         else:
             self.waiting.remove(s)
         r.seq = None
@@ -147,15 +150,33 @@ class Engine:
             self.prefill.append(s)
 
     def _cached(self, r: Req, plen: int) -> int:
-        if not self.spec.prefix_caching or r.prefix < 0:
+        """Prompt tokens found in the cache: its shared prefix's, or, resuming after a preemption,
+        its own earlier attempt's (vLLM keeps a freed sequence's full blocks cached)."""
+        if not self.spec.prefix_caching:
             return 0
-        tokens = self.cache.get(r.prefix)
-        if tokens is None:
-            return 0
-        self.cache.move_to_end(r.prefix)
-        hit = min(tokens, r.prefix_tokens, plen - 1)
+        own = self.cache.pop(-2 - r.i, 0)
+        self.cache_tokens -= own
+        tokens = self.cache.get(r.prefix) if r.prefix >= 0 else None
+        if tokens is not None:
+            self.cache.move_to_end(r.prefix)
+            own = max(own, min(tokens, r.prefix_tokens))
+        hit = max(0, min(own, plen - 1))
         self.cache_hit_tokens += hit
-        return max(0, hit)
+        return hit
+
+    def _keep_own(self, r: Req, tokens: int) -> None:
+        """A request cut short (preempted, aborted) leaves its full blocks in the LRU, under its
+        own key (-2 - its index: shared groups are >= 0): its resume prefills only the rest."""
+        blocks = tokens // self.spec.block_size * self.spec.block_size
+        if not self.spec.prefix_caching or blocks <= 0:
+            return
+        self.cache_tokens += blocks - self.cache.pop(-2 - r.i, 0)
+        self.cache[-2 - r.i] = blocks
+        self._evict()
+
+    def _evict(self) -> None:
+        while self.cache_tokens > self.cache_cap and self.cache:
+            self.cache_tokens -= self.cache.popitem(last=False)[1]
 
     def holds(self, prefix: int) -> bool:
         return prefix in self.cache
@@ -165,8 +186,7 @@ class Engine:
             return
         self.cache[r.prefix] = r.prefix_tokens
         self.cache_tokens += r.prefix_tokens
-        while self.cache_tokens > self.cache_cap and self.cache:
-            self.cache_tokens -= self.cache.popitem(last=False)[1]
+        self._evict()
 
     def _preempt_newest(self, now: float) -> None:
         """Out of KV: the newest sequence goes back to the head of the queue, to recompute."""

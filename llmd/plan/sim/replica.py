@@ -119,9 +119,9 @@ class Replica:
         the engine's output then, as llmd/scheduler.py does on the fake and the real engine): what
         arrived before the boundary is seated in the next step, a seat they free a step later."""
         eng = self.engine
-        for r in self.aborts:  # first: llmd's abort takes effect mid-step, the step's token never reaches it
+        aborts, self.aborts = self.aborts, []  # those the ticks below ask for wait for the next boundary
+        for r in aborts:  # first: llmd's abort takes effect mid-step, the step's token never reaches it
             self._abort(r, now)
-        self.aborts.clear()
         started, done = eng.complete(now) if not eng.idle() else ([], [])
         # A lowered limit or the batch cap's quiet period is seen by the next periodic tick (exact:
         # at every boundary while anything is queued, as llmd ticks every 10 ms then).
