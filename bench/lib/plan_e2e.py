@@ -112,6 +112,7 @@ async def _points(res: dict[str, Any], engine: str, a: argparse.Namespace) -> No
                 p, sent, t0 = await load_point(srv, pid, MODEL, engine, load, rate, trace, seed, a.warmup_s,
                                                a.drain_s)
                 dump(_raw(a, f"{engine}-{load:g}-{rep}"), sent, t0)
+                _raw(a, f"{engine}-{load:g}-{rep}-seats").write_text(json.dumps(p.extra.pop("seats")) + "\n")
                 row = {**asdict(p), "rep": rep, "duration_s": a.duration_s, "warmup_s": a.warmup_s,
                        "drain_s": a.drain_s,
                        "step_model": str(a.step_model) if a.step_model else None, "sim": None}

@@ -144,17 +144,23 @@ async def load_point(srv: Srv, pid: int, model: str, engine: str, load: float, r
     """Replay `trace` open loop and summarise it; requests still running `drain_s` after the last
     arrival are cut (counted by status, left out of the percentiles)."""
     cpu0, srv0, w0 = time.process_time(), cpu_seconds(pid), time.monotonic()
-    sent, t0 = await replay(srv.url + "/v1", model, trace, srv.keys, seed=seed, drain_s=drain_s)
+    async with httpx.AsyncClient(timeout=30) as h:
+        sampler = AdminSampler(h, srv, model, every_s=0.5)  # the seats over time, for looking into a figure
+        sampler.start()
+        sent, t0 = await replay(srv.url + "/v1", model, trace, srv.keys, seed=seed, drain_s=drain_s)
+        await sampler.stop()
     wall = time.monotonic() - w0
     m = summarise(sent, t0, warmup_s, trace.duration)
+    seats = [{"t": round(x["t"] - t0, 3), "limit": x["seat_limit"], "running": x.get("class_running", {}),
+              "queued": x["queued"], "itl": x.get("itl_controller")} for x in sampler.samples]
     return Point(engine, load, rate, seed, m, (time.process_time() - cpu0) / wall,
-                 (cpu_seconds(pid) - srv0) / wall), sent, t0
+                 (cpu_seconds(pid) - srv0) / wall, {"seats": seats}), sent, t0
 
 
 def dump(path: Path, sent: list[Sent], t0: float) -> None:
     """Every request of a run as the client saw it (times from t0), for looking into a figure."""
     rows = [{"i": s.i, "tenant": s.tenant, "class": s.klass, "status": s.status, "sched": round(s.t_sched - t0, 4),
              "late": round(s.t_send - s.t_sched, 4), "ttft": s.ttft, "e2e": s.e2e, "prompt": s.prompt_tokens,
-             "tokens": s.output_tokens, "chunks": len(s.chunks),
-             "max_gap": max(s.gaps(), default=None)} for s in sent]
+             "tokens": s.output_tokens, "chunks": len(s.chunks), "max_gap": max(s.gaps(), default=None),
+             "at": [round(c - t0, 4) for c in s.chunks], "n": list(s.tokens)} for s in sent]
     path.write_text(json.dumps(rows) + "\n")

@@ -111,6 +111,7 @@ def _engines(registry: Registry, since: float | None) -> dict[str, Any]:
             sched = rt.scheduler
             out[name] = rt.backend.stats.snapshot(since) | {
                 "scheduler_running": len(sched.running),
+                "class_running": dict(sched.core.class_running),
                 "queued": {k: rt.queue.depth(k) for k in rt.queue.classes},
                 "seat_limit": sched.seat_limit,
                 "itl_controller": sched.core.detector.describe(),
