@@ -23,7 +23,7 @@ class EngineSpec:
     kv_tokens: int = 64 * 2048  # KV cache capacity, tokens
     block_size: int = 16
     prefix_caching: bool = True
-    prefix_cache_tokens: int | None = None  # the LRU of shared prefixes (and preempted requests' blocks); None: a quarter of the KV
+    prefix_cache_tokens: int | None = None  # LRU of shared prefixes and preempted requests' blocks; None: KV / 4
 
 
 @dataclass(frozen=True)
