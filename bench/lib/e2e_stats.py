@@ -1,12 +1,13 @@
 """The end-to-end figures a replay is judged by, and how measured and simulated ones compare.
 
 One definition for both sides: TTFT and ITL percentiles over the requests that arrived inside
-the measured window (after the warm-up, before the last arrival), ITL over every gap between
-a stream's chunks (a chunk that carried k tokens counts as one gap: what a client sees), and
-throughput as output tokens delivered inside the window per second of it. Percentiles by the
-simulator's own estimator (llmd/plan/sim/hist.py: nearest rank, reported at its bin's middle): with
-a few dozen samples a class's p50 by linear interpolation can sit halfway between two requests
-seconds apart, an "error" that is only a difference of definition.
+the measured window (after the warm-up, before the last arrival), and throughput as output
+tokens delivered inside the window per second of it. ITL is the engine's pace: a chunk of k
+tokens counts as k gaps of 1/k its gap (`token_gaps`); the gaps between chunks, as a client saw
+them, are kept beside it (`chunk_itl_p50`, `chunk_itl_p95`). Percentiles by the simulator's own
+estimator (llmd/plan/sim/hist.py: nearest rank, reported at its bin's middle): with a few dozen
+samples a class's p50 by linear interpolation can sit halfway between two requests seconds
+apart, an "error" that is only a difference of definition.
 """
 
 from __future__ import annotations
@@ -48,6 +49,8 @@ class Measured:
     e2e_p50: float
     by_class: dict[str, Figures] = field(default_factory=dict)
     tput_run: float = math.nan  # every output token / (last chunk - trace time 0): the simulator's definition
+    chunk_itl_p50: float = math.nan  # the gaps between chunks as a client saw them (a chunk may carry several tokens)
+    chunk_itl_p95: float = math.nan
 
 
 def window(t0: float, warmup_s: float, duration: float) -> tuple[float, float]:
@@ -55,20 +58,39 @@ def window(t0: float, warmup_s: float, duration: float) -> tuple[float, float]:
     return t0 + warmup_s, t0 + max(duration, warmup_s + 1e-9)
 
 
-def pct(values: Sequence[float], q: float) -> float:
+def pct(values: Sequence[float], q: float, weights: Sequence[float] | None = None) -> float:
     """The q-th percentile (0-100) as the simulator's histograms report it; NaN for none."""
     h = Hist()
-    for v in values:
-        h.add(v)
+    for v, w in zip(values, weights if weights is not None else [1.0] * len(values), strict=True):
+        h.add(v, w)
     x = h.quantile(q / 100.0)
     return math.nan if x is None else x
 
 
+def token_gaps(s: Sent) -> tuple[list[float], list[float]]:
+    """(gap per token, tokens) of each chunk after the first: a chunk of k tokens that came g
+    after the one before stands for k engine steps of g/k each. llmd sends each step's token as
+    it comes, but on a busy 2-core box its API process falls behind and sends a few together;
+    the simulator prices engine steps, so the engine's pace is what is compared (the chunk gaps
+    a client saw are reported beside it)."""
+    gaps, ks = [], []
+    for a, b, k in zip(s.chunks, s.chunks[1:], s.tokens[1:], strict=False):
+        gaps.append((b - a) / max(1, k))
+        ks.append(float(max(1, k)))
+    return gaps, ks
+
+
 def _figures(sent: Sequence[Sent], inside: Sequence[Sent], lo: float, hi: float) -> Figures:
     ttfts = [s.ttft for s in inside if s.ttft is not None and s.status == "ok"]
-    gaps = [g for s in inside if s.status == "ok" for g in s.gaps()]
+    gaps: list[float] = []
+    ks: list[float] = []
+    for s in inside:
+        if s.status == "ok":
+            g, k = token_gaps(s)
+            gaps += g
+            ks += k
     tokens = sum(n for s in sent for t, n in zip(s.chunks, s.tokens, strict=True) if lo <= t < hi)
-    return Figures(pct(ttfts, 50), pct(ttfts, 95), pct(gaps, 50), pct(gaps, 95),
+    return Figures(pct(ttfts, 50), pct(ttfts, 95), pct(gaps, 50, ks), pct(gaps, 95, ks),
                    tokens / (hi - lo))
 
 
@@ -84,13 +106,15 @@ def summarise(sent: Sequence[Sent], t0: float, warmup_s: float, duration: float)
     inside = [s for s in sent if lo <= s.t_sched <= hi]
     chunks = sum(len(s.chunks) for s in inside)
     e2e = [e for s in inside if s.status == "ok" and (e := s.e2e) is not None]
+    chunk_gaps = [g for s in inside if s.status == "ok" for g in s.gaps()]
     by_class = {k: _figures([s for s in sent if s.klass == k], [s for s in inside if s.klass == k], lo, hi)
                 for k in sorted({s.klass for s in inside})}
     return Measured(
         figures=_figures(sent, inside, lo, hi), n=len(inside), statuses=dict(Counter(s.status for s in inside)),
         tokens_per_chunk=sum(s.output_tokens for s in inside) / chunks if chunks else math.nan,
         send_late_p95=stats.pct([s.t_send - s.t_sched for s in inside], 95), e2e_p50=stats.pct(e2e, 50),
-        by_class=by_class, tput_run=_run_tput(sent, t0))
+        by_class=by_class, tput_run=_run_tput(sent, t0), chunk_itl_p50=pct(chunk_gaps, 50),
+        chunk_itl_p95=pct(chunk_gaps, 95))
 
 
 def error_pct(predicted: float, measured: float) -> float:

@@ -9,7 +9,7 @@ from itertools import pairwise
 
 import numpy as np
 
-from bench.lib.e2e_stats import error_pct, spread_pct, summarise
+from bench.lib.e2e_stats import error_pct, pct, spread_pct, summarise
 from bench.lib.replayer import Sent, prompt_ids, prose, replay, take
 from llmd.auth import hash_key
 from llmd.plan.sim.trace import Trace
@@ -130,13 +130,19 @@ def test_summary_drops_the_warm_up_and_counts_tokens_inside_the_window() -> None
            sent(3, 3.5, [], status="503")]
     m = summarise(out, t0=0.0, warmup_s=2.0, duration=4.0)
     assert m.n == 3 and m.statuses == {"ok": 2, "503": 1}
-    assert math.isclose(m.figures.ttft_p50, (0.5 + 0.2) / 2)
-    assert math.isclose(m.figures.itl_p50, 0.15)  # gaps 0.1, 0.2, 0.1, 5.7
+    bin_ = 0.025  # the simulator's histogram bins, whose estimator both sides use (nearest rank)
+    assert math.isclose(m.figures.ttft_p50, 0.2, rel_tol=bin_)  # of 0.5 and 0.2: the lower, not their mean
+    # the engine's pace: request 1's second chunk carried 2 tokens 0.1 s after its first (2 gaps of
+    # 0.05), then 0.2; request 2: 0.1, 5.7. Five gaps: the third is 0.1. The chunks a client saw: 4 gaps
+    assert math.isclose(m.figures.itl_p50, 0.1, rel_tol=bin_) and math.isclose(m.figures.itl_p95, 5.7, rel_tol=bin_)
+    assert math.isclose(m.chunk_itl_p50, 0.1, rel_tol=bin_)
+    assert math.isclose(pct([0.05, 0.2, 0.1], 50, [2, 1, 1]), 0.05, rel_tol=bin_)  # weights count
     assert math.isclose(m.figures.tput, (4 + 2) / 2.0)  # 4 tokens of request 1, 2 of request 2, in [2, 4)
     assert math.isclose(m.tokens_per_chunk, 7 / 6)
     assert math.isclose(m.tput_run, (3 + 4 + 3) / 9.0)  # every token, over trace time 0 to the last chunk
     assert sorted(m.by_class) == ["batch", "interactive"]
-    assert math.isclose(m.by_class["interactive"].ttft_p50, 0.5) and math.isclose(m.by_class["batch"].ttft_p50, 0.2)
+    assert math.isclose(m.by_class["interactive"].ttft_p50, 0.5, rel_tol=bin_)
+    assert math.isclose(m.by_class["batch"].ttft_p50, 0.2, rel_tol=bin_)
     assert (m.by_class["interactive"].tput, m.by_class["batch"].tput) == (2.0, 1.0)
 
 
