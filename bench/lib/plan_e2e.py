@@ -74,9 +74,11 @@ async def _capacity(res: dict[str, Any], engine: str, a: argparse.Namespace) -> 
     with ps.serve(f"cap-{engine}", config_for(engine, a.step_model)) as (srv, _pid):
         trace = mix_trace(rate=10.0, duration=600.0, seed=5)  # only its request shapes are used
         sent: list[Sent] = []
+        steps: list[list[float]] = []
         t0 = time.monotonic()
-        cap = await capacity(srv, MODEL, trace, a.concurrency, a.capacity_s, a.warmup_s, sent)
+        cap = await capacity(srv, MODEL, trace, a.concurrency, a.capacity_s, a.warmup_s, sent, steps)
     dump(_raw(a, f"capacity-{engine}"), sent, t0)
+    _raw(a, f"capacity-{engine}-server").write_text(json.dumps({"steps": steps}) + "\n")
     print(f"  capacity {engine}: {cap.describe()}", flush=True)
     res["capacity"][engine] = asdict(cap)
 
@@ -112,7 +114,8 @@ async def _points(res: dict[str, Any], engine: str, a: argparse.Namespace) -> No
                 p, sent, t0 = await load_point(srv, pid, MODEL, engine, load, rate, trace, seed, a.warmup_s,
                                                a.drain_s)
                 dump(_raw(a, f"{engine}-{load:g}-{rep}"), sent, t0)
-                _raw(a, f"{engine}-{load:g}-{rep}-seats").write_text(json.dumps(p.extra.pop("seats")) + "\n")
+                server = {k: p.extra.pop(k) for k in ("seats", "steps")}  # llmd's side, over time
+                _raw(a, f"{engine}-{load:g}-{rep}-server").write_text(json.dumps(server) + "\n")
                 row = {**asdict(p), "rep": rep, "duration_s": a.duration_s, "warmup_s": a.warmup_s,
                        "drain_s": a.drain_s,
                        "step_model": str(a.step_model) if a.step_model else None, "sim": None}

@@ -82,15 +82,17 @@ class Capacity:
 
 
 async def capacity(srv: Srv, model: str, trace: Trace, concurrency: int, seconds: float,
-                   warmup_s: float, sent: list[Sent] | None = None) -> Capacity:
+                   warmup_s: float, sent: list[Sent] | None = None,
+                   steps: list[list[float]] | None = None) -> Capacity:
     """Keep `concurrency` of the trace's requests in flight (the next one as one ends) for
     `seconds`; throughput counted after `warmup_s`. With more streams than seats the scheduler
-    queues the rest: the engine runs as full as llmd lets it, the definition of capacity."""
+    queues the rest: the engine runs as full as llmd lets it, the definition of capacity.
+    `sent` gets every request, `steps` the engine's own steps (`_steps`)."""
     ids = prompt_ids(trace, seed=11, corpus=prose())
     by_tenant = clients(srv.url + "/v1", srv.keys, 600.0)
     order = itertools.count()
     out: list[Sent] = sent if sent is not None else []  # every request, for a caller that keeps them
-    t0 = time.monotonic()
+    t0, unix0 = time.monotonic(), time.time()
     stop = t0 + seconds
 
     async def worker() -> None:
@@ -112,6 +114,8 @@ async def capacity(srv: Srv, model: str, trace: Trace, concurrency: int, seconds
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         await sampler.stop()
+        if steps is not None and srv.kind == "llmd":  # the engine's own steps, for the caller to keep
+            steps += _steps(await sampler.history(unix0), unix0)
     for c in by_tenant.values():
         await c.close()
     lo, hi = t0 + warmup_s, stop
@@ -143,18 +147,26 @@ async def load_point(srv: Srv, pid: int, model: str, engine: str, load: float, r
                      seed: int, warmup_s: float, drain_s: float) -> tuple[Point, list[Sent], float]:
     """Replay `trace` open loop and summarise it; requests still running `drain_s` after the last
     arrival are cut (counted by status, left out of the percentiles)."""
-    cpu0, srv0, w0 = time.process_time(), cpu_seconds(pid), time.monotonic()
+    cpu0, srv0, w0, unix0 = time.process_time(), cpu_seconds(pid), time.monotonic(), time.time()
     async with httpx.AsyncClient(timeout=30) as h:
         sampler = AdminSampler(h, srv, model, every_s=0.5)  # the seats over time, for looking into a figure
         sampler.start()
         sent, t0 = await replay(srv.url + "/v1", model, trace, srv.keys, seed=seed, drain_s=drain_s)
         await sampler.stop()
+        steps = await sampler.history(unix0) if srv.kind == "llmd" else []  # the engine's own steps
     wall = time.monotonic() - w0
     m = summarise(sent, t0, warmup_s, trace.duration)
     seats = [{"t": round(x["t"] - t0, 3), "limit": x["seat_limit"], "running": x.get("class_running", {}),
               "queued": x["queued"], "itl": x.get("itl_controller")} for x in sampler.samples]
+    server = {"seats": seats, "steps": _steps(steps, unix0 + (t0 - w0))}
     return Point(engine, load, rate, seed, m, (time.process_time() - cpu0) / wall,
-                 (cpu_seconds(pid) - srv0) / wall, {"seats": seats}), sent, t0
+                 (cpu_seconds(pid) - srv0) / wall, server), sent, t0
+
+
+def _steps(history: list[dict[str, Any]], t0_unix: float) -> list[list[float]]:
+    """[t from the replay's start, running, prefill tokens, duration] of each engine step."""
+    return [[round(r["t"] - t0_unix, 4), r["running"], r.get("prefill_tokens", 0), round(r.get("duration", 0.0), 5)]
+            for r in history]
 
 
 def dump(path: Path, sent: list[Sent], t0: float) -> None:
