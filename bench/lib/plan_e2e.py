@@ -27,8 +27,10 @@ from bench.lib import plan_servers as ps
 from bench.lib.plan_load import capacity, dump, load_point, mix_trace
 from bench.lib.plan_overhead import measure
 from bench.lib.plan_report import report
-from bench.lib.plan_sim import fake_knobs, simulated, step_time
+from bench.lib.plan_sim import Scaled, fake_knobs, in_service_speed, simulated, step_time
 from bench.lib.replayer import Sent
+from llmd.plan.sim.trace import Trace
+from llmd.stepmodel import StepTime
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "bench" / "data" / "plan-e2e.json"
@@ -129,8 +131,16 @@ async def _points(res: dict[str, Any], engine: str, a: argparse.Namespace) -> No
                       f"{p.client_cpu:.2f}, {p.measured.tokens_per_chunk:.2f} tokens/chunk", flush=True)
 
 
+def _speed(a: argparse.Namespace, engine: str, step: StepTime) -> float | None:
+    """The real engine's speed in service relative to `step`, from its capacity run's steps."""
+    path = _raw(a, f"capacity-{engine}-server")
+    return in_service_speed(json.loads(path.read_text())["steps"], step) if path.exists() else None
+
+
 def _simulate(res: dict[str, Any], a: argparse.Namespace) -> None:
-    """Simulate every measured point (no engine runs: no lock needed)."""
+    """Simulate every measured point (no engine runs: no lock needed). A real engine's point is
+    simulated at the engine's speed in service (bench/lib/plan_sim.py) and, as `sim_raw_by_class`,
+    on the calibrated model alone."""
     o = res.get("overheads") or {}
     for row in res["points"]:
         trace = mix_trace(row["rate"], row["duration_s"], row["seed"])
@@ -138,10 +148,18 @@ def _simulate(res: dict[str, Any], a: argparse.Namespace) -> None:
         real = a.real_step_model or (CALIBRATED if CALIBRATED.exists() else None)
         fake = row["engine"].startswith("fake")
         step = step_time(model if fake else real)
-        figs = simulated(trace, step, o.get("ingress_s", 0.0), o.get("delivery_s", 0.0), row["warmup_s"],
-                         served(config_for(row["engine"], model)), row.get("drain_s", DRAIN_S))
-        by = {k: asdict(f) for k, f in (figs or {}).items()}
-        row["sim"], row["sim_by_class"] = by.pop("all", None), by or None
+        speed = None if fake else _speed(a, row["engine"], step)
+        cfg = served(config_for(row["engine"], model))
+        by = _sim_row(row, trace, step if speed is None else Scaled(step, speed), cfg, o)
+        row["sim"], row["sim_by_class"], row["sim_speed"] = by.pop("all", None), by or None, speed
+        row["sim_raw_by_class"] = _sim_row(row, trace, step, cfg, o) if speed is not None else None
+
+
+def _sim_row(row: dict[str, Any], trace: Trace, step: StepTime, cfg: dict[str, Any],
+             overheads: dict[str, float]) -> dict[str, Any]:
+    figs = simulated(trace, step, overheads.get("ingress_s", 0.0), overheads.get("delivery_s", 0.0),
+                     row["warmup_s"], cfg, row.get("drain_s", DRAIN_S))
+    return {k: asdict(f) for k, f in (figs or {}).items()}
 
 
 def run(parts: tuple[str, ...] = PARTS, loads: tuple[float, ...] = HELD_OUT + HIGH, repeats: int = 1,

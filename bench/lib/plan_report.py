@@ -89,6 +89,19 @@ def _verdicts(rows: list[dict[str, Any]], held_out: tuple[float, ...]) -> list[s
     return out
 
 
+def _raw_verdicts(rows: list[dict[str, Any]], held_out: tuple[float, ...]) -> list[str]:
+    """The real engine's points simulated on the calibrated step model alone, beside the judged
+    ones (at the engine's speed in service, measured on the capacity run)."""
+    raw = [{**r, "sim": None, "sim_by_class": r["sim_raw_by_class"]} for r in rows if r.get("sim_raw_by_class")]
+    speeds = sorted({f"{r['sim_speed']:.3f}" for r in rows if r.get("sim_speed")})
+    if not raw:
+        return []
+    head = (f"- The real engine ran {', '.join(speeds)}× the calibrated step model's time in service (decode-only "
+            "steps of the capacity run, median); the rows above price its steps at that speed. On the calibrated "
+            "model alone:")
+    return [head, *("  " + v for v in _verdicts(raw, held_out) if "no simulated points" not in v)]
+
+
 def _noise(rows: list[dict[str, Any]]) -> list[str]:
     groups: dict[tuple[str, float], list[dict[str, Any]]] = defaultdict(list)
     for r in rows:
@@ -117,14 +130,16 @@ def report(res: dict[str, Any], held_out: tuple[float, ...]) -> str:
     rows = res.get("points", [])
     near = [r for r in rows if r["engine"].startswith("real") and r["load"] not in held_out]
     lines += ["", "#### Load points: measured / simulated (error)", "",
-              "Latencies in ms; ITL over every gap between a stream's chunks; output tok/s over the window after "
+              "Latencies in ms; ITL: the engine's pace (a chunk of k tokens counts as k gaps of 1/k its gap); "
+              "percentiles by the simulator's estimator on both sides; output tok/s over the window after "
               "the warm-up; client CPU in cores (the client must not be the bottleneck).", ""]
     lines += _points_table([r for r in rows if r not in near])
     if near:
         lines += ["", "Real engine at ≥ 90 % of capacity (reported apart: near saturation errors explode):", ""]
         lines += _points_table(near)
     lines += ["", "By class:", "", *_class_table(rows)]
-    lines += ["", *_verdicts(rows, held_out), "", "#### Noise: spread of repeats ((max − min) / median)", ""]
+    lines += ["", *_verdicts(rows, held_out), *_raw_verdicts(rows, held_out)]
+    lines += ["", "#### Noise: spread of repeats ((max − min) / median)", ""]
     lines += _noise(rows)
     cpu = [r["client_cpu"] for r in rows]
     if cpu:

@@ -1,14 +1,18 @@
 """The simulator's side of the end-to-end check: the step function each engine is priced by,
 and one call that simulates a load point with llmd's shipped policies and the measured overheads.
 
-Until `llmd plan sim` (llmd/plan/sim/) is merged, `simulated` returns None and the report
-shows the measured side only; the fake backend runs on its own step knobs (FAKE_STEP, the
-real engine's shape on this box) until it can take a fitted step model.
+The real engine's steps are priced by the calibrated step model times the engine's speed in
+service (`in_service_speed`): `llmd plan calibrate` times the engine alone, while in service
+llmd's API process shares the box's two cores with it (tokenizing, filtering, streaming every
+token), which on a GPU box it would not. The speed is measured on the capacity run, never on
+the load points it is used for.
 """
 
 from __future__ import annotations
 
 import math
+import statistics
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,6 +41,30 @@ class FakeKnobStep:
         rate = self.prefill_tokens_per_s
         return ((self.step_ms + self.step_ms_per_seq * shape.seqs) / 1000.0
                 + (shape.prefill_tokens / rate if rate else 0.0))
+
+
+@dataclass(frozen=True)
+class Scaled:
+    """A step function `factor` times slower (the calibrated model at the speed seen in service)."""
+
+    inner: StepTime
+    factor: float
+
+    def seconds(self, shape: StepShape) -> float:
+        return self.factor * self.inner.seconds(shape)
+
+
+MIX_CONTEXT = 192 + 32  # the mix's mean prompt plus half its mean output: a decoding sequence's mean length
+MIX_LONGEST = 700  # about the longest of a few dozen such sequences (prompt lognormal CV 0.5, capped at 1,024)
+
+
+def in_service_speed(steps: Sequence[Sequence[float]], step: StepTime, min_steps: int = 50) -> float | None:
+    """The median of measured / predicted time over the decode-only steps of a run (rows
+    [t, running, prefill tokens, duration] as bench.lib.plan_load keeps them), each priced at the
+    mix's mean context; None with fewer than `min_steps` of them."""
+    ratios = [d / step.seconds(StepShape(int(n), context_tokens=int(n) * MIX_CONTEXT, longest_context=MIX_LONGEST))
+              for _, n, p, d in steps if p == 0 and n > 0 and d > 0]
+    return statistics.median(ratios) if len(ratios) >= min_steps else None
 
 
 def fake_knobs(step_model: Path | None) -> dict[str, Any]:
