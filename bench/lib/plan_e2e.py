@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.lib import plan_servers as ps
+from bench.lib import stats
 from bench.lib.plan_load import capacity, dump, load_point, mix_trace
 from bench.lib.plan_overhead import measure
 from bench.lib.plan_report import report
@@ -150,16 +151,38 @@ def _simulate(res: dict[str, Any], a: argparse.Namespace) -> None:
         step = step_time(model if fake else real)
         speed = None if fake else _speed(a, row["engine"], step)
         cfg = served(config_for(row["engine"], model))
-        by = _sim_row(row, trace, step if speed is None else Scaled(step, speed), cfg, o)
+        per: dict[int, list[float]] = {}
+        by = _sim_row(row, trace, step if speed is None else Scaled(step, speed), cfg, o, per)
         row["sim"], row["sim_by_class"], row["sim_speed"] = by.pop("all", None), by or None, speed
+        dump_file = _raw(a, f"{row['engine']}-{row['load']:g}-{row['rep']}")
+        row["paired"] = paired(json.loads(dump_file.read_text()), per, row) if dump_file.exists() else None
         row["sim_raw_by_class"] = _sim_row(row, trace, step, cfg, o) if speed is not None else None
 
 
 def _sim_row(row: dict[str, Any], trace: Trace, step: StepTime, cfg: dict[str, Any],
-             overheads: dict[str, float]) -> dict[str, Any]:
+             overheads: dict[str, float], per_request: dict[int, list[float]] | None = None) -> dict[str, Any]:
     figs = simulated(trace, step, overheads.get("ingress_s", 0.0), overheads.get("delivery_s", 0.0),
-                     row["warmup_s"], cfg, row.get("drain_s", DRAIN_S))
+                     row["warmup_s"], cfg, row.get("drain_s", DRAIN_S), per_request)
     return {k: asdict(f) for k, f in (figs or {}).items()}
+
+
+def paired(measured: list[dict[str, Any]], simulated: dict[int, list[float]], row: dict[str, Any]) -> dict[str, Any]:
+    """Request by request (both sides ran the same trace): |simulated - measured| / measured of
+    TTFT and e2e over the window's completed requests, median and p90, %. A percentile of a few
+    dozen requests moves with any one of them; this says how close each request came."""
+    errs: dict[str, list[float]] = {"ttft": [], "e2e": []}
+    for m in measured:
+        sim = simulated.get(m["i"])
+        if m["status"] != "ok" or sim is None or not row["warmup_s"] <= m["sched"] <= row["duration_s"]:
+            continue
+        for k, x in zip(("ttft", "e2e"), sim, strict=True):
+            if m[k] and x == x:  # NaN: the simulation did not complete it by the horizon
+                errs[k].append(100.0 * abs(x - m[k]) / m[k])
+    out: dict[str, Any] = {"n": len(errs["ttft"])}
+    for k, v in errs.items():
+        out[f"{k}_median"] = stats.median(v) if v else None
+        out[f"{k}_p90"] = stats.pct(v, 90) if v else None
+    return out
 
 
 def run(parts: tuple[str, ...] = PARTS, loads: tuple[float, ...] = HELD_OUT + HIGH, repeats: int = 1,

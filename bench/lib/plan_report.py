@@ -89,6 +89,20 @@ def _verdicts(rows: list[dict[str, Any]], held_out: tuple[float, ...]) -> list[s
     return out
 
 
+def _paired(rows: list[dict[str, Any]]) -> list[str]:
+    """Request by request: how far each simulated TTFT and e2e is from the same request's."""
+    body = [[r["engine"], f"{r['load']:.0%}", str(r["rep"]), str(p["n"]),
+             *(f"{p[k]:.1f}%" if p.get(k) is not None else "-" for k in ("ttft_median", "ttft_p90", "e2e_median",
+                                                                          "e2e_p90"))]
+            for r in sorted(rows, key=lambda r: (r["engine"], r["load"], r["rep"])) if (p := r.get("paired"))]
+    if not body:
+        return []
+    return ["", "Request by request (both sides replay the same trace; the window's completed requests): "
+            "|simulated − measured| / measured.", "",
+            *md.table(["engine", "load", "rep", "requests", "TTFT median", "TTFT p90", "e2e median", "e2e p90"],
+                      body)]
+
+
 def _raw_verdicts(rows: list[dict[str, Any]], held_out: tuple[float, ...]) -> list[str]:
     """The real engine's points simulated on the calibrated step model alone, beside the judged
     ones (at the engine's speed in service, measured on the capacity run)."""
@@ -139,6 +153,7 @@ def report(res: dict[str, Any], held_out: tuple[float, ...]) -> str:
         lines += _points_table(near)
     lines += ["", "By class:", "", *_class_table(rows)]
     lines += ["", *_verdicts(rows, held_out), *_raw_verdicts(rows, held_out)]
+    lines += _paired(rows)
     lines += ["", "#### Noise: spread of repeats ((max − min) / median)", ""]
     lines += _noise(rows)
     cpu = [r["client_cpu"] for r in rows]

@@ -78,25 +78,28 @@ def step_time(step_model: Path | None) -> StepTime:
 
 
 def simulated(trace: Trace, step: StepTime, ingress_s: float, delivery_s: float, warmup_s: float,
-              raw: dict[str, Any], drain_s: float | None = None) -> dict[str, Figures] | None:
+              raw: dict[str, Any], drain_s: float | None = None,
+              per_request: dict[int, list[float]] | None = None) -> dict[str, Figures] | None:
     """The simulator's figures for `trace` on one replica of the first model of `raw` (a parsed
     config.toml, as the measured llmd ran it: its engine, scheduling, degradation, tenants and
     default deadline, as `llmd plan sim --config` reads them) with llmd's measured overheads, by
     class and, where the simulator reports it, "all"; None while the simulator is not there.
     `drain_s`: the replay cut streams still running this long after the last arrival (so does
-    the simulation: only requests completed by then count)."""
-    try:
-        from llmd.plan.sim.cli import spec_of  # type: ignore[import-not-found,unused-ignore]
-        from llmd.plan.sim.report import simulate  # type: ignore[import-not-found,unused-ignore]
-    except ImportError:
-        return None
+    the simulation: only requests completed by then count). `per_request`, if given, gets each
+    measured request's [TTFT, e2e] (NaN: not completed) by trace index."""
     from llmd.config import Config
+    from llmd.plan.sim.cli import spec_of
+    from llmd.plan.sim.fleet import Fleet
+    from llmd.plan.sim.report import report_of
 
     cfg = Config.model_validate(raw)
     horizon = None if drain_s is None or not len(trace) else float(trace.t[-1]) + drain_s
     spec = spec_of(cfg, cfg.models[0], 1, ingress_s=ingress_s, delivery_s=delivery_s, warmup_s=warmup_s,
                    exact_controller=True, horizon_s=horizon)
-    return figures_of(simulate(spec, trace, step))
+    fleet = Fleet(spec, trace, step)
+    fleet.rec.per_request = per_request
+    fleet.run()
+    return figures_of(report_of(fleet, step))
 
 
 def figures_of(out: dict[str, Any]) -> dict[str, Figures]:

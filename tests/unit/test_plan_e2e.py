@@ -5,6 +5,8 @@ markdown verdicts against the targets."""
 from __future__ import annotations
 
 import math
+import types
+from typing import Any
 
 import pytest
 
@@ -73,13 +75,24 @@ def test_the_report_judges_held_out_real_points_and_every_fake_point() -> None:
 def test_the_simulator_is_given_llmd_as_served_and_its_measured_overheads(monkeypatch: pytest.MonkeyPatch) -> None:
     """The fake points' simulation: the served config (bench tenants, their limits, the bench's
     deadline, the model's degradation steps), llmd's overheads as measured, the exact controller."""
+    import llmd.plan.sim.fleet as sim_fleet
     import llmd.plan.sim.report as sim_report
     from bench.lib.plan_e2e import config_for, served
     from bench.lib.plan_load import mix_trace
     from bench.lib.plan_sim import simulated
 
     seen = []
-    monkeypatch.setattr(sim_report, "simulate", lambda spec, trace, step: seen.append(spec) or SIM)
+
+    class Fleet:  # what simulated() builds: it is given the spec, run, then reported on
+        def __init__(self, spec: Any, trace: Any, step: Any) -> None:
+            seen.append(spec)
+            self.rec = types.SimpleNamespace(per_request=None)
+
+        def run(self) -> None:
+            pass
+
+    monkeypatch.setattr(sim_fleet, "Fleet", Fleet)
+    monkeypatch.setattr(sim_report, "report_of", lambda fleet, step: SIM)
     simulated(mix_trace(0.5, 30.0, 1), FakeKnobStep(77.5, 3.3, 486.0), 0.0078, 0.0014, 5.0,
               served(config_for("fake", None)))
     spec = seen[0]

@@ -150,3 +150,18 @@ def test_errors_and_spread() -> None:
     assert error_pct(110, 100) == 10.0 and error_pct(90, 100) == -10.0
     assert math.isnan(error_pct(1, 0)) and math.isnan(spread_pct([1.0]))
     assert math.isclose(spread_pct([9.0, 10.0, 11.0]), 20.0)
+
+
+def test_paired_compares_request_by_request_inside_the_window() -> None:
+    from bench.lib.plan_e2e import paired
+
+    measured = [{"i": 0, "status": "ok", "sched": 1.0, "ttft": 1.0, "e2e": 2.0},  # in the warm-up: left out
+                {"i": 1, "status": "ok", "sched": 5.0, "ttft": 1.0, "e2e": 4.0},
+                {"i": 2, "status": "ok", "sched": 6.0, "ttft": 0.5, "e2e": 5.0},
+                {"i": 3, "status": "503", "sched": 7.0, "ttft": None, "e2e": None},  # refused: nothing to compare
+                {"i": 4, "status": "ok", "sched": 8.0, "ttft": 2.0, "e2e": 3.0}]  # cut by the horizon in the simulation
+    sim = {0: [9.0, 9.0], 1: [1.1, 4.0], 2: [0.4, 5.5], 4: [2.0, math.nan]}
+    p = paired(measured, sim, {"warmup_s": 2.0, "duration_s": 10.0})
+    assert p["n"] == 3
+    assert math.isclose(p["ttft_median"], 10.0)  # 10 %, 20 %, 0 %
+    assert math.isclose(p["e2e_median"], 5.0)  # 0 %, 10 %: request 4's e2e is not known

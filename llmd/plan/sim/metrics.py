@@ -3,6 +3,7 @@ simulated minute, for the timeline), tokens, sheds, drops, failures."""
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 
 from llmd.plan.sim.hist import Hist
@@ -30,6 +31,9 @@ class Recorder:
         self.shed: Counter[tuple[str, str]] = Counter()  # (tenant, reason)
         self.tokens_in: Counter[str] = Counter()  # per tenant, completed requests' prompts
         self.tokens_out: Counter[str] = Counter()
+        # Set to {} to keep each measured request's [TTFT, e2e] by trace index (a check against a
+        # replay of the same trace compares request by request); None: not kept (a fleet's hour).
+        self.per_request: dict[int, list[float]] | None = None
 
     def itl_sample(self, key: int, gap: float, tokens: float) -> None:
         if self.now < self.warmup_s:
@@ -52,6 +56,8 @@ class Recorder:
         if self.horizon_s is None:
             self._ttft(r, x)
         self.minute_ttft.add(x)
+        if self.per_request is not None:
+            self.per_request[r.i] = [x, math.nan]
 
     def _ttft(self, r: Req, x: float) -> None:
         a, b = self._by_key[r.key]
@@ -70,6 +76,8 @@ class Recorder:
             a, b = self._by_key[r.key]
             self.e2e[a].add(x)
             self.e2e[b].add(x)
+            if self.per_request is not None and r.i in self.per_request:
+                self.per_request[r.i][1] = x
 
     def refused(self, tenant: str, reason: str) -> None:
         self.counts["shed"] += 1
