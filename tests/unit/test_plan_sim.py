@@ -147,11 +147,23 @@ def test_cli_writes_the_report(tmp_path: Path, step_file: Path) -> None:
     (("--config", "/nonexistent/config.toml"), "config file not found"),
     (("--trace", "/nonexistent/trace.npz"), "not a workload trace"),
     (("--model", "x"), "give --config too"),
+    (("--control-s", "0"), "control_interval_s must be positive"),
 ])
 def test_cli_bad_input_is_one_line(step_file: Path, args: tuple[str, ...], says: str) -> None:
     code, out = _cli("--step-model", str(step_file), *args)
     lines = out.strip().splitlines()
     assert code == 2 and len(lines) == 1 and says in lines[0], out
+
+
+def test_cli_controller_flags_reach_the_spec(step_file: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import llmd.plan.sim.report as sim_report
+
+    seen: list[SimSpec] = []
+    real = sim_report.simulate
+    monkeypatch.setattr(sim_report, "simulate", lambda spec, trace, step: seen.append(spec) or real(spec, trace, step))
+    assert _cli("--step-model", str(step_file), "--duration", "5", "--control-s", "2", "--exact-controller")[0] == 0
+    assert _cli("--step-model", str(step_file), "--duration", "5")[0] == 0
+    assert [(s.control_interval_s, s.exact_controller) for s in seen] == [(2.0, True), (None, False)]
 
 
 def test_cli_without_a_step_model_says_how_to_get_one(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
