@@ -73,6 +73,7 @@ class Fleet:
                                  spec.control_interval_s, spec.exact_controller)
                          for i in range(spec.replicas)]
         self.loads: list[VersionLoad] = [self._load(r) for r in self.replicas]
+        self._cands: dict[tuple[int, int], Candidate] = {}  # (replica, cached tokens) -> its candidate
         self.vtc = spec.scheduling.fairness == "vtc"
         self.degrade = [Degradation(spec.degradation, clock, self.vtc) for _ in self.replicas] \
             if spec.degradation.steps else None
@@ -206,10 +207,15 @@ class Fleet:
         if home is not None and home not in picks and self.replicas[home].state == "active":
             picks.append(home)
         cands = []
+        memo, loads = self._cands, self.loads
         for idx in picks:
             rep = self.replicas[idx]
             cached = r.prefix_tokens if r.prefix >= 0 and rep.engine.holds(r.prefix) else 0
-            cands.append(Candidate(rep.name, self.loads[idx], min(cached, r.prompt), 0.0, True))
+            key = (idx, min(cached, r.prompt))
+            c = memo.get(key)
+            if c is None or c.load is not loads[idx]:  # the same view as last time: the same (frozen) candidate
+                c = memo[key] = Candidate(rep.name, loads[idx], key[1], 0.0, True)
+            cands.append(c)
         choice = self.router.choose(cands, r.prompt + r.generated, r.output - r.generated)
         if choice is None:
             return None
