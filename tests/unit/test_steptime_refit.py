@@ -161,3 +161,20 @@ def test_least_squares_drops_a_negative_coefficient_and_refits() -> None:
     want = ref_least_squares([r[:3] for r in both], [r[3] for r in both], (0.0, 0.0))
     assert got == want
     assert got is not None and got[2] == 0.0 and got[1] > 0
+
+
+def test_the_unrolled_three_unknowns_solve_is_the_loops_float_for_float() -> None:
+    rng = np.random.default_rng(1)
+    cases = 0
+    for _ in range(3000):
+        a = rng.normal(size=(3, 4)) * rng.choice([1e-12, 1e-6, 1.0, 1e6], size=(3, 4)) if rng.random() < 0.5 \
+            else rng.integers(-2, 3, size=(3, 4)).astype(float)  # ties between pivots, zeros, signed zeros
+        if rng.random() < 0.2:
+            a[rng.integers(3)] = a[rng.integers(3)] * rng.choice([1.0, 2.0])  # (nearly) singular
+        if rng.random() < 0.2:
+            a[:, rng.integers(3)] = 0.0
+        m = a.tolist()
+        got, want = _solve([row[:] for row in m]), ref_solve([row[:] for row in m])
+        assert repr(got) == repr(want)  # signed zeros too
+        cases += got is not None
+    assert 1000 < cases < 3000  # both solvable and singular systems were met
