@@ -202,10 +202,16 @@ def _least_squares(mv: list[list[float]], prior: tuple[float, float]) -> list[fl
         d = [math.sqrt(mv[i][i]) for i in cols]
         if cols[0] == 0:
             d[0] = math.sqrt(mv[0][0] + pull)
-        aug = [[row[j] / (di * dj) for j, dj in zip(cols, d, strict=True)] + [row[3] / di]
-               for row, di in zip([mv[i] for i in cols], d, strict=True)]
-        if cols[0] == 0:  # the pull, on the intercept's diagonal and right-hand side
-            aug[0][0], aug[0][-1] = (mv[0][0] + pull) / (d[0] * d[0]), (mv[0][3] + pull_to) / d[0]
+        if len(cols) == 3:  # the usual case, unrolled (the pull on the intercept's diagonal and right-hand side)
+            (r0, r1, r2), (d0, d1, d2) = mv, d
+            aug = [[(r0[0] + pull) / (d0 * d0), r0[1] / (d0 * d1), r0[2] / (d0 * d2), (r0[3] + pull_to) / d0],
+                   [r1[0] / (d1 * d0), r1[1] / (d1 * d1), r1[2] / (d1 * d2), r1[3] / d1],
+                   [r2[0] / (d2 * d0), r2[1] / (d2 * d1), r2[2] / (d2 * d2), r2[3] / d2]]
+        else:
+            aug = [[row[j] / (di * dj) for j, dj in zip(cols, d, strict=True)] + [row[3] / di]
+                   for row, di in zip([mv[i] for i in cols], d, strict=True)]
+            if cols[0] == 0:  # the pull, on the intercept's diagonal and right-hand side
+                aug[0][0], aug[0][-1] = (mv[0][0] + pull) / (d[0] * d[0]), (mv[0][3] + pull_to) / d[0]
         x = _solve(aug)
         if x is None:
             cols.pop()  # prefill, then running, whichever the data cannot separate
