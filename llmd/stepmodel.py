@@ -23,9 +23,12 @@ the planner's error is defined here; llmd.plan.errors re-exports it.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Protocol
+
+Pricer = Callable[[int, int, int, int, float, int], float]
 
 
 class PlanError(Exception):
@@ -115,3 +118,19 @@ class StepModel:
         if stale:
             diffs = ", ".join(f"{k}: fitted {a!r}, here {b!r}" for k, (a, b) in sorted(stale.items()))
             raise PlanError(f"step model is stale ({diffs}); run `llmd plan calibrate` again")
+
+
+def pricer(step: StepTime) -> Pricer:
+    """`step.seconds` of the StepShape with these six fields, in its field order. For a StepModel,
+    the same sum in the same order (the same float) without building the shape or looking the
+    coefficients up: the simulator prices millions of steps."""
+    if type(step) is not StepModel:
+        return lambda d, pt, ps, ctx, attn, lg: step.seconds(StepShape(d, pt, ps, ctx, attn, lg))
+    c = step.coef
+    c_step, c_seq, c_tok = c.get("c_step", 0.0), c.get("c_seq", 0.0), c.get("c_tok", 0.0)
+    c_kv, c_attn, c_ctx = c.get("c_kv", 0.0), c.get("c_attn", 0.0), c.get("c_ctx", 0.0)
+
+    def seconds(d: int, pt: int, ps: int, ctx: int, attn: float, lg: int) -> float:
+        return c_step + c_seq * (d + ps) + c_tok * (d + pt) + c_kv * ctx + c_attn * attn + c_ctx * lg
+
+    return seconds

@@ -38,13 +38,14 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from itertools import chain
 from typing import Protocol
 
 import numpy as np
 
 _Sample = tuple[float, int, int, float]  # (t, running, prefill tokens, duration s)
+_TWENTIETHS = np.arange(1, 21)  # the prefill quantiles kept: k/20
 
 
 class StepSample(Protocol):
@@ -120,44 +121,97 @@ class StepFit:
 def _solve(m: list[list[float]]) -> list[float] | None:
     """Gaussian elimination with partial pivoting on an augmented matrix [A | v] (changed in
     place); None if (nearly) singular. A is scaled to a unit diagonal by the caller, so one
-    absolute threshold fits every problem."""
+    absolute threshold fits every problem. (A hot path: a refit solves it 4 times a replica
+    every half second; the entries below the diagonal are left as they are, never read again.)"""
     k = len(m)
+    if k == 3:
+        return _solve3(m)
     for col in range(k):
         piv, top = col, abs(m[col][col])  # the first row with the largest |pivot|
         for r in range(col + 1, k):
-            if abs(m[r][col]) > top:
-                piv, top = r, abs(m[r][col])
+            if (a := abs(m[r][col])) > top:
+                piv, top = r, a
         if top < 1e-9:
             return None
         m[col], m[piv] = m[piv], m[col]
         pivot_row = m[col]
+        p = pivot_row[col]
         for r in range(col + 1, k):
             row = m[r]
-            f = row[col] / pivot_row[col]
-            for j in range(col, k + 1):
+            f = row[col] / p
+            for j in range(col + 1, k + 1):
                 row[j] -= f * pivot_row[j]
     x = [0.0] * k
     for r in range(k - 1, -1, -1):
-        x[r] = (m[r][k] - sum(m[r][j] * x[j] for j in range(r + 1, k))) / m[r][r]
+        row = m[r]
+        x[r] = (row[k] - sum([row[j] * x[j] for j in range(r + 1, k)])) / row[r]
     return x
 
 
-def _normal(x: np.ndarray, w: np.ndarray) -> tuple[list[list[float]], list[float]]:
+def _solve3(m: list[list[float]]) -> list[float] | None:
+    """`_solve` of three unknowns (the refit's usual case), unrolled: the same operations on the
+    same values in the same order, so the same floats (the back substitution's sums start from
+    0.0 as `sum` does), without the loops' overhead; `m` is left as it was."""
+    r0, r1, r2 = m
+    top, piv = abs(r0[0]), 0
+    if abs(r1[0]) > top:
+        top, piv = abs(r1[0]), 1
+    if abs(r2[0]) > top:
+        top, piv = abs(r2[0]), 2
+    if top < 1e-9:
+        return None
+    if piv == 1:
+        r0, r1 = r1, r0
+    elif piv == 2:
+        r0, r2 = r2, r0
+    p = r0[0]
+    f = r1[0] / p
+    b11, b12, b13 = r1[1] - f * r0[1], r1[2] - f * r0[2], r1[3] - f * r0[3]
+    f = r2[0] / p
+    b21, b22, b23 = r2[1] - f * r0[1], r2[2] - f * r0[2], r2[3] - f * r0[3]
+    top = abs(b11)
+    if abs(b21) > top:
+        top = abs(b21)
+        b11, b12, b13, b21, b22, b23 = b21, b22, b23, b11, b12, b13
+    if top < 1e-9:
+        return None
+    f = b21 / b11
+    c22, c23 = b22 - f * b12, b23 - f * b13
+    if abs(c22) < 1e-9:
+        return None
+    x2 = c23 / c22
+    x1 = (b13 - (0.0 + b12 * x2)) / b11
+    x0 = (r0[3] - (0.0 + r0[1] * x1 + r0[2] * x2)) / p
+    return [x0, x1, x2]
+
+
+def _normal(x: np.ndarray, w: np.ndarray) -> list[list[float]]:
     """The weighted normal equations over the rows (1, running, prefill) of `x`, its 4th row the
-    durations: one product gives both sides."""
+    durations: one product gives both sides, row i = [M_i0, M_i1, M_i2 | v_i]."""
     both: list[list[float]] = ((x[:3] * w) @ x.T).tolist()
-    return [row[:3] for row in both], [row[3] for row in both]
+    return both
 
 
-def _least_squares(m: list[list[float]], v: list[float], prior: tuple[float, float]) -> list[float] | None:
-    """Nonnegative (a, b, c) from the normal equations, the intercept pulled toward prior[0]
-    with weight prior[1]: a negative coefficient is dropped (held at 0) and the rest refitted."""
-    cols = [i for i in range(3) if m[i][i] > 0]
+def _least_squares(mv: list[list[float]], prior: tuple[float, float]) -> list[float] | None:
+    """Nonnegative (a, b, c) from the normal equations (rows [M_i | v_i]), the intercept pulled
+    toward prior[0] with weight prior[1]: a negative coefficient is dropped (held at 0) and the
+    rest refitted."""
+    cols = [i for i in range(3) if mv[i][i] > 0]
     pull, pull_to = prior[1], prior[1] * prior[0]
     while cols:
-        d = [math.sqrt(m[i][i] + pull if i == 0 else m[i][i]) for i in cols]
-        aug = [[(m[i][j] + pull if i == j == 0 else m[i][j]) / (di * dj) for j, dj in zip(cols, d, strict=True)]
-               + [(v[i] + pull_to if i == 0 else v[i]) / di] for i, di in zip(cols, d, strict=True)]
+        d = [math.sqrt(mv[i][i]) for i in cols]
+        if cols[0] == 0:
+            d[0] = math.sqrt(mv[0][0] + pull)
+        if len(cols) == 3:  # the usual case, unrolled (the pull on the intercept's diagonal and right-hand side)
+            (r0, r1, r2), (d0, d1, d2) = mv, d
+            aug = [[(r0[0] + pull) / (d0 * d0), r0[1] / (d0 * d1), r0[2] / (d0 * d2), (r0[3] + pull_to) / d0],
+                   [r1[0] / (d1 * d0), r1[1] / (d1 * d1), r1[2] / (d1 * d2), r1[3] / d1],
+                   [r2[0] / (d2 * d0), r2[1] / (d2 * d1), r2[2] / (d2 * d2), r2[3] / d2]]
+        else:
+            aug = [[row[j] / (di * dj) for j, dj in zip(cols, d, strict=True)] + [row[3] / di]
+                   for row, di in zip([mv[i] for i in cols], d, strict=True)]
+            if cols[0] == 0:  # the pull, on the intercept's diagonal and right-hand side
+                aug[0][0], aug[0][-1] = (mv[0][0] + pull) / (d[0] * d[0]), (mv[0][3] + pull_to) / d[0]
         x = _solve(aug)
         if x is None:
             cols.pop()  # prefill, then running, whichever the data cannot separate
@@ -165,10 +219,9 @@ def _least_squares(m: list[list[float]], v: list[float], prior: tuple[float, flo
         coef = [0.0, 0.0, 0.0]
         for i, xi, di in zip(cols, x, d, strict=True):
             coef[i] = xi / di
-        negative = [i for i in (2, 1, 0) if i in cols and coef[i] < 0]
-        if not negative:
+        if coef[0] >= 0 and coef[1] >= 0 and coef[2] >= 0:
             return coef
-        cols.remove(negative[0])
+        cols.remove(next(i for i in (2, 1, 0) if coef[i] < 0))  # a dropped one is 0.0: not negative
     return None
 
 
@@ -223,34 +276,37 @@ class StepTimeModel:
         t = x[0].copy()
         x[0] = 1.0  # rows: 1, running, prefill, duration
         decay = 0.5 ** ((t[-1] - t) / self.half_life_s)
-        w = decay
+        total = float(decay.sum())
+        w, w_sum = decay, total
         coef: list[float] | None = None
         for _ in range(self.irls_rounds):
-            m, v = _normal(x, w)
-            coef = _least_squares(m, v, (self.a_prior, self.prior_weight * float(w.sum())))
+            if coef is not None:  # the Huber weights of the previous round's fit (the last round's go unused)
+                w = _huber(x, coef, decay)
+                w_sum = float(w.sum())
+            coef = _least_squares(_normal(x, w), (self.a_prior, self.prior_weight * w_sum))
             if coef is None:
                 return None
-            w = _huber(x, coef, decay)
         assert coef is not None
         a, b, c = coef
-        total = float(decay.sum())
         mean_running = float((decay * x[1]).sum()) / total
         if float((decay * (x[1] - mean_running) ** 2).sum()) / total >= 4.0:  # batch sizes varied: a, b apart
             self.a_prior, self.identified = a, True
         elif not self.identified:
             return None  # one batch size, and no intercept seen yet: a and b are anyone's guess
         sizes, share = _prefills(x[2], decay, total, mean_running)
-        return replace(self._recent(a, b, c, t, x), prefill_sizes=sizes, prefill_share_per_seq=share)
+        speed, noise = self._recent(a, b, c, t, x)
+        return StepFit(a, b, c, speed, noise, len(t), sizes, share)
 
-    def _recent(self, a: float, b: float, c: float, t: np.ndarray, x: np.ndarray) -> StepFit:
+    def _recent(self, a: float, b: float, c: float, t: np.ndarray, x: np.ndarray) -> tuple[float, float]:
         """Speed and noise over the steps of the last `recent_s` (at least `recent_min` steps)."""
         start = min(int(np.searchsorted(t, t[-1] - self.recent_s, side="left")), max(0, len(t) - self.recent_min))
         fitted = a + b * x[1, start:] + c * x[2, start:]
         ok = fitted > 0
         ratios = np.sort(x[3, start:][ok] / fitted[ok])
         speed = _median(ratios) if len(ratios) else 1.0
-        spread = np.sort(np.abs(ratios / speed - 1.0))
-        return StepFit(a, b, c, speed, 1.4826 * _median(spread), len(t))
+        spread = np.abs(ratios / speed - 1.0)
+        spread.sort()
+        return speed, 1.4826 * _median(spread)
 
 
 def _median(sorted_values: np.ndarray) -> float:
@@ -262,7 +318,9 @@ def _median(sorted_values: np.ndarray) -> float:
 def _huber(x: np.ndarray, coef: list[float], decay: np.ndarray) -> np.ndarray:
     """Huber weights (k = 1.345 robust sigmas, sigma from the median absolute residual) times decay."""
     res = np.abs(x[3] - np.array(coef) @ x[:3])
-    scale = 1.4826 * _median(np.sort(res))
+    ordered = res.copy()
+    ordered.sort()
+    scale = 1.4826 * _median(ordered)
     if scale <= 0:
         return decay
     k = 1.345 * scale
@@ -280,6 +338,6 @@ def _prefills(prefill: np.ndarray, w: np.ndarray, total: float, mean_running: fl
     order = np.lexsort((pw, p))  # by size, ties by weight
     p, acc = p[order], np.cumsum(pw[order])
     mass = float(acc[-1])
-    at = np.searchsorted(acc, mass * np.arange(1, 21) / 20 - 1e-12, side="left")  # first reaching k/20
-    sizes = tuple(float(v) for v in p[np.minimum(at, len(p) - 1)])
+    at = np.searchsorted(acc, mass * _TWENTIETHS / 20 - 1e-12, side="left")  # first reaching k/20
+    sizes = tuple(p[np.minimum(at, len(p) - 1)].tolist())
     return sizes, mass / total / mean_running if mean_running > 0 else 0.0

@@ -20,7 +20,7 @@ from typing import NamedTuple
 from llmd.plan.sim.metrics import Recorder
 from llmd.plan.sim.request import Req
 from llmd.plan.sim.spec import EngineSpec
-from llmd.stepmodel import StepShape, StepTime
+from llmd.stepmodel import StepTime, pricer
 from llmd.stepplan import chunk_attention, prefill_chunks
 
 HISTORY = 64  # steps kept for the ITL controller's step-time model
@@ -56,6 +56,7 @@ class Engine:
         self.spec = spec
         self.exact = exact  # the ITL controller's samples as llmd takes them: a gap per token, a record per step
         self.step = step
+        self.price = pricer(step)  # step.seconds of a shape's six fields
         self.sink = sink
         # (time, gap) per token, batch-weighted roughly: what the ITL controller reads
         self.gaps: deque[tuple[float, float]] = deque(maxlen=gaps_kept)
@@ -224,7 +225,7 @@ class Engine:
         if not chunks and b == 0:
             return None
         ctx, longest = self.context(), self.longest()
-        dt = self.step.seconds(StepShape(b, tokens, len(chunks), ctx, attn, longest))
+        dt = self.price(b, tokens, len(chunks), ctx, attn, longest)
         self._account(1, b + len(chunks), b + tokens, ctx, attn, longest, dt, self.running)
         self.mixed, self.end, self.step_time_of_last = chunks, now + dt, dt
         return self.end
@@ -238,9 +239,8 @@ class Engine:
             return None
         k = min(self.heap[0][0] - self.S, room)
         ctx0, long0 = self.context(), self.longest()
-        first = self.step.seconds(StepShape(b, context_tokens=ctx0, longest_context=long0))
-        slope = (self.step.seconds(StepShape(b, context_tokens=ctx0 + (k - 1) * b, longest_context=long0 + k - 1))
-                 - first) / (k - 1) if k > 1 else 0.0
+        first = self.price(b, 0, 0, ctx0, 0.0, long0)
+        slope = (self.price(b, 0, 0, ctx0 + (k - 1) * b, 0.0, long0 + k - 1) - first) / (k - 1) if k > 1 else 0.0
         total = k * first + slope * k * (k - 1) / 2
         self._account(k, b * k, b * k, k * ctx0 + b * k * (k - 1) / 2, 0.0, k * long0 + k * (k - 1) / 2, total, b)
         self.seg, self.end = (now, k, first, slope), now + total

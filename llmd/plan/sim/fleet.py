@@ -9,10 +9,12 @@ under way is cut short.
 
 from __future__ import annotations
 
+import gc
 import heapq
 import math
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 from llmd.config import TenantConfig
 from llmd.plan.sim.degrade import SHED_REASON, Degradation
@@ -29,6 +31,23 @@ from llmd.policy.queue import QueuedRequest
 from llmd.stepmodel import StepTime
 
 BOUNDARY, GOSSIP, CONTROL, MINUTE, FAIL, READY = range(6)
+ROW_BLOCK = 4096  # trace rows converted to Python numbers at a time
+
+
+@contextmanager
+def _rare_collections() -> Iterator[None]:
+    """The cyclic garbage collector, rarely, for the run: a run makes millions of small objects
+    (events, requests, steps) that die young or by reference count, and the collector's default
+    thresholds walked every live one over and over (about 10 % of a seed-scale run). Objects from
+    before the run are frozen out of its walks; cycles are still collected. Restored after."""
+    thresholds = gc.get_threshold()
+    gc.freeze()
+    gc.set_threshold(100_000, 50, 100)
+    try:
+        yield
+    finally:
+        gc.set_threshold(*thresholds)
+        gc.unfreeze()
 
 
 def tenant_configs(spec: SimSpec, names: tuple[str, ...]) -> list[TenantConfig]:
@@ -54,6 +73,7 @@ class Fleet:
                                  spec.control_interval_s, spec.exact_controller)
                          for i in range(spec.replicas)]
         self.loads: list[VersionLoad] = [self._load(r) for r in self.replicas]
+        self._cands: dict[tuple[int, int], Candidate] = {}  # (replica, cached tokens) -> its candidate
         self.vtc = spec.scheduling.fairness == "vtc"
         self.degrade = [Degradation(spec.degradation, clock, self.vtc) for _ in self.replicas] \
             if spec.degradation.steps else None
@@ -65,6 +85,8 @@ class Fleet:
         self.in_flight = 0
         self.home: dict[int, int] = {}  # prefix group -> the replica its last request went to
         self.next_i = 0
+        self._rows: list[tuple[int, int, int, int, float, int, int]] = []  # trace rows from _rows_from on
+        self._rows_from = 0
         self.events = 0  # arrivals and events handled, for the speed bench
         self.minute_arrivals = 0
         self.timeline: list[dict[str, float | int | None]] = []
@@ -75,6 +97,10 @@ class Fleet:
         heapq.heappush(self.heap, (t, self._serial, kind, idx, version))
 
     def run(self) -> None:
+        with _rare_collections():
+            self._run()
+
+    def _run(self) -> None:
         tr, ingress = self.trace, self.spec.ingress_s
         arrivals = (tr.t + ingress).tolist()
         n = len(arrivals)
@@ -115,15 +141,24 @@ class Fleet:
             self.scaler.event(kind, idx)
 
     # -- requests ----------------------------------------------------------------------
+    def _row(self, i: int) -> tuple[int, int, int, int, float, int, int]:
+        """Trace row i as Python numbers (tenant, class, prompt, output, t, prefix, prefix tokens),
+        converted a block of rows at a time: numpy's per-element reads cost more than the rest."""
+        if not self._rows_from <= i < self._rows_from + len(self._rows):
+            tr, j = self.trace, slice(i, i + ROW_BLOCK)
+            self._rows_from = i
+            self._rows = list(zip(tr.tenant[j].tolist(), tr.klass[j].tolist(), tr.prompt_tokens[j].tolist(),
+                                  tr.output_tokens[j].tolist(), tr.t[j].tolist(), tr.prefix[j].tolist(),
+                                  tr.prefix_tokens[j].tolist(), strict=True))
+        return self._rows[i - self._rows_from]
+
     def _arrive(self, i: int) -> None:
         tr, spec = self.trace, self.spec
-        tenant, klass = int(tr.tenant[i]), int(tr.klass[i])
-        prompt, output = max(1, int(tr.prompt_tokens[i])), max(1, int(tr.output_tokens[i]))
-        t_arr = float(tr.t[i])
+        tenant, klass, prompt, output, t_arr, prefix, prefix_tokens = self._row(i)
+        prompt, output = max(1, prompt), max(1, output)
         cname = CLASSES[klass]
         q = QueuedRequest(str(i), tr.tenants[tenant], cname, prompt, output, t_arr + spec.deadline_s[cname])
-        r = Req(i, tenant, klass, prompt, output, int(tr.prefix[i]), int(tr.prefix_tokens[i]), t_arr, q,
-                t_arr >= spec.warmup_s)
+        r = Req(i, tenant, klass, prompt, output, prefix, prefix_tokens, t_arr, q, t_arr >= spec.warmup_s)
         self.rec.counts["arrived"] += 1
         self.minute_arrivals += 1
         if prompt + output + spec.engine.block_size > spec.engine.kv_tokens:
@@ -172,10 +207,15 @@ class Fleet:
         if home is not None and home not in picks and self.replicas[home].state == "active":
             picks.append(home)
         cands = []
+        memo, loads = self._cands, self.loads
         for idx in picks:
             rep = self.replicas[idx]
             cached = r.prefix_tokens if r.prefix >= 0 and rep.engine.holds(r.prefix) else 0
-            cands.append(Candidate(rep.name, self.loads[idx], min(cached, r.prompt), 0.0, True))
+            key = (idx, min(cached, r.prompt))
+            c = memo.get(key)
+            if c is None or c.load is not loads[idx]:  # the same view as last time: the same (frozen) candidate
+                c = memo[key] = Candidate(rep.name, loads[idx], key[1], 0.0, True)
+            cands.append(c)
         choice = self.router.choose(cands, r.prompt + r.generated, r.output - r.generated)
         if choice is None:
             return None
