@@ -172,10 +172,11 @@ def place(cands: Sequence[Candidate], prompt_tokens: int, expected_output: int,
     hand it to whichever node frees a block first, off its cache; and on a saturated cluster a
     miss is a full prefill added to a queue that every later request waits behind.
 
-    No node caching at least half of it: its first home (`home_rank`) within the same slack takes it
-    (every ingress orders a prefix's homes the same way, so its traffic meets on one node, spilling
-    to the same second one, instead of being copied onto whichever node was least loaded when no
-    cache held it)."""
+    Past capacity, a prompt no node caches at least half of goes to its first home (`home_rank`)
+    within the same slack (every ingress orders a prefix's homes the same way, so its traffic
+    meets on one node, spilling to the same second one, instead of being copied onto whichever
+    node was least loaded when no cache held it). Below capacity the score places it: homes dealt
+    by hashing are uneven, and there an uneven queue costs more TTFT than a copy costs hits."""
     reserved = {c.node: reservations.of(c.node) for c in cands}
     # fits(), eligible() and estimated_ttft(), each candidate's uncached tokens counted once (hot path)
     need = max(0, expected_output)
@@ -199,7 +200,7 @@ def place(cands: Sequence[Candidate], prompt_tokens: int, expected_output: int,
     slack = max(affinity_slack, saturated_slack) if full else affinity_slack
     sticky = [c for c in ok if c.sticky and ttft[c.node] <= best_ttft * (1 + sticky_slack)]
     holders = [] if sticky else _cache_holders(ok, ttft, prompt_tokens, best_ttft, slack)
-    homes = sorted((c for c in ok if c.home_rank is not None and ttft[c.node] <= best_ttft * (1 + slack)),
+    homes = sorted((c for c in ok if full and c.home_rank is not None and ttft[c.node] <= best_ttft * (1 + slack)),
                    key=lambda c: c.home_rank or 0)
     if sticky or (not holders and homes):
         choice = (sticky or homes)[0]

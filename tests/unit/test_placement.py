@@ -297,20 +297,20 @@ def test_home_ranks_agree_whoever_asks_and_a_leaving_node_moves_only_its_own_pre
     assert home_key([]) is None and home_key([5, 6]) == 6 and home_key(list(range(20))) == 7  # 8 blocks
 
 
-def test_a_prompt_no_node_caches_goes_to_its_home_not_to_the_least_loaded() -> None:
-    """No node holds half of it (it is new, or every copy was evicted): the least loaded node
-    would copy its prefix onto whichever node was idle at the time, so a prompt's turns and its
-    chats end up on every node, each caching it beside the others' prompts (past capacity the
-    copies evict one another: bench (a) at 130 % load, 0.45 hit rate against 0.70 for one node
-    with the three's cache). Its home keeps it within the affinity slack; a slow home spills to
-    the prompt's second home, the same for every ingress; a cache holder still comes first."""
-    cands = [cand("idle", waiting_prefill_tokens=0, home=2), cand("home", waiting_prefill_tokens=800, home=0),
-             cand("second", waiting_prefill_tokens=500, home=1)]
-    assert picks(cands, 30) == {"home": 30}  # 0.18 s vs 0.1 s at the idle node: within 2x
-    cands[1] = cand("home", waiting_prefill_tokens=2_000, home=0)  # 0.3 s: over 2x the best
-    assert picks(cands, 30) == {"second": 30}
-    holder = [*cands, cand("holder", cached=900, waiting_prefill_tokens=800, home=3)]
+def test_past_capacity_a_prompt_no_node_caches_goes_to_its_home_not_to_the_least_loaded() -> None:
+    """Saturated, and no node holds half of the prompt (it is new, or every copy was evicted): the
+    least loaded node would copy its prefix onto whichever node was freest at the time, so a
+    prompt's chats end up on every node, each caching it beside the others' prompts, and the
+    copies evict one another (bench (a) at 130 % load, traced: 0.45 hit rate against 0.70 for one
+    node with the three's cache). Its home keeps it within the saturated slack (3x); a slow home
+    spills to the prompt's second home, the same for every ingress; a cache holder comes first.
+    Below capacity the score places it (homes dealt by hashing are uneven)."""
+    cands = [cand("least", waiting_prefill_tokens=20_000, home=2), cand("home", waiting_prefill_tokens=50_000, home=0),
+             cand("second", waiting_prefill_tokens=30_000, home=1)]
+    assert picks(cands, 30) == {"home": 30}  # 5.1 s vs 2.1 s at the least loaded: within 3x
+    cands[1] = cand("home", waiting_prefill_tokens=70_000, home=0)  # 7.1 s: over 3x the best
+    assert picks(cands, 30) == {"second": 30}  # 3.1 s
+    holder = [*cands, cand("holder", cached=900, waiting_prefill_tokens=50_000, home=3)]
     assert picks(holder, 30) == {"holder": 30}
-    # past capacity the home keeps it up to 3x, as a holder does
-    deep = [cand("idle", waiting_prefill_tokens=20_000, home=1), cand("home", waiting_prefill_tokens=50_000, home=0)]
-    assert picks(deep, 30) == {"home": 30}
+    light = [cand("idle", waiting_prefill_tokens=0, home=1), cand("home", waiting_prefill_tokens=800, home=0)]
+    assert picks(light, 30) == {"idle": 30}
