@@ -16,7 +16,7 @@ import random
 import ssl
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import httpx
@@ -36,7 +36,7 @@ from llmd.cluster.signing import Signer
 from llmd.cluster.warm_pool import WarmPool
 from llmd.config import Config, ConfigError, ModelConfig
 from llmd.policy.admission import AdmissionController
-from llmd.policy.placement import POLICIES, Candidate, Reservations
+from llmd.policy.placement import POLICIES, Candidate, Reservations, home_key, home_ranks
 from llmd.policy.warmpool import ClusterLoad
 from llmd.registry.registry import Registry
 from llmd.runtime import Job
@@ -299,7 +299,11 @@ class ClusterNode:
             if theirs is not None:
                 out.append(Target(Candidate(peer.info.name, theirs, peer.prefixes.cached_tokens(hashes),
                                             now - peer.received, False), st.http_url))
-        return out
+        key = home_key(hashes)  # where every ingress sends this prefix when no cache holds it
+        if key is None:
+            return out
+        ranks = home_ranks(key, (t.candidate.node for t in out))
+        return [Target(replace(t.candidate, home_rank=ranks[t.candidate.node]), t.url) for t in out]
 
     def _ran(self, node: str, prompt: Prompt, engine_cached: int) -> None:
         """A choice started on `node`. Where it is this node and its engine sends no KV events,

@@ -19,9 +19,10 @@ version.
 
 from __future__ import annotations
 
+import hashlib
 import random
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 HOP_S = 0.005  # forwarding to a peer: a loopback/LAN round trip and a proxy, not free
@@ -34,6 +35,7 @@ AFFINITY_SLACK = 1.0  # a node holding most of the prompt in cache keeps it up t
 SATURATED_AFFINITY_SLACK = 2.0  # past capacity (`saturated`) it keeps it up to 3x: a miss there costs everyone
 AFFINITY_MIN_MATCH = 0.5  # "most": at least half the prompt's tokens (SGLang's match threshold)
 FLOOR_TPS = 100.0  # a prefill rate nobody knows yet: slow, but never a division by zero
+HOME_BLOCKS = 8  # a prompt's home is drawn from the hash of its first 8 summary blocks (512 tokens)
 
 
 @dataclass(frozen=True)
@@ -63,6 +65,7 @@ class Candidate:
     age_s: float  # how old the view is
     local: bool
     sticky: bool = False  # served this conversation's last turn
+    home_rank: int | None = None  # this node's place in the prompt's order of homes (`home_ranks`; 0: its home)
 
 
 class Reservations:
@@ -167,7 +170,13 @@ def place(cands: Sequence[Candidate], prompt_tokens: int, expected_output: int,
     and a cache holder keeps it up to `saturated_slack` instead of `affinity_slack`: the request
     queues where its prefix is, in that node's fair queue. Waiting at the ingress for room would
     hand it to whichever node frees a block first, off its cache; and on a saturated cluster a
-    miss is a full prefill added to a queue that every later request waits behind."""
+    miss is a full prefill added to a queue that every later request waits behind.
+
+    Past capacity, a prompt no node caches at least half of goes to its first home (`home_rank`)
+    within the same slack (every ingress orders a prefix's homes the same way, so its traffic
+    meets on one node, spilling to the same second one, instead of being copied onto whichever
+    node was least loaded when no cache held it). Below capacity the score places it: homes dealt
+    by hashing are uneven, and there an uneven queue costs more TTFT than a copy costs hits."""
     reserved = {c.node: reservations.of(c.node) for c in cands}
     # fits(), eligible() and estimated_ttft(), each candidate's uncached tokens counted once (hot path)
     need = max(0, expected_output)
@@ -188,12 +197,15 @@ def place(cands: Sequence[Candidate], prompt_tokens: int, expected_output: int,
     full = saturated(fitting, prompt_tokens, reserved) or not roomy
     ok = fitting if full else roomy
     best_ttft = min(ttft[c.node] for c in ok)
+    slack = max(affinity_slack, saturated_slack) if full else affinity_slack
     sticky = [c for c in ok if c.sticky and ttft[c.node] <= best_ttft * (1 + sticky_slack)]
-    if sticky:
-        choice = sticky[0]
+    holders = [] if sticky else _cache_holders(ok, ttft, prompt_tokens, best_ttft, slack)
+    homes = sorted((c for c in ok if full and c.home_rank is not None and ttft[c.node] <= best_ttft * (1 + slack)),
+                   key=lambda c: c.home_rank or 0)
+    if sticky or (not holders and homes):
+        choice = (sticky or homes)[0]
     else:
-        slack = max(affinity_slack, saturated_slack) if full else affinity_slack
-        pool = _cache_holders(ok, ttft, prompt_tokens, best_ttft, slack) or ok
+        pool = holders or ok
         score = {c.node: ttft[c.node] * (1 + gamma * occupancy(c.load)) for c in pool}
         best = min(score.values())
         band = min(best * near_best, NEAR_BEST_MAX_S)
@@ -236,6 +248,22 @@ def _cache_holders(ok: Sequence[Candidate], ttft: dict[str, float], prompt_token
         if near:
             return near
     return []
+
+
+def home_ranks(key: int, nodes: Iterable[str]) -> dict[str, int]:
+    """The order in which the nodes are a prefix's (`key`: a hash of its first blocks) home, 0
+    first: rendezvous hashing, so every ingress that sees the same nodes orders them the same,
+    and a node joining or leaving moves only the prefixes whose home it is or was."""
+    def weight(node: str) -> bytes:
+        return hashlib.blake2b(key.to_bytes(8, "little", signed=False) + node.encode(), digest_size=8).digest()
+
+    return {node: i for i, node in enumerate(sorted(set(nodes), key=weight, reverse=True))}
+
+
+def home_key(block_hashes: Sequence[int]) -> int | None:
+    """The hash a prompt's home is drawn from: its chain hash after HOME_BLOCKS blocks (covering
+    them all), or its last block's when shorter; None when it has no full block."""
+    return block_hashes[min(len(block_hashes), HOME_BLOCKS) - 1] if block_hashes else None
 
 
 def round_robin(cands: Sequence[Candidate], counter: int) -> Candidate | None:

@@ -18,6 +18,8 @@ from llmd.policy.placement import (
     ScoreRouting,
     VersionLoad,
     estimated_ttft,
+    home_key,
+    home_ranks,
     place,
     round_robin,
     saturated,
@@ -39,8 +41,10 @@ def load(**kw: float | int | bool) -> VersionLoad:
     return replace(base, **kw)  # type: ignore[arg-type]
 
 
-def cand(node: str, cached: int = 0, local: bool = False, sticky: bool = False, **kw: float | int | bool) -> Candidate:
-    return Candidate(node=node, load=load(**kw), cached_tokens=cached, age_s=0.1, local=local, sticky=sticky)
+def cand(node: str, cached: int = 0, local: bool = False, sticky: bool = False, home: int | None = None,
+         **kw: float | int | bool) -> Candidate:
+    return Candidate(node=node, load=load(**kw), cached_tokens=cached, age_s=0.1, local=local, sticky=sticky,
+                     home_rank=home)
 
 
 @pytest.fixture
@@ -278,3 +282,35 @@ def test_near_best_band_is_capped_in_seconds_under_deep_queues() -> None:
     # 10 % of a 5 s TTFT is 0.5 s, more than a cached prefix saves: only 50 ms counts as a tie
     cands = [cand("a", waiting_prefill_tokens=49_000), cand("b", waiting_prefill_tokens=52_000)]
     assert picks(cands, 40) == {"a": 40}
+
+
+def test_home_ranks_agree_whoever_asks_and_a_leaving_node_moves_only_its_own_prefixes() -> None:
+    nodes = ["n0", "n1", "n2", "n3"]
+    for key in range(200):
+        ranks = home_ranks(key, nodes)
+        assert sorted(ranks.values()) == [0, 1, 2, 3]
+        assert home_ranks(key, reversed(nodes)) == ranks  # every ingress, whatever order it lists peers in
+        gone = max(ranks, key=lambda n: ranks[n])  # the last choice leaves: the order of the rest holds
+        assert home_ranks(key, [n for n in nodes if n != gone]) == {n: r for n, r in ranks.items() if n != gone}
+    homes = Counter(min(home_ranks(key, nodes).items(), key=lambda kv: kv[1])[0] for key in range(4000))
+    assert min(homes.values()) > 800  # spread over the nodes (1000 each on average)
+    assert home_key([]) is None and home_key([5, 6]) == 6 and home_key(list(range(20))) == 7  # 8 blocks
+
+
+def test_past_capacity_a_prompt_no_node_caches_goes_to_its_home_not_to_the_least_loaded() -> None:
+    """Saturated, and no node holds half of the prompt (it is new, or every copy was evicted): the
+    least loaded node would copy its prefix onto whichever node was freest at the time, so a
+    prompt's chats end up on every node, each caching it beside the others' prompts, and the
+    copies evict one another (bench (a) at 130 % load, traced: 0.45 hit rate against 0.70 for one
+    node with the three's cache). Its home keeps it within the saturated slack (3x); a slow home
+    spills to the prompt's second home, the same for every ingress; a cache holder comes first.
+    Below capacity the score places it (homes dealt by hashing are uneven)."""
+    cands = [cand("least", waiting_prefill_tokens=20_000, home=2), cand("home", waiting_prefill_tokens=50_000, home=0),
+             cand("second", waiting_prefill_tokens=30_000, home=1)]
+    assert picks(cands, 30) == {"home": 30}  # 5.1 s vs 2.1 s at the least loaded: within 3x
+    cands[1] = cand("home", waiting_prefill_tokens=70_000, home=0)  # 7.1 s: over 3x the best
+    assert picks(cands, 30) == {"second": 30}  # 3.1 s
+    holder = [*cands, cand("holder", cached=900, waiting_prefill_tokens=50_000, home=3)]
+    assert picks(holder, 30) == {"holder": 30}
+    light = [cand("idle", waiting_prefill_tokens=0, home=1), cand("home", waiting_prefill_tokens=800, home=0)]
+    assert picks(light, 30) == {"idle": 30}
