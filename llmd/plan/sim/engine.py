@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections import OrderedDict, deque
+from collections import deque
 from typing import NamedTuple
 
 from llmd.plan.sim.metrics import Recorder
+from llmd.plan.sim.prefix_cache import PrefixLRU
 from llmd.plan.sim.request import Req
 from llmd.plan.sim.spec import EngineSpec
 from llmd.stepmodel import StepTime, pricer
@@ -70,15 +71,13 @@ class Engine:
         self.sum_base = 0
         self.kv_prefill = 0
         self._order = 0
-        self.cache: OrderedDict[int, int] = OrderedDict()  # prefix group -> tokens, LRU order
-        self.cache_tokens = 0
-        self.cache_cap = spec.prefix_cache_tokens if spec.prefix_cache_tokens is not None else spec.kv_tokens // 4
+        cap = spec.prefix_cache_tokens if spec.prefix_cache_tokens is not None else spec.kv_tokens // 4
+        self.cache = PrefixLRU(cap, spec.block_size, spec.prefix_caching)
         self.generated = 0  # output tokens, a counter
         self.basis = [0.0] * 6  # summed StepShape basis terms: steps, seqs, tokens, context, attention, longest
         self.seat_s = 0.0  # ∫ sequences held dt
         self.busy_s = 0.0
         self.preempted = 0  # sequences preempted for KV (recompute)
-        self.cache_hit_tokens = 0
         self.seg: tuple[float, int, float, float] | None = None  # decode segment: (t0, k, first, slope)
         self.mixed: list[tuple[Seq, int]] | None = None  # the mixed step under way: its chunks
         self.end = 0.0  # when the work under way ends
@@ -132,11 +131,11 @@ class Engine:
             self.sum_base -= s.base
             self.groups[r.key] -= 1
             if r.generated < r.output:  # cut short: its full blocks stay cached for its resume
-                self._keep_own(r, r.prompt + r.generated - 1)
+                self.cache.keep_own(r, r.prompt + r.generated - 1)
         elif s in self.prefill:
             self.prefill.remove(s)
             self.kv_prefill -= s.done
-            self._keep_own(r, s.done)
+            self.cache.keep_own(r, s.done)
         else:
             self.waiting.remove(s)
         r.seq = None
@@ -146,48 +145,12 @@ class Engine:
         while self.waiting and self.running < seats:
             s = self.waiting.popleft()
             s.plen = s.r.prompt + s.r.generated
-            s.done = self._cached(s.r, s.plen)
+            s.done = self.cache.hit(s.r, s.plen)
             self.kv_prefill += s.done
             self.prefill.append(s)
 
-    def _cached(self, r: Req, plen: int) -> int:
-        """Prompt tokens found in the cache: its shared prefix's, or, resuming after a preemption,
-        its own earlier attempt's (vLLM keeps a freed sequence's full blocks cached)."""
-        if not self.spec.prefix_caching:
-            return 0
-        own = self.cache.pop(-2 - r.i, 0)
-        self.cache_tokens -= own
-        tokens = self.cache.get(r.prefix) if r.prefix >= 0 else None
-        if tokens is not None:
-            self.cache.move_to_end(r.prefix)
-            own = max(own, min(tokens, r.prefix_tokens))
-        hit = max(0, min(own, plen - 1))
-        self.cache_hit_tokens += hit
-        return hit
-
-    def _keep_own(self, r: Req, tokens: int) -> None:
-        """A request cut short (preempted, aborted) leaves its full blocks in the LRU, under its
-        own key (-2 - its index: shared groups are >= 0): its resume prefills only the rest."""
-        blocks = tokens // self.spec.block_size * self.spec.block_size
-        if not self.spec.prefix_caching or blocks <= 0:
-            return
-        self.cache_tokens += blocks - self.cache.pop(-2 - r.i, 0)
-        self.cache[-2 - r.i] = blocks
-        self._evict()
-
-    def _evict(self) -> None:
-        while self.cache_tokens > self.cache_cap and self.cache:
-            self.cache_tokens -= self.cache.popitem(last=False)[1]
-
     def holds(self, prefix: int) -> bool:
-        return prefix in self.cache
-
-    def _remember(self, r: Req) -> None:
-        if not self.spec.prefix_caching or r.prefix < 0 or r.prefix_tokens <= 0 or r.prefix in self.cache:
-            return
-        self.cache[r.prefix] = r.prefix_tokens
-        self.cache_tokens += r.prefix_tokens
-        self._evict()
+        return self.cache.holds(prefix)
 
     def _preempt_newest(self, now: float) -> None:
         """Out of KV: the newest sequence goes back to the head of the queue, to recompute."""
@@ -366,7 +329,7 @@ class Engine:
         r = s.r
         self.prefill.remove(s)
         self.kv_prefill -= s.done
-        self._remember(r)
+        self.cache.remember(r)
         if r.first_t is not None:
             self.sink.itl_sample(r.key, now - r.last_t, 1.0)  # a resumed stream's stall, as its client sees it
         r.generated += 1
@@ -404,5 +367,4 @@ class Engine:
         self.heap.clear()
         self.seg, self.mixed = None, None
         self.cache.clear()
-        self.cache_tokens = 0
         return out

@@ -98,7 +98,7 @@ def _utilisation(fleet: Fleet, step: StepTime, billed_s: float) -> dict[str, Any
     out: dict[str, Any] = {
         "busy": sum(r.engine.busy_s for r in fleet.replicas) / d,
         "seat_occupancy": sum(r.engine.seat_s for r in fleet.replicas) / (d * seats),
-        "prefix_cache_hit_tokens": sum(r.engine.cache_hit_tokens for r in fleet.replicas),
+        "prefix_cache_hit_tokens": sum(r.engine.cache.hit_tokens for r in fleet.replicas),
         "steps": basis[0],
     }
     if coef:
