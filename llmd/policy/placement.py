@@ -172,7 +172,7 @@ def place(cands: Sequence[Candidate], prompt_tokens: int, expected_output: int,
     hand it to whichever node frees a block first, off its cache; and on a saturated cluster a
     miss is a full prefill added to a queue that every later request waits behind.
 
-    Past capacity, a prompt no node caches at least half of goes to its first home (`home_rank`)
+    Past capacity (queues, not only KV, full), a prompt no node caches half of goes to its first home (`home_rank`)
     within the same slack (every ingress orders a prefix's homes the same way, so its traffic
     meets on one node, spilling to the same second one, instead of being copied onto whichever
     node was least loaded when no cache held it). Below capacity the score places it: homes dealt
@@ -194,13 +194,14 @@ def place(cands: Sequence[Candidate], prompt_tokens: int, expected_output: int,
             / (c.load.prefill_tps if c.load.prefill_tps > 0 else max(default, 1e-9)) + (0.0 if c.local else hop_s)
             for c, u in zip(fitting, unc, strict=True)}
     roomy = [c for c, u in zip(fitting, unc, strict=True) if c.load.kv_free_tokens - reserved[c.node] >= u + need]
-    full = saturated(fitting, prompt_tokens, reserved) or not roomy
+    queued = saturated(fitting, prompt_tokens, reserved)
+    full = queued or not roomy
     ok = fitting if full else roomy
     best_ttft = min(ttft[c.node] for c in ok)
     slack = max(affinity_slack, saturated_slack) if full else affinity_slack
     sticky = [c for c in ok if c.sticky and ttft[c.node] <= best_ttft * (1 + sticky_slack)]
     holders = [] if sticky else _cache_holders(ok, ttft, prompt_tokens, best_ttft, slack)
-    homes = sorted((c for c in ok if full and c.home_rank is not None and ttft[c.node] <= best_ttft * (1 + slack)),
+    homes = sorted((c for c in ok if queued and c.home_rank is not None and ttft[c.node] <= best_ttft * (1 + slack)),
                    key=lambda c: c.home_rank or 0)
     if sticky or (not holders and homes):
         choice = (sticky or homes)[0]

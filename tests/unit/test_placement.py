@@ -314,3 +314,8 @@ def test_past_capacity_a_prompt_no_node_caches_goes_to_its_home_not_to_the_least
     assert picks(holder, 30) == {"holder": 30}
     light = [cand("idle", waiting_prefill_tokens=0, home=1), cand("home", waiting_prefill_tokens=800, home=0)]
     assert picks(light, 30) == {"idle": 30}
+    # KV full everywhere but the queues short (bench (a)'s 70 %: three long prompts fill a node's
+    # KV): not past capacity, so no homes, or the uneven ones would queue one node deep
+    kv_full = [cand("idle", waiting_prefill_tokens=0, kv_free_tokens=0, home=1),
+               cand("home", waiting_prefill_tokens=800, kv_free_tokens=0, home=0)]
+    assert picks(kv_full, 30) == {"idle": 30}
