@@ -53,17 +53,18 @@ def part_c(measure: tuple[str, ...]) -> list[str]:
 
     t0 = time.perf_counter()
     body = run(parts=(*measure, "simulate"))
-    source = ("Measured rows are kept in bench/data/plan-e2e.json and only re-measured when asked (`--measure "
-              "PART`: minutes of real engine per point). The real engine's rows were measured by `python -m "
-              "bench.lib.plan_e2e --parts capacity-real capacity-real-noitl points-real-noitl` in several runs under "
-              "the box lock, 2026-12-02 00:15-01:35 UTC. The fake backend's rows, its capacity and llmd's overheads "
-              "run on the fitted step model (`[models.fake] step_model`, the function the simulator prices steps "
-              "by; bench/data/stepmodel-fake-e2e.json, this box's fit when they ran): `python -m bench.lib.plan_e2e "
-              "--step-model bench/data/stepmodel-fake-e2e.json --parts overhead capacity-fake`, then one point "
-              "per locked run, `--parts points-fake --loads L --first-rep R --same-trace --duration-s 180 "
-              "--warmup-s 20` (both repeats replay one trace: their spread is the "
-              "box's noise, not the draw's), 2026-12-02 03:23-04:35 UTC. This run simulated every one of them "
-              "again with the code named above.")
+    source = ("Measured rows are kept in bench/data/plan-e2e.json, each point's requests (every chunk's time and "
+              "tokens) and llmd's side over time (seats by class, queues, the ITL controller, the engine's steps) "
+              "in bench/data/plan-e2e-requests/; they are only re-measured when asked (`--measure PART`: minutes "
+              "of real engine per point). Each point ran alone under the box lock: the fake backend's on the "
+              "fitted step model (`[models.fake] step_model`, the function the simulator prices steps by; "
+              "bench/data/stepmodel-fake-e2e.json), `python -m bench.lib.plan_e2e --step-model "
+              "bench/data/stepmodel-fake-e2e.json --parts points-fake --loads L --same-trace --duration-s 180 "
+              "--warmup-s 20`, 2026-12-02 07:15-07:46 UTC; the real engine's capacity (`--parts capacity-real-noitl`) "
+              "and points (`--parts points-real-noitl --loads L --duration-s 120 --warmup-s 20`), 07:48-08:25 UTC; "
+              "the fake backend's capacity and llmd's overheads (`--parts overhead capacity-fake`) and the shipped "
+              "config's real capacity (`capacity-real`) earlier, 00:15-03:30 UTC. This run simulated every one "
+              "of them again with the code named above.")
     return ["### (c) End to end: the simulator against llmd", "",
             report.stamp(time.perf_counter() - t0, cmd=report.command()), "", source, "", body]
 
