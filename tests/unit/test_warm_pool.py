@@ -5,6 +5,7 @@ routed to when the cluster is hot, back to sleep and refused after the calm."""
 
 from __future__ import annotations
 
+import asyncio
 import tomllib
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -233,7 +234,13 @@ async def test_a_pool_version_runs_nothing_on_its_node_until_promoted_not_even_t
                 model="fake", messages=[{"role": "user", "content": f"hello {i}"}], max_tokens=4)
             nodes.add(out.headers["x-llmd-node"])
         assert nodes == {"n0"}
-        pool = (await h.get(n1.url + "/admin/cluster")).json()["warm_pool"]  # what its policy watches
+        async def pool_view() -> dict:  # what its policy watches: an entry once its first tick ran
+            return (await h.get(n1.url + "/admin/cluster")).json()["warm_pool"]  # type: ignore[no-any-return]
+
+        for _ in range(50):
+            if "fake" in (pool := await pool_view()):
+                break
+            await asyncio.sleep(0.1)
         assert pool["fake"]["promoted"] is False and pool["fake"]["queue_tokens"] == 0
         assert await forwarded(h) == 404
         assert await n1.node.registry.set_promoted("fake", True) == [version]
