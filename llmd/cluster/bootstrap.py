@@ -23,12 +23,18 @@ ALL_PEERS_S = 2.0  # then how long it listens for more (each peer's state comes 
 
 
 def holders(states: list[NodeState], m: ModelConfig) -> dict[str, list[str]]:
-    """Version -> base URLs of the peers serving it, for the configured model (its pinned version)."""
+    """Version -> base URLs of the peers that can hand it over, for the configured model: those
+    serving it and, for a pinned version, those that only store it (a node that rolled it back,
+    or keeps it on standby unloaded): a version id names the weights, not the model, so an
+    unpinned model is found by what serves it."""
     out: dict[str, list[str]] = {}
     for st in states:
-        for v in st.versions:
-            if v.model == m.name and (m.version is None or v.version.startswith(m.version)):
-                out.setdefault(v.version, []).append(st.http_url)
+        found = {v.version for v in st.versions
+                 if v.model == m.name and (m.version is None or v.version.startswith(m.version))}
+        if m.version:
+            found |= {v for v in st.stored if v.startswith(m.version)}
+        for version in sorted(found):
+            out.setdefault(version, []).append(st.http_url)
     return out
 
 

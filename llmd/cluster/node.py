@@ -48,6 +48,7 @@ PREFIX_CAPACITY_BLOCKS = 65536
 PREFIX_DELTA_BYTES = 400
 PREFIX_RESEND = 2  # a push's prefix delta covers the changes since this many pushes back
 RESERVATION_TTL_S = 2.0  # a reservation outlives any state push that could have missed it
+STORED_REFRESH_S = 10.0  # how often the store is listed for the state's `stored`
 
 
 @dataclass
@@ -99,6 +100,7 @@ class ClusterNode:
         self.warm_pool = WarmPool(registry, cc.warm_pool, self.cluster_load)
         self.draining = False
         self._seq = 0
+        self._stored: tuple[float, tuple[str, ...]] = (float("-inf"), ())
         self._tasks: list[asyncio.Task[None]] = []
         self.local_routing = cc.routing == "local"
 
@@ -148,7 +150,17 @@ class ClusterNode:
         return NodeState(node=self.name, http_url=self.url, seq=seq, versions=loads,
                          prefix_seq=self.prefixes.seq, prefix_delta=delta,
                          tenant_tokens=dict(self.admission.charged), registry_rev=self._registry_rev(),
-                         stored=())
+                         stored=self._stored_versions())
+
+    def _stored_versions(self) -> tuple[str, ...]:
+        """Versions whose weights this node can hand to a joining peer (its store, served or
+        not); read at most every STORED_REFRESH_S: a state goes out on every heartbeat."""
+        at, versions = self._stored
+        now = time.monotonic()
+        if now - at >= STORED_REFRESH_S:
+            versions = tuple(sorted({m.version for m in self.registry.weights.list()}))
+            self._stored = (now, versions)
+        return versions
 
     def _standby(self, model: str, version: str) -> bool:
         return on_standby(self.registry, model, version)

@@ -320,3 +320,17 @@ def test_building_one_manifest_does_not_hold_up_another_versions_chunks(tmp_path
         release.set()
         t.join()
     assert ws.manifest_bytes(second.version)
+
+
+async def test_a_node_advertises_the_versions_it_stores_and_a_joiner_finds_a_pinned_one_there(peers: Peers) -> None:
+    from llmd.cluster.bootstrap import holders
+    from llmd.config import ModelConfig
+
+    cluster = peers.a.node.cluster
+    state = cluster.state()
+    assert state.stored == (peers.version,)  # stored, though what it serves is the fake model
+    pinned = ModelConfig(name="tiny", backend="fake", source="tiny", version=peers.version[:12])
+    assert holders([state], pinned) == {peers.version: [cluster.url]}
+    # unpinned, a stored version id does not say which model it is: only a node serving the model counts
+    assert holders([state], ModelConfig(name="tiny", backend="fake", source="tiny")) == {}
+    assert holders([state], ModelConfig(name="tiny", backend="fake", source="tiny", version="0" * 12)) == {}
