@@ -13,6 +13,8 @@ from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
+from llmd.backends.kv_events import KvListener
+
 
 class BackendError(Exception):
     """The engine failed for this request (or for good)."""
@@ -189,6 +191,14 @@ class Backend(Protocol):
     version: str
     max_model_len: int
     stats: EngineStats
+    # Called with the engine's KV-cache events (llmd.backends.kv_events, as vLLM publishes them)
+    # when `emits_kv_events`; set by a cluster node before the engine starts; None: nobody listens.
+    kv_events: KvListener | None
+
+    @property
+    def emits_kv_events(self) -> bool:
+        """Whether the engine reports its cache's blocks (vLLM with `kv_events = true`, the fake
+        engine with its prefix cache on): a node's prefix summary then comes from them, exactly."""
 
     async def start(self) -> None: ...
 

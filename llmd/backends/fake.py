@@ -102,9 +102,7 @@ class FakeBackend:
         self.sleeping = False
         blocks = cfg.kv_blocks or cfg.max_num_seqs * math.ceil(max_model_len / cfg.block_tokens)  # all can run
         self.cache = FakePrefixCache(blocks, cfg.block_tokens, cfg.prefix_caching)
-        # Called with each step's KV events (llmd.backends.kv_events, as vLLM publishes them), so a
-        # node can keep its prefix summary; None: nobody listens.
-        self.kv_events: KvListener | None = None
+        self.kv_events: KvListener | None = None  # `Backend.kv_events`: each step's, from `cache`
         self.busy_s = 0.0  # engine time the cost model charged (step and prefill time), seconds
         self.pricer = StepPricer(cfg)  # the knobs, or cfg.step_model's fitted step time
 
@@ -138,6 +136,10 @@ class FakeBackend:
     def kill(self) -> None:
         """Simulate the engine process dying: live streams and new calls raise `EngineDead`."""
         self._die(EngineDead(f"engine for {self.model_name} died"))
+
+    @property
+    def emits_kv_events(self) -> bool:
+        return self.cfg.prefix_caching
 
     @property
     def ready(self) -> bool:

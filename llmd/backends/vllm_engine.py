@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +46,7 @@ from vllm.v1.engine.exceptions import EngineDeadError
 from vllm.v1.metrics.loggers import StatLoggerBase
 
 from llmd.backends import vllm_tools
+from llmd.backends.kv_events import KvListener
 from llmd.backends.vllm_events import KvEventSubscriber, cleared
 
 log = logging.getLogger("llmd.backends.vllm_engine")
@@ -117,10 +118,14 @@ class VllmBackend:
         self._engine: AsyncLLM | None = None
         self._tool_parser_cls: Any = None  # composed at start, against the engine's tokenizer
         self._chat_params = ChatParams(chat_template_kwargs={"add_generation_prompt": True})
-        # With cfg.kv_events: called on the event loop with each engine step's KV-cache events
-        # (vLLM's BlockStored / BlockRemoved / AllBlocksCleared, in order); set it before start().
-        self.kv_events: Callable[[list[Any]], None] | None = None
+        # `Backend.kv_events`; with cfg.kv_events, called on the event loop with each engine step's
+        # events (vLLM's BlockStored / BlockRemoved / AllBlocksCleared, in order); set before start().
+        self.kv_events: KvListener | None = None
         self._kv_sub: KvEventSubscriber | None = None
+
+    @property
+    def emits_kv_events(self) -> bool:
+        return bool(self.cfg.kv_events)
 
     # -- lifecycle -------------------------------------------------------
     def _engine_args(self) -> AsyncEngineArgs:

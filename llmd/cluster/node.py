@@ -195,11 +195,11 @@ class ClusterNode:
         for versions in self.registry.runtimes.values():
             for rt in versions.values():
                 be = rt.backend
-                if id(be) not in self._chains and emits_kv_events(be):
+                if id(be) not in self._chains and be.emits_kv_events:
                     chains = KvChains(lambda t: chain_hashes(t, PREFIX_BLOCK_TOKENS, self._prefix_key),
                                       PREFIX_BLOCK_TOKENS, feeder(self.prefixes))
                     self._chains[id(be)] = chains
-                    be.kv_events = chains  # type: ignore[attr-defined]  # both backends have it
+                    be.kv_events = chains
 
     async def _publish_loop(self) -> None:
         sent: deque[int] = deque([0], maxlen=PREFIX_RESEND)  # where the last pushes' deltas ended
@@ -353,10 +353,3 @@ class ClusterNode:
 def _addr(s: str) -> tuple[str, int]:
     host, _, port = s.rpartition(":")
     return host, int(port)
-
-
-def emits_kv_events(backend: object) -> bool:
-    """Whether the engine reports its cache's blocks (vLLM with `kv_events = true`; the fake
-    engine with its prefix cache on): then the summary comes from those events, exactly."""
-    cfg = getattr(backend, "cfg", None)
-    return bool(getattr(cfg, "kv_events", False) or getattr(cfg, "prefix_caching", False))

@@ -101,3 +101,29 @@ def test_the_simulator_is_given_llmd_as_served_and_its_measured_overheads(monkey
     assert [t.name for t in spec.tenants] == ["a", "b"] and spec.tenants[0].max_concurrent == 64
     assert spec.deadline_s["interactive"] == 600.0
     assert spec.scheduling.target_itl_ms == 200 and spec.engine.max_num_batched_tokens == 2048
+
+
+def test_the_ttft_split_takes_llmds_parts_of_each_interactive_request_from_its_ledger() -> None:
+    from bench.lib.e2e_stats import ttft_split
+
+    def m(i: int, klass: str, ttft: float, sched: float = 30.0, status: str = "ok") -> dict[str, Any]:
+        return {"i": i, "class": klass, "ttft": ttft, "sched": sched, "status": status}
+
+    measured = [m(0, "interactive", 0.50), m(1, "interactive", 1.00), m(2, "interactive", 0.70),
+                m(3, "batch", 9.0), m(4, "interactive", 5.0, sched=5.0), m(5, "interactive", 5.0, status="503")]
+    server = {"0": {"ttft_s": 0.49, "queue_s": 0.01, "prefill_s": 0.48},  # nothing held
+              "1": {"ttft_s": 0.99, "queue_s": 0.01, "prefill_s": 0.48},  # first tokens held 0.5 s
+              "2": {"ttft_s": 0.69, "queue_s": None, "prefill_s": 0.69},
+              "3": {"ttft_s": 8.9, "queue_s": 8.0, "prefill_s": 0.9},
+              "4": {"ttft_s": 4.9, "queue_s": 0.0, "prefill_s": 4.9}}
+    sim = {0: [0.40, 2.0], 1: [0.40, 2.0], 2: [0.60, 2.0], 3: [9.0, 12.0], 4: [1.0, 3.0]}
+    s = ttft_split(measured, server, sim, lo=20.0, hi=120.0)
+    assert s is not None and s["n"] == 3  # batch, the warm-up and the refused one left out
+    assert s["client"] == pytest.approx(0.70) and s["sim"] == pytest.approx(0.40)
+    assert s["diff"] == pytest.approx(0.10) and s["held"] == pytest.approx(0.0)
+    assert s["held_share"] == pytest.approx(1 / 3) and s["http"] == pytest.approx(0.01)
+    assert s["diff_unheld"] == pytest.approx(0.10)  # 0.10, 0.10 (0.60 less 0.50 held) and 0.10
+    rows = [{"engine": "real-noitl", "load": 0.3, "rep": 0, "ttft_split": s}]
+    from bench.lib.plan_report import _split
+    assert any("| real-noitl | 30% | 3 | 700 | 400 | 100 |" in line for line in _split(rows))
+    assert ttft_split(measured, {}, sim, 20.0, 120.0) is None
