@@ -16,6 +16,7 @@ import math
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 from bench.lib import stats
 from bench.lib.replayer import Sent
@@ -137,3 +138,31 @@ def fmt(label: str, key: str, value: float) -> str:
     if math.isnan(value):
         return "-"
     return f"{value:.1f}" if key == "tput" else f"{value * 1000:.1f}"
+
+
+HELD_S = 0.02  # a first token held back longer than this by the output filters counts as held
+
+
+def ttft_split(measured: Sequence[dict[str, Any]], server: dict[str, dict[str, Any]],
+               simulated: dict[int, list[float]], lo: float, hi: float) -> dict[str, Any] | None:
+    """Where the interactive class's TTFT goes, by llmd's own ledger (`server`, keyed by the
+    replay's request number): medians of the client's TTFT, the simulator's, their difference,
+    and llmd's parts of it: queued (arrival to dispatch), prefill (dispatch to the engine's first
+    token), held (the output filters holding the first tokens back, which the simulator does not
+    model) and HTTP (the client's TTFT minus llmd's). Over the window's completed requests."""
+    rows = []
+    for m in measured:
+        srv, sim = server.get(str(m["i"])), simulated.get(m["i"])
+        if (m["class"] != "interactive" or m["status"] != "ok" or not srv or not sim or srv.get("ttft_s") is None
+                or srv.get("prefill_s") is None or not lo <= m["sched"] <= hi or sim[0] != sim[0]):
+            continue
+        held = srv["ttft_s"] - (srv["queue_s"] or 0.0) - srv["prefill_s"]
+        rows.append({"client": m["ttft"], "sim": sim[0], "diff": m["ttft"] - sim[0], "queue": srv["queue_s"] or 0.0,
+                     "prefill": srv["prefill_s"], "held": held, "http": m["ttft"] - srv["ttft_s"],
+                     "diff_unheld": m["ttft"] - sim[0] - held})
+    if not rows:
+        return None
+    out: dict[str, Any] = {k: stats.median([r[k] for r in rows]) for k in rows[0]}
+    out["n"] = len(rows)
+    out["held_share"] = sum(r["held"] > HELD_S for r in rows) / len(rows)
+    return out

@@ -55,6 +55,7 @@ class Srv:
     keys: dict[str, str]  # tenant -> API key (llmd); empty for vllm
     admin_key: str | None
     log: Path
+    db: Path | None = None  # llmd's SQLite file (its `requests` table: the server's side of each request)
 
     def headers(self, tenant: str, klass: str | None = None) -> dict[str, str]:
         h: dict[str, str] = {}

@@ -25,6 +25,7 @@ from typing import Any
 
 from bench.lib import plan_servers as ps
 from bench.lib import stats
+from bench.lib.e2e_stats import ttft_split
 from bench.lib.plan_load import capacity, dump, load_point, mix_trace
 from bench.lib.plan_overhead import measure
 from bench.lib.plan_report import report
@@ -117,7 +118,7 @@ async def _points(res: dict[str, Any], engine: str, a: argparse.Namespace) -> No
                 p, sent, t0 = await load_point(srv, pid, MODEL, engine, load, rate, trace, seed, a.warmup_s,
                                                a.drain_s)
                 dump(_raw(a, f"{engine}-{load:g}-{rep}"), sent, t0)
-                server = {k: p.extra.pop(k) for k in ("seats", "steps")}  # llmd's side, over time
+                server = {k: p.extra.pop(k) for k in ("seats", "steps", "requests")}  # llmd's side, over time
                 _raw(a, f"{engine}-{load:g}-{rep}-server").write_text(json.dumps(server) + "\n")
                 row = {**asdict(p), "rep": rep, "duration_s": a.duration_s, "warmup_s": a.warmup_s,
                        "drain_s": a.drain_s,
@@ -155,7 +156,12 @@ def _simulate(res: dict[str, Any], a: argparse.Namespace) -> None:
         by = _sim_row(row, trace, step if speed is None else Scaled(step, speed), cfg, o, per)
         row["sim"], row["sim_by_class"], row["sim_speed"] = by.pop("all", None), by or None, speed
         dump_file = _raw(a, f"{row['engine']}-{row['load']:g}-{row['rep']}")
-        row["paired"] = paired(json.loads(dump_file.read_text()), per, row) if dump_file.exists() else None
+        measured = json.loads(dump_file.read_text()) if dump_file.exists() else None
+        row["paired"] = paired(measured, per, row) if measured else None
+        server_file = dump_file.with_name(dump_file.stem + "-server.json")
+        server = json.loads(server_file.read_text()).get("requests") if server_file.exists() else None
+        row["ttft_split"] = ttft_split(measured, server, per, row["warmup_s"], row["duration_s"]) \
+            if measured and server else None
         row["sim_raw_by_class"] = _sim_row(row, trace, step, cfg, o) if speed is not None else None
 
 

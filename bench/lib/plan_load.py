@@ -12,6 +12,7 @@ import asyncio
 import itertools
 import json
 import math
+import sqlite3
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -158,7 +159,8 @@ async def load_point(srv: Srv, pid: int, model: str, engine: str, load: float, r
     m = summarise(sent, t0, warmup_s, trace.duration)
     seats = [{"t": round(x["t"] - t0, 3), "limit": x["seat_limit"], "running": x.get("class_running", {}),
               "queued": x["queued"], "itl": x.get("itl_controller")} for x in sampler.samples]
-    server = {"seats": seats, "steps": _steps(steps, unix0 + (t0 - w0))}
+    server = {"seats": seats, "steps": _steps(steps, unix0 + (t0 - w0)),
+              "requests": await ledger_timings(srv.db, unix0, len(sent)) if srv.db else {}}
     return Point(engine, load, rate, seed, m, (time.process_time() - cpu0) / wall,
                  (cpu_seconds(pid) - srv0) / wall, server), sent, t0
 
@@ -167,6 +169,25 @@ def _steps(history: list[dict[str, Any]], t0_unix: float) -> list[list[float]]:
     """[t from the replay's start, running, prefill tokens, duration] of each engine step."""
     return [[round(r["t"] - t0_unix, 4), r["running"], r.get("prefill_tokens", 0), round(r.get("duration", 0.0), 5)]
             for r in history]
+
+
+async def ledger_timings(db: Path, since_unix: float, expect: int, wait_s: float = 5.0) -> dict[str, dict[str, Any]]:
+    """llmd's own account of each replayed request since `since_unix` (its `requests` table, keyed
+    by the replay's X-Request-ID): time queued (arrival to dispatch), prefill (dispatch to the
+    engine's first token), TTFT as llmd sent it, and events. The client's TTFT minus these splits
+    a gap into HTTP, queue, engine and delivery. Rows are written behind the responses: waits up
+    to `wait_s` for `expect` of them."""
+    sql = ("SELECT client_request_id, ts, queue_s, prefill_s, ttft_s, total_s, cached_tokens, preemptions, marks "
+           "FROM requests WHERE ts >= ? AND client_request_id LIKE 'replay-%'")
+    rows: list[tuple[Any, ...]] = []
+    for _ in range(int(wait_s / 0.25) + 1):
+        with sqlite3.connect(f"file:{db}?mode=ro", uri=True) as c:
+            rows = c.execute(sql, (since_unix,)).fetchall()
+        if len(rows) >= expect:
+            break
+        await asyncio.sleep(0.25)
+    keys = ("ts", "queue_s", "prefill_s", "ttft_s", "total_s", "cached", "preemptions", "marks")
+    return {r[0].removeprefix("replay-"): dict(zip(keys, r[1:], strict=True)) for r in rows}
 
 
 def dump(path: Path, sent: list[Sent], t0: float) -> None:

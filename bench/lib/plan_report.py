@@ -103,6 +103,24 @@ def _paired(rows: list[dict[str, Any]]) -> list[str]:
                       body)]
 
 
+def _split(rows: list[dict[str, Any]]) -> list[str]:
+    """Where the interactive TTFT goes (llmd's ledger of each request), beside the simulator's."""
+    body = [[r["engine"], f"{r['load']:.0%}", str(p["n"]),
+             *(f"{p[k] * 1000:.0f}" for k in ("client", "sim", "diff", "queue", "prefill", "held", "http",
+                                              "diff_unheld")), f"{p['held_share']:.0%}"]
+            for r in sorted(rows, key=lambda r: (r["engine"], r["load"], r["rep"])) if (p := r.get("ttft_split"))]
+    if not body:
+        return []
+    return ["", "Where the interactive class's TTFT goes, by llmd's own record of each request (medians over the "
+            "window's completed requests, ms): the client's TTFT, the simulator's and their difference; llmd's "
+            "parts: queued (arrival to dispatch), prefill (dispatch to the engine's first token), held (the output "
+            "filters holding the first tokens back: text that could still become a match, which the simulator "
+            "does not model), HTTP (the client's TTFT minus llmd's); the difference once held time is taken out; "
+            "the share of requests whose first tokens were held over 20 ms.", "",
+            *md.table(["engine", "load", "requests", "client", "simulated", "difference", "queued", "prefill",
+                       "held", "HTTP", "difference less held", "held > 20 ms"], body)]
+
+
 def _raw_verdicts(rows: list[dict[str, Any]], held_out: tuple[float, ...]) -> list[str]:
     """The real engine's points simulated on the calibrated step model alone, beside the judged
     ones (at the engine's speed in service, measured on the capacity run)."""
@@ -154,6 +172,7 @@ def report(res: dict[str, Any], held_out: tuple[float, ...]) -> str:
     lines += ["", "By class:", "", *_class_table(rows)]
     lines += ["", *_verdicts(rows, held_out), *_raw_verdicts(rows, held_out)]
     lines += _paired(rows)
+    lines += _split(rows)
     lines += ["", "#### Noise: spread of repeats ((max − min) / median)", ""]
     lines += _noise(rows)
     cpu = [r["client_cpu"] for r in rows]

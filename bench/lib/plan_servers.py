@@ -75,4 +75,4 @@ def serve(tag: str, cfg: dict[str, Any], scratch: Path | None = None,
                  ready_timeout, env) as proc:
         print(f"  [{tag}] llmd ready on :{port} after {time.monotonic() - t0:.0f}s (load1 {os.getloadavg()[0]:.2f})",
               flush=True)
-        yield Srv("llmd", f"http://127.0.0.1:{port}", keys, admin, log), proc.pid
+        yield Srv("llmd", f"http://127.0.0.1:{port}", keys, admin, log, scratch / f"{tag}.db"), proc.pid
