@@ -166,7 +166,8 @@ class VllmBackend:
                                                             str(tokenizer), trust, self.model_name)
         if self.cfg.kv_events:
             loop = asyncio.get_running_loop()
-            self._kv_sub = KvEventSubscriber(lambda events: loop.call_soon_threadsafe(self._kv_emit, events))
+            self._kv_sub = KvEventSubscriber(lambda events: loop.call_soon_threadsafe(self._kv_emit, events),
+                                             endpoint=self.cfg.kv_events_endpoint, topic=self.cfg.kv_events_topic)
             self._kv_sub.start()  # before the engine binds: its first step's events are not lost
             self._kv_emit(cleared())  # a new engine's cache is empty, whatever the last one held
         try:

@@ -2,7 +2,9 @@
 
 The publisher runs inside EngineCore (a child process of AsyncLLM), so there is no object in
 this process to read: the engine binds a PUB socket on an `ipc://` path in a private temp
-folder and this SUB socket reads it. Each message is (topic, 8-byte big-endian sequence,
+folder and this SUB socket reads it; or, with `kv_events_endpoint`, on a TCP port of every
+interface, where other subscribers (llm-d's prefix-cache scorer) connect too, under the
+configured topic. Each message is (topic, 8-byte big-endian sequence,
 msgpack `KVEventBatch`); the batch's events (`BlockStored`, `BlockRemoved`,
 `AllBlocksCleared`) are handed to `deliver` in order, one batch per engine step. A missing
 sequence number (the engine's PUB dropped past its high-water mark) is counted, not repaired:
@@ -44,11 +46,16 @@ class KvEventSubscriber:
     the engine is built (so its first step's events are not lost), `stop()` after it is shut
     down. `deliver` runs on this subscriber's thread: hand the events over, do not block."""
 
-    def __init__(self, deliver: Callable[[list[Any]], object], hwm: int = 10_000) -> None:
+    def __init__(self, deliver: Callable[[list[Any]], object], hwm: int = 10_000, endpoint: str | None = None,
+                 topic: str = TOPIC) -> None:
         self._deliver = deliver
         self._hwm = hwm  # messages the SUB socket holds before the publisher drops (bounded memory)
-        self._dir = Path(tempfile.mkdtemp(prefix="llmd-kv-"))
-        self.endpoint = f"ipc://{self._dir / 'events'}"
+        self._dir: Path | None = None
+        if endpoint is None:  # private: only this process reads them
+            self._dir = Path(tempfile.mkdtemp(prefix="llmd-kv-"))
+            endpoint = f"ipc://{self._dir / 'events'}"
+        self.endpoint = endpoint  # where the engine binds its PUB socket
+        self.topic = topic
         self.stats = SubscriberStats()
         self._stop = threading.Event()
         self._ready = threading.Event()
@@ -56,7 +63,7 @@ class KvEventSubscriber:
         self._last_seq: int | None = None
 
     def config(self) -> KVEventsConfig:
-        return KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", endpoint=self.endpoint, topic=TOPIC,
+        return KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", endpoint=self.endpoint, topic=self.topic,
                               hwm=self._hwm)
 
     def start(self) -> None:
@@ -68,7 +75,8 @@ class KvEventSubscriber:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout)
-        shutil.rmtree(self._dir, ignore_errors=True)
+        if self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)
 
     @property
     def running(self) -> bool:
@@ -79,8 +87,8 @@ class KvEventSubscriber:
         try:
             sock.setsockopt(zmq.RCVHWM, self._hwm)
             sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.SUBSCRIBE, TOPIC.encode())
-            sock.connect(self.endpoint)
+            sock.setsockopt(zmq.SUBSCRIBE, self.topic.encode())
+            sock.connect(connectable(self.endpoint))
             self._ready.set()
             decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
             while not self._stop.is_set():
@@ -115,3 +123,8 @@ class KvEventSubscriber:
 def cleared() -> list[Any]:
     """What a fresh or stopped engine's cache says: nothing held."""
     return [AllBlocksCleared()]
+
+
+def connectable(endpoint: str) -> str:
+    """Where to connect for the engine's bind endpoint: its wildcard host is this host's loopback."""
+    return "tcp://127.0.0.1:" + endpoint.removeprefix("tcp://*:") if endpoint.startswith("tcp://*:") else endpoint

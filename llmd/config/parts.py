@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 import socket
+import urllib.parse
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -94,6 +95,14 @@ class EngineConfig(_Strict):
     # cluster knows exactly which prefixes this engine holds (docs/cluster.md, "KV events").
     # Unset: on when [cluster] is enabled, off otherwise (nothing else reads them).
     kv_events: bool | None = None
+    # Where vLLM publishes them, for other subscribers too: "tcp://*:PORT" (llm-d's precise
+    # prefix-cache scorer reads them there; docs/cluster.md, "Kubernetes and llm-d"). Setting it
+    # turns kv_events on. The engine binds every interface and the events carry the prompts'
+    # token ids: firewall the port to the cluster. Unset: a private ipc:// socket only this
+    # process reads. `kv_events_topic`: the topic
+    # they are published under (llm-d expects "kv@<pod>@<model>").
+    kv_events_endpoint: str | None = None
+    kv_events_topic: Annotated[str, Field(min_length=1, max_length=256)] = "llmd-kv"
     extra: dict[str, object] = Field(default_factory=dict)
     # A dead engine is rebuilt from the weight store: this many attempts in a row (0: it stays
     # dead), the first at once, then after restart_backoff_s, doubling; a request waits up to
@@ -101,6 +110,29 @@ class EngineConfig(_Strict):
     restart_attempts: Annotated[int, Field(ge=0)] = 5
     restart_backoff_s: Annotated[float, Field(ge=0)] = 1.0
     restart_timeout_s: Annotated[float, Field(gt=0)] = 300.0
+
+    @field_validator("kv_events_endpoint")
+    @classmethod
+    def _tcp(cls, v: str | None) -> str | None:
+        if v is None:
+            return v
+        try:
+            url = urllib.parse.urlsplit(v)
+            ok = url.scheme == "tcp" and url.hostname == "*" and url.port is not None and url.port > 0 \
+                and not (url.path or url.query or url.fragment)
+        except ValueError:  # a port out of range
+            ok = False
+        if not ok:  # vLLM's publisher binds only a wildcard host (any other it connects to)
+            raise ValueError(f"{v!r} is not tcp://*:PORT (PORT 1-65535; the engine binds every interface)")
+        return v
+
+    @model_validator(mode="after")
+    def _published(self) -> EngineConfig:
+        if self.kv_events_endpoint is not None:
+            if self.kv_events is False:
+                raise ValueError("kv_events_endpoint publishes the KV events: it needs kv_events on (or unset)")
+            self.kv_events = True
+        return self
 
 
 class FakeEngineConfig(_Strict):

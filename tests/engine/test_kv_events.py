@@ -1,5 +1,6 @@
-"""vLLM's KV-cache events on the CPU engine: they arrive in this process over ipc, and the
-adapter turns them into the cluster's chained hashes of exactly the prompt's blocks.
+"""vLLM's KV-cache events on the CPU engine: they arrive in this process (over ipc, or over a
+published TCP port that other subscribers read too), and the adapter turns them into the
+cluster's chained hashes of exactly the prompt's blocks.
 
 The subscriber test uses a real ZMQ PUB socket with vLLM's own wire format; the engine test
 builds VllmBackend in-process on the stored SmolLM2 model (one engine, about a minute here)."""
@@ -19,7 +20,7 @@ from llmd.backends.base import Delta, Sampling
 from llmd.backends.kv_chains import KvChains
 from llmd.backends.vllm_events import TOPIC, KvEventSubscriber
 from llmd.config import EngineConfig
-from tests.conftest import async_wait_until, wait_until
+from tests.conftest import async_wait_until, free_port, wait_until
 from tests.unit.test_kv_chains import Seen, chain
 
 pytestmark = pytest.mark.engine
@@ -67,17 +68,65 @@ def test_subscriber_reads_vllms_wire_format_counts_gaps_and_stops() -> None:
     assert not sub.running and not Path(sub.endpoint.removeprefix("ipc://")).parent.exists()
 
 
+def _outside(port: int, topic: str) -> zmq.Socket[bytes]:
+    """Another subscriber on the published port (what llm-d's prefix-cache scorer does)."""
+    sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.SUB)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SUBSCRIBE, topic.encode())
+    sock.connect(f"tcp://127.0.0.1:{port}")
+    return sock
+
+
+def _drain(sock: zmq.Socket[bytes], wait_ms: int = 200) -> list[list[bytes]]:
+    out = []
+    while sock.poll(wait_ms):
+        out.append(sock.recv_multipart())
+    return out
+
+
+def test_published_on_tcp_the_events_reach_this_process_and_any_other_subscriber() -> None:
+    from vllm.distributed.kv_events import BlockRemoved
+
+    port, topic = free_port(), "kv@10.0.0.7@smollm2"
+    got: list[list[Any]] = []
+    sub = KvEventSubscriber(got.append, endpoint=f"tcp://*:{port}", topic=topic)
+    assert sub.config().endpoint == f"tcp://*:{port}" and sub.config().topic == topic
+    pub = zmq.Context.instance().socket(zmq.PUB)
+    pub.bind(sub.endpoint)  # as vLLM's publisher does with a wildcard host
+    other = _outside(port, topic)
+    try:
+        sub.start()
+        probe = _batch(BlockRemoved(block_hashes=[1], medium="GPU"))
+        seen: list[list[bytes]] = []
+
+        def both_heard() -> bool:  # a SUB sees nothing until its connection is up: send until both have
+            pub.send_multipart((topic.encode(), (0).to_bytes(8, "big"), probe))
+            seen.extend(_drain(other, 10))
+            return bool(got) and bool(seen)
+
+        assert wait_until(both_heard, timeout=10)
+        assert got[0][0].block_hashes == [1] and seen[0][0] == topic.encode()
+    finally:
+        sub.stop()
+        pub.close(0)
+        other.close(0)
+
+
 @pytest.fixture(scope="module")
 async def engine(smollm2_path: Path) -> AsyncIterator[Any]:
     from llmd.backends.vllm_engine import VllmBackend
 
+    port, topic = free_port(), "kv@test@smollm2"
     cfg = EngineConfig(max_model_len=1024, kv_cache_gib=1, max_num_seqs=4, max_num_batched_tokens=1024,
-                       dtype="float32", kv_events=True)
+                       dtype="float32", kv_events_endpoint=f"tcp://*:{port}", kv_events_topic=topic)
+    assert cfg.kv_events  # publishing them turns them on
     backend = VllmBackend("smollm2", "v", smollm2_path, cfg)
     backend.events = []  # type: ignore[attr-defined]
-    backend.kv_events = backend.events.append  # type: ignore[attr-defined]
+    backend.kv_events = backend.events.append
+    backend.outside = _outside(port, topic)  # type: ignore[attr-defined]
     await backend.start()
     yield backend
+    backend.outside.close(0)  # type: ignore[attr-defined]
     await backend.stop()
 
 
@@ -116,6 +165,11 @@ async def test_engine_publishes_its_prompt_blocks_and_a_shared_prefix_hits(engin
     assert s[0].parent_block_hash is None and s[0].block_size == 128
     held = [t for e in s for t in e.token_ids]
     assert held == a[:512]  # every full block of the prompt, in order
+    # the same events on the published TCP port, for any other subscriber
+    from vllm.distributed.kv_events import KVEventBatch
+
+    outside = [msgspec.msgpack.decode(m[2], type=KVEventBatch) for m in _drain(engine.outside, 500)]
+    assert [t for b in outside for e in b.events if type(e).__name__ == "BlockStored" for t in e.token_ids] == held
     apply()
     assert seen.calls[-1] == ("stored", chain(a)[:8])
 

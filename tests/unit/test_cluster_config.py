@@ -49,3 +49,18 @@ def test_kv_events_are_on_in_a_cluster_unless_turned_off(tmp_path: Path, monkeyp
     p = tmp_path / "config.toml"
     p.write_text(f"[cluster]\nenabled = true\n{MODEL}[models.engine]\nkv_events = false\n")
     assert load_config(p).models[0].engine.kv_events is False
+
+
+def test_kv_events_published_on_a_tcp_port_are_on_and_a_bad_endpoint_is_named(tmp_path: Path) -> None:
+    p = tmp_path / "config.toml"
+    p.write_text(f'{MODEL}[models.engine]\nkv_events_endpoint = "tcp://*:5557"\nkv_events_topic = "kv@pod@m"\n')
+    engine = load_config(p).models[0].engine
+    assert engine.kv_events is True and engine.kv_events_endpoint == "tcp://*:5557"  # on without a cluster
+    for bad in ("tcp://10.0.0.1:5557", "ipc:///tmp/x", "tcp://*:0", "tcp://*:99999"):
+        p.write_text(f'{MODEL}[models.engine]\nkv_events_endpoint = "{bad}"\n')
+        named = r"config.toml: invalid configuration\n  models\[0\].engine.kv_events_endpoint \(model .m.\): "
+        with pytest.raises(ConfigError, match=named + r".*tcp://\*:PORT"):
+            load_config(p)
+    p.write_text(f'{MODEL}[models.engine]\nkv_events_endpoint = "tcp://*:5557"\nkv_events = false\n')
+    with pytest.raises(ConfigError, match=r"models\[0\].engine \(model .m.\): .*needs kv_events on"):
+        load_config(p)
