@@ -91,11 +91,13 @@ def simulated(trace: Trace, step: StepTime, ingress_s: float, delivery_s: float,
     from llmd.plan.sim.cli import spec_of
     from llmd.plan.sim.fleet import Fleet
     from llmd.plan.sim.report import report_of
+    from llmd.plan.sim.spec import stamp_block_size
 
     cfg = Config.model_validate(raw)
     horizon = None if drain_s is None or not len(trace) else float(trace.t[-1]) + drain_s
-    spec = spec_of(cfg, cfg.models[0], 1, ingress_s=ingress_s, delivery_s=delivery_s, warmup_s=warmup_s,
-                   exact_controller=True, horizon_s=horizon)
+    stamp = getattr(getattr(step, "inner", step), "stamp", {})  # a fitted model's (Scaled wraps one)
+    spec = spec_of(cfg, cfg.models[0], 1, block_size=stamp_block_size(stamp), ingress_s=ingress_s,
+                   delivery_s=delivery_s, warmup_s=warmup_s, exact_controller=True, horizon_s=horizon)
     fleet = Fleet(spec, trace, step)
     fleet.rec.per_request = per_request
     fleet.run()

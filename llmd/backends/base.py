@@ -200,6 +200,11 @@ class Backend(Protocol):
         """Whether the engine reports its cache's blocks (vLLM with `kv_events = true`, the fake
         engine with its prefix cache on): a node's prefix summary then comes from them, exactly."""
 
+    @property
+    def kv_block_tokens(self) -> int | None:
+        """Tokens per KV-cache block (a prefix is cached in whole blocks: vLLM's CPU backend uses
+        128, a GPU 16); None until the engine has started once."""
+
     async def start(self) -> None: ...
 
     async def stop(self) -> None: ...

@@ -142,6 +142,10 @@ class FakeBackend:
         return self.cfg.prefix_caching
 
     @property
+    def kv_block_tokens(self) -> int | None:
+        return self.cfg.block_tokens
+
+    @property
     def ready(self) -> bool:
         return self._started and self._dead is None
 

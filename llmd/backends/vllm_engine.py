@@ -122,10 +122,15 @@ class VllmBackend:
         # events (vLLM's BlockStored / BlockRemoved / AllBlocksCleared, in order); set before start().
         self.kv_events: KvListener | None = None
         self._kv_sub: KvEventSubscriber | None = None
+        self._kv_block: int | None = None  # the engine's KV block, once built (the platform picks it)
 
     @property
     def emits_kv_events(self) -> bool:
         return bool(self.cfg.kv_events)
+
+    @property
+    def kv_block_tokens(self) -> int | None:
+        return self._kv_block
 
     # -- lifecycle -------------------------------------------------------
     def _engine_args(self) -> AsyncEngineArgs:
@@ -171,7 +176,8 @@ class VllmBackend:
             self._kv_sub.start()  # before the engine binds: its first step's events are not lost
             self._kv_emit(cleared())  # a new engine's cache is empty, whatever the last one held
         try:
-            self._engine = await asyncio.to_thread(self._build)
+            self._engine = engine = await asyncio.to_thread(self._build)
+            self._kv_block = engine.vllm_config.cache_config.block_size
         except BaseException:
             self._stop_kv_events()
             raise

@@ -162,6 +162,8 @@ def _measure(o: dict[str, Any]) -> tuple[dict[str, str], list[Sample]]:
         stamp.update(reference=f"{REFERENCE.name}, {REFERENCE_TOKENS} tokens, before and after each visit: median "
                      f"{statistics.median(refs) * 1e3:.1f} ms, range {min(refs) * 1e3:.1f}-{max(refs) * 1e3:.1f} ms")
     stamp["passes"] = str(o.get("passes", 1))
+    if b.kv_block_tokens:  # the simulator caches prefixes in the measured engine's blocks
+        stamp["block_size"] = str(b.kv_block_tokens)
     stamp.update(grid=grid.name, fitted_at=started.strftime("%Y-%m-%dT%H:%M:%SZ"),
                  duration_source="step period (engine-core output stamps) where a sequence decoded in "
                  "consecutive steps, else engine-core forward+sampling time + the median gap between the two"

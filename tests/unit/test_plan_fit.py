@@ -153,6 +153,7 @@ def test_cli_quick_calibration_on_the_fake_backend(tmp_path: Path) -> None:
     assert r.exit_code == 0, r.output
     m = StepModel.load(out)
     assert m.stamp["engine"] == "fake" and m.stamp["grid"] == "quick"
+    assert m.stamp["block_size"] == "16"  # the engine's KV block: the simulator caches prefixes in it
     assert {"median", "p90", "points"} <= set(m.error) and m.error["points"] == 10
     assert m.coef["c_step"] > 0  # every step costs at least the fake's 2 ms base
     points = json.loads(out.with_suffix(".points.json").read_text())["points"]

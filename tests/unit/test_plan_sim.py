@@ -210,3 +210,38 @@ def test_a_preempted_request_resumes_from_its_own_cached_blocks() -> None:
     assert rep["preemptions"]["scheduler"] == 1 and rep["requests"]["completed"] == 2
     hits = rep["utilisation"]["prefix_cache_hit_tokens"]
     assert 500 < hits < 1500 and hits % 16 == 0  # past its prompt: its output's full blocks too
+
+
+def test_a_vllm_engines_kv_block_comes_from_the_step_models_stamp_unless_the_config_sets_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A prefix is cached in whole blocks: vLLM on a CPU forces 128 tokens, where a GPU has 16. A
+    96-token shared prefix then never hits on the CPU; simulated with 16-token blocks it would."""
+    import llmd.plan.sim.report as sim_report
+
+    seen: list[SimSpec] = []
+    real = sim_report.simulate
+    monkeypatch.setattr(sim_report, "simulate", lambda spec, trace, step: seen.append(spec) or real(spec, trace, step))
+    stamped = tmp_path / "cpu.json"
+    stamped.write_text(replace(STEP, stamp={"engine": "vllm", "block_size": "128"}).to_json())
+    cfg = tmp_path / "config.toml"
+    model = '[[models]]\nname = "m"\nbackend = "vllm"\nsource = "smollm2"\n'
+    cfg.write_text(model)
+    own = tmp_path / "own.toml"
+    own.write_text(model + "[models.engine.extra]\nblock_size = 32\n")
+    for args in (("--config", str(cfg), "--step-model", str(stamped)), ("--step-model", str(stamped)),
+                 ("--config", str(own), "--step-model", str(stamped)), ("--config", str(cfg), "--step-model", str(
+                     tmp_path / "plain.json"))):
+        (tmp_path / "plain.json").write_text(STEP.to_json())  # no block in its stamp: vLLM's GPU default
+        assert _cli(*args, "--duration", "5")[0] == 0
+    assert [s.engine.block_size for s in seen] == [128, 128, 32, 16]
+
+
+@pytest.mark.parametrize(("block", "per_hit"), [(16, 96), (32, 96), (64, 64), (128, 0)])
+def test_a_shared_prefix_is_cached_in_whole_blocks(block: int, per_hit: int) -> None:
+    """Three requests spaced apart share a 100-token prefix: the 2nd and 3rd find its full blocks."""
+    tr = Trace(t=np.array([0.0, 5.0, 10.0]), tenant=np.zeros(3, np.int32), klass=np.zeros(3, np.int8),
+               prompt_tokens=np.full(3, 150, np.int32), output_tokens=np.full(3, 4, np.int32),
+               prefix=np.zeros(3, np.int32), prefix_tokens=np.full(3, 100, np.int32), tenants=("t",))
+    rep = simulate(SimSpec(replicas=1, engine=EngineSpec(block_size=block)), tr, STEP)
+    assert rep["requests"]["completed"] == 3
+    assert rep["utilisation"]["prefix_cache_hit_tokens"] == 2 * per_hit

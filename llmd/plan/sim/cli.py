@@ -12,7 +12,7 @@ import click
 
 from llmd.config import Config, ModelConfig
 from llmd.plan.errors import PlanError
-from llmd.plan.sim.spec import Autoscale, SimSpec, engine_from_model
+from llmd.plan.sim.spec import VLLM_BLOCK, Autoscale, EngineSpec, SimSpec, engine_from_model, stamp_block_size
 from llmd.plan.sim.trace import Trace
 from llmd.stepmodel import StepModel
 
@@ -41,10 +41,11 @@ def spec_from_config(path: Path, model: str | None, replicas: int, **over: Any) 
     return spec_of(cfg, m, replicas, **over)
 
 
-def spec_of(cfg: Config, m: ModelConfig, replicas: int, **over: Any) -> SimSpec:
-    """The SimSpec of model `m` of a loaded config (see spec_from_config)."""
+def spec_of(cfg: Config, m: ModelConfig, replicas: int, block_size: int | None = None, **over: Any) -> SimSpec:
+    """The SimSpec of model `m` of a loaded config (see spec_from_config); `block_size`: the
+    measured engine's KV block (`stamp_block_size`), where the config does not set one."""
     deadline = {"interactive": cfg.server.default_deadline_s, "batch": 86400.0}
-    return SimSpec(replicas=replicas, engine=engine_from_model(m), scheduling=m.scheduling,
+    return SimSpec(replicas=replicas, engine=engine_from_model(m, block_size), scheduling=m.scheduling,
                    degradation=m.degradation, tenants=tuple(cfg.tenants), slo=cfg.slo.slo_for(m.name),
                    deadline_s=deadline, **over)
 
@@ -87,7 +88,8 @@ def _plot(report: dict[str, Any], path: Path) -> None:
     raise PlanError("llmd/plan/sim/plot.py has no plot_report(report, path)")
 
 
-def _spec(o: dict[str, Any]) -> SimSpec:
+def _spec(o: dict[str, Any], block_size: int | None = None) -> SimSpec:
+    """The fleet asked for; `block_size`: the step model's engine's KV block (its stamp)."""
     over: dict[str, Any] = {"seed": o["seed"], "warmup_s": o["warmup"], "ingress_s": o["ingress_ms"] / 1000,
                             "delivery_s": o["delivery_ms"] / 1000, "price_per_hour": o["price"],
                             "mtbf_s": o["mtbf"], "control_interval_s": o["control_s"],
@@ -95,11 +97,11 @@ def _spec(o: dict[str, Any]) -> SimSpec:
     if o["min_active"] is not None:
         over["autoscale"] = Autoscale(min_active=o["min_active"], warm_pool=o["warm_pool"])
     if o["config"] is not None:
-        spec = spec_from_config(o["config"], o["model"], o["replicas"], **over)
+        spec = spec_from_config(o["config"], o["model"], o["replicas"], block_size=block_size, **over)
     elif o["model"] is not None:
         raise PlanError("--model names a model of --config; give --config too")
     else:
-        spec = SimSpec(replicas=o["replicas"], **over)
+        spec = SimSpec(replicas=o["replicas"], engine=EngineSpec(block_size=block_size or VLLM_BLOCK), **over)
     if o["kv_tokens"] is not None:
         spec = replace(spec, engine=replace(spec.engine, kv_tokens=o["kv_tokens"]))
     return spec
@@ -139,8 +141,8 @@ def sim_cmd(**o: Any) -> None:
     from llmd.plan.sim.report import simulate
 
     try:
-        spec = _spec(o)
         step, step_path = resolve_step_model(o["step_model"], o["model"])
+        spec = _spec(o, stamp_block_size(step.stamp))
         trace = _trace(o, tuple(t.name for t in spec.tenants))
         report = simulate(spec, trace, step)
         report["step_model"] = {"path": str(step_path), **step.stamp}  # which fit priced the steps

@@ -46,11 +46,13 @@ class PrefixLRU:
         self._evict()
 
     def remember(self, r: Req) -> None:
-        """`r`'s shared prefix was computed here: its group is cached from now on."""
-        if not self.enabled or r.prefix < 0 or r.prefix_tokens <= 0 or r.prefix in self.entries:
+        """`r`'s shared prefix was computed here: its group's full blocks are cached from now on
+        (an engine caches whole blocks: a 96-token prefix is 6 blocks of 16, and none of 128)."""
+        blocks = r.prefix_tokens // self.block_size * self.block_size
+        if not self.enabled or r.prefix < 0 or blocks <= 0 or r.prefix in self.entries:
             return
-        self.entries[r.prefix] = r.prefix_tokens
-        self.tokens += r.prefix_tokens
+        self.entries[r.prefix] = blocks
+        self.tokens += blocks
         self._evict()
 
     def holds(self, prefix: int) -> bool:

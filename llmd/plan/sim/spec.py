@@ -98,10 +98,25 @@ class SimSpec:
             raise PlanError("autoscale.min_active must be between 1 and replicas")
 
 
-def engine_from_model(m: ModelConfig) -> EngineSpec:
+VLLM_BLOCK = 16  # vLLM's KV block on a GPU; its CPU backend forces 128 (a step model's stamp says which)
+
+
+def stamp_block_size(stamp: dict[str, str]) -> int | None:
+    """The KV block size of the engine a step model was measured on (`llmd plan calibrate`
+    stamps it), or None where the stamp does not say."""
+    try:
+        size = int(stamp.get("block_size", ""))
+    except ValueError:
+        return None
+    return size if size > 0 else None
+
+
+def engine_from_model(m: ModelConfig, block_size: int | None = None) -> EngineSpec:
     """The engine a model's config.toml section describes. KV capacity: the fake engine's blocks,
     or (vLLM) room for max_num_seqs sequences of max_model_len: the config gives GiB, not tokens;
-    pass kv_tokens for a measured figure."""
+    pass kv_tokens for a measured figure. vLLM's block: `engine.extra.block_size` where set,
+    else `block_size` (the measured engine's: a prefix is cached in whole blocks, so a 96-token
+    shared prefix hits with 16-token blocks and never with 128), else VLLM_BLOCK."""
     if m.backend == "fake":
         f = m.fake
         blocks = f.kv_blocks if f.kv_blocks is not None else f.max_num_seqs * m.engine.max_model_len // f.block_tokens
@@ -109,5 +124,8 @@ def engine_from_model(m: ModelConfig) -> EngineSpec:
                           kv_tokens=blocks * f.block_tokens, block_size=f.block_tokens,
                           prefix_caching=f.prefix_caching)
     e = m.engine
+    configured = e.extra.get("block_size")
+    block = int(configured) if isinstance(configured, int | str) and str(configured).isdigit() else None
     return EngineSpec(max_num_seqs=e.max_num_seqs, max_num_batched_tokens=e.max_num_batched_tokens,
-                      kv_tokens=e.max_num_seqs * e.max_model_len, prefix_caching=e.enable_prefix_caching)
+                      kv_tokens=e.max_num_seqs * e.max_model_len, block_size=block or block_size or VLLM_BLOCK,
+                      prefix_caching=e.enable_prefix_caching)
