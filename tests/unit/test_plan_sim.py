@@ -245,3 +245,39 @@ def test_a_shared_prefix_is_cached_in_whole_blocks(block: int, per_hit: int) -> 
     rep = simulate(SimSpec(replicas=1, engine=EngineSpec(block_size=block)), tr, STEP)
     assert rep["requests"]["completed"] == 3
     assert rep["utilisation"]["prefix_cache_hit_tokens"] == 2 * per_hit
+
+
+def test_a_sequence_preempted_mid_segment_keeps_the_tokens_it_was_sent() -> None:
+    """A batch request decodes alone for seconds (one closed-form segment); a chat arrives and
+    llmd preempts the batch request (0 batch seats beside chats). The segment is cut at the step
+    under way: every token before that step reached llmd, only that step's is lost. (The
+    simulator once dropped the whole segment's tokens, so batch work that only ever ran in the
+    gaps between chats barely moved, where llmd's completed: e2e +30-80 % at 30 % load.)"""
+    import llmd.plan.sim.replica as rep_mod
+
+    class Flat:
+        def seconds(self, shape: StepShape) -> float:
+            return 0.05 + 0.0001 * shape.prefill_tokens
+
+    seen: list[tuple[float, int]] = []
+    orig = rep_mod.Replica._abort
+
+    def abort(self: rep_mod.Replica, r: Req, now: float) -> None:
+        orig(self, r, now)
+        seen.append((now, r.generated))
+
+    tr = Trace(t=np.array([0.0, 5.0]), tenant=np.zeros(2, np.int32), klass=np.array([1, 0], np.int8),
+               prompt_tokens=np.array([100, 50], np.int32), output_tokens=np.array([400, 10], np.int32),
+               prefix=np.array([-1, -1], np.int32), prefix_tokens=np.zeros(2, np.int32), tenants=("t",))
+    spec = SimSpec(replicas=1, ingress_s=0, delivery_s=0, scheduling=SchedulingConfig(batch_seats_with_interactive=0),
+                   exact_controller=True)
+    mp = pytest.MonkeyPatch()
+    mp.setattr(rep_mod.Replica, "_abort", abort)
+    try:
+        rep = simulate(spec, tr, Flat())
+    finally:
+        mp.undo()
+    assert rep["requests"]["completed"] == 2
+    (t, generated), *_ = seen
+    # first token after its prefill step (0.06 s), then a token every 0.05 s until the step under way at 5.0
+    assert 5.0 <= t <= 5.06 and generated == 1 + int((5.0 - 0.06) / 0.05)

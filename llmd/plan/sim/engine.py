@@ -126,7 +126,12 @@ class Engine:
         r = s.r
         if s.order in self.decoding:
             del self.decoding[s.order]
-            r.generated = s.base + self.S - r.prompt
+            # Aborted at the end of a decode segment cut short for it (a step boundary, before the
+            # segment is completed): the segment's steps but the last reached llmd; the last was
+            # under way when llmd aborted it, and its token never comes.
+            delivered = self.seg[1] - 1 if self.seg is not None else 0
+            self.generated += delivered
+            r.generated = s.base + self.S + delivered - r.prompt
             r.last_t = now
             self.sum_base -= s.base
             self.groups[r.key] -= 1
