@@ -59,12 +59,13 @@ def part_c(measure: tuple[str, ...]) -> list[str]:
               "of real engine per point). Each point ran alone under the box lock: the fake backend's on the "
               "fitted step model (`[models.fake] step_model`, the function the simulator prices steps by; "
               "bench/data/stepmodel-fake-e2e.json), `python -m bench.lib.plan_e2e --step-model "
-              "bench/data/stepmodel-fake-e2e.json --parts points-fake --loads L --same-trace --duration-s 180 "
-              "--warmup-s 20`, 2026-12-02 07:15-07:46 UTC; the real engine's capacity (`--parts capacity-real-noitl`) "
-              "and points (`--parts points-real-noitl --loads L --duration-s 120 --warmup-s 20`), 07:48-08:25 UTC; "
-              "the fake backend's capacity and llmd's overheads (`--parts overhead capacity-fake`) and the shipped "
-              "config's real capacity (`capacity-real`) earlier, 00:15-03:30 UTC. This run simulated every one "
-              "of them again with the code named above.")
+              "bench/data/stepmodel-fake-e2e.json --parts points-fake --loads L --same-trace --duration-s 600 "
+              "--warmup-s 20`, 2026-12-02 10:52-11:32 UTC; the real engine's points (`--parts points-real-noitl "
+              "--loads L --duration-s 120 --warmup-s 20`, rep 0 at 30-80 % 10:33-10:47 UTC, rep 1 of the same "
+              "trace (`--first-rep 1 --same-trace`) at 50 % 10:49-10:52 and at 30 % 11:32-11:36), its capacity "
+              "(`--parts capacity-real-noitl`) 07:48 UTC; the fake backend's capacity and llmd's overheads (`--parts "
+              "overhead capacity-fake`) and the shipped config's real capacity (`capacity-real`) earlier, "
+              "00:15-03:30 UTC. This run simulated every one of them again with the code named above.")
     return ["### (c) End to end: the simulator against llmd", "",
             report.stamp(time.perf_counter() - t0, cmd=report.command()), "", source, "", body]
 
