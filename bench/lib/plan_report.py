@@ -78,7 +78,9 @@ def _verdicts(rows: list[dict[str, Any]], held_out: tuple[float, ...]) -> list[s
                 for k, v in _errors(r).items():
                     errs[k] += [x for x in v if not math.isnan(x)]
         if not errs:
-            out.append(f"- {engine}: no simulated points yet (the simulator is not merged, or `simulate` was not run)")
+            measured = any(r["engine"] == engine for r in rows)
+            out.append(f"- {engine}: " + ("no simulated points yet (`simulate` was not run)" if measured else
+                                          "no load points measured (capacity only)"))
             continue
         worst = {k: max(v) for k, v in errs.items() if v}
         ok = all(worst[k] <= (tput if k == "tput" else lat) for k in worst)
@@ -131,7 +133,8 @@ def _raw_verdicts(rows: list[dict[str, Any]], held_out: tuple[float, ...]) -> li
     head = (f"- The real engine ran {', '.join(speeds)}× the calibrated step model's time in service (decode-only "
             "steps of the capacity run, median); the rows above price its steps at that speed. On the calibrated "
             "model alone:")
-    return [head, *("  " + v for v in _verdicts(raw, held_out) if "no simulated points" not in v)]
+    empty = ("no simulated points", "no load points")  # engines without raw rows: said above already
+    return [head, *("  " + v for v in _verdicts(raw, held_out) if not any(e in v for e in empty))]
 
 
 def _noise(rows: list[dict[str, Any]]) -> list[str]:

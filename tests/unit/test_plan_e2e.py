@@ -70,6 +70,8 @@ def test_the_report_judges_held_out_real_points_and_every_fake_point() -> None:
     assert "≥ 90 %" in text and "200.0 / 210.0 (+5.0%)" in text
     res["points"] = [row("real", 0.5, 0.2, None)]
     assert "real: no simulated points yet" in report(res, (0.5,))
+    res["points"] = [row("fake", 0.5, 0.20, 0.21)]
+    assert "- real: no load points measured (capacity only)" in report(res, (0.5,))
 
 
 def test_the_simulator_is_given_llmd_as_served_and_its_measured_overheads(monkeypatch: pytest.MonkeyPatch) -> None:
