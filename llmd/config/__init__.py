@@ -1,11 +1,12 @@
 """Service configuration: one TOML file, validated in full at start-up.
 
 Every mistake is reported with the file and the dotted key it concerns, so an operator
-never has to guess which line of a long config is wrong. `parts.py` holds the sections,
-`root.py` the whole file and its loading.
+never has to guess which line of a long config is wrong. `parts.py` holds the sections
+(`engines.py` a model's engine ones), `root.py` the whole file and its loading.
 """
 
 from llmd.config.cluster import ClusterConfig, WarmPoolConfig
+from llmd.config.engines import EngineConfig, FakeEngineConfig
 from llmd.config.parts import (
     DEFAULT_CONFIG_ENV,
     KEY_HASH,
@@ -14,8 +15,6 @@ from llmd.config.parts import (
     BatchConfig,
     ConfigError,
     DegradationConfig,
-    EngineConfig,
-    FakeEngineConfig,
     FilteringConfig,
     FilterSpec,
     ModelConfig,
