@@ -53,6 +53,11 @@ class Scaled:
     def seconds(self, shape: StepShape) -> float:
         return self.factor * self.inner.seconds(shape)
 
+    @property
+    def stamp(self) -> dict[str, str]:
+        """The wrapped fit's stamp: what engine it was measured on."""
+        return dict(getattr(self.inner, "stamp", {}))
+
 
 MIX_CONTEXT = 192 + 32  # the mix's mean prompt plus half its mean output: a decoding sequence's mean length
 MIX_LONGEST = 700  # about the longest of a few dozen such sequences (prompt lognormal CV 0.5, capped at 1,024)
@@ -91,12 +96,11 @@ def simulated(trace: Trace, step: StepTime, ingress_s: float, delivery_s: float,
     from llmd.plan.sim.cli import spec_of
     from llmd.plan.sim.fleet import Fleet
     from llmd.plan.sim.report import report_of
-    from llmd.plan.sim.spec import stamp_block_size
+    from llmd.plan.sim.spec import step_block_size
 
     cfg = Config.model_validate(raw)
     horizon = None if drain_s is None or not len(trace) else float(trace.t[-1]) + drain_s
-    stamp = getattr(getattr(step, "inner", step), "stamp", {})  # a fitted model's (Scaled wraps one)
-    spec = spec_of(cfg, cfg.models[0], 1, block_size=stamp_block_size(stamp), ingress_s=ingress_s,
+    spec = spec_of(cfg, cfg.models[0], 1, block_size=step_block_size(step), ingress_s=ingress_s,
                    delivery_s=delivery_s, warmup_s=warmup_s, exact_controller=True, horizon_s=horizon)
     fleet = Fleet(spec, trace, step)
     fleet.rec.per_request = per_request

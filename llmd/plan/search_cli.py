@@ -39,10 +39,9 @@ def simulator_evaluator(trace: Trace, step: StepTime, price: float, targets: Tar
         from_config = importlib.import_module("llmd.plan.sim.cli").spec_from_config
     except (ImportError, AttributeError):
         raise PlanError("this llmd has no simulator (llmd.plan.sim.report.simulate) to search with") from None
-    block = specs.stamp_block_size(getattr(step, "stamp", {}))  # the measured engine's KV block
+    block = specs.step_block_size(step)  # the measured engine's KV block
     base = (from_config(config, model, 1, block_size=block, price_per_hour=price) if config is not None
-            else specs.SimSpec(replicas=1, engine=specs.EngineSpec(block_size=block or specs.VLLM_BLOCK),
-                               price_per_hour=price))
+            else specs.SimSpec(replicas=1, engine=specs.default_engine(block), price_per_hour=price))
     slo = targets.classes.get("interactive", Slo())
     with contextlib.suppress(ValueError):  # the plot's SLO lines only; the search judges by `targets`
         base = replace(base, slo=base.slo.model_copy(update={

@@ -228,10 +228,11 @@ def test_a_vllm_engines_kv_block_comes_from_the_step_models_stamp_unless_the_con
     cfg.write_text(model)
     own = tmp_path / "own.toml"
     own.write_text(model + "[models.engine.extra]\nblock_size = 32\n")
+    plain = tmp_path / "plain.json"
+    plain.write_text(STEP.to_json())  # no block in its stamp: vLLM's GPU default
     for args in (("--config", str(cfg), "--step-model", str(stamped)), ("--step-model", str(stamped)),
-                 ("--config", str(own), "--step-model", str(stamped)), ("--config", str(cfg), "--step-model", str(
-                     tmp_path / "plain.json"))):
-        (tmp_path / "plain.json").write_text(STEP.to_json())  # no block in its stamp: vLLM's GPU default
+                 ("--config", str(own), "--step-model", str(stamped)),
+                 ("--config", str(cfg), "--step-model", str(plain))):
         assert _cli(*args, "--duration", "5")[0] == 0
     assert [s.engine.block_size for s in seen] == [128, 128, 32, 16]
 

@@ -12,7 +12,7 @@ import click
 
 from llmd.config import Config, ModelConfig
 from llmd.plan.errors import PlanError
-from llmd.plan.sim.spec import VLLM_BLOCK, Autoscale, EngineSpec, SimSpec, engine_from_model, stamp_block_size
+from llmd.plan.sim.spec import Autoscale, SimSpec, default_engine, engine_from_model, step_block_size
 from llmd.plan.sim.trace import Trace
 from llmd.stepmodel import StepModel
 
@@ -43,7 +43,7 @@ def spec_from_config(path: Path, model: str | None, replicas: int, **over: Any) 
 
 def spec_of(cfg: Config, m: ModelConfig, replicas: int, block_size: int | None = None, **over: Any) -> SimSpec:
     """The SimSpec of model `m` of a loaded config (see spec_from_config); `block_size`: the
-    measured engine's KV block (`stamp_block_size`), where the config does not set one."""
+    measured engine's KV block (`step_block_size`), where the config does not set one."""
     deadline = {"interactive": cfg.server.default_deadline_s, "batch": 86400.0}
     return SimSpec(replicas=replicas, engine=engine_from_model(m, block_size), scheduling=m.scheduling,
                    degradation=m.degradation, tenants=tuple(cfg.tenants), slo=cfg.slo.slo_for(m.name),
@@ -101,7 +101,7 @@ def _spec(o: dict[str, Any], block_size: int | None = None) -> SimSpec:
     elif o["model"] is not None:
         raise PlanError("--model names a model of --config; give --config too")
     else:
-        spec = SimSpec(replicas=o["replicas"], engine=EngineSpec(block_size=block_size or VLLM_BLOCK), **over)
+        spec = SimSpec(replicas=o["replicas"], engine=default_engine(block_size), **over)
     if o["kv_tokens"] is not None:
         spec = replace(spec, engine=replace(spec.engine, kv_tokens=o["kv_tokens"]))
     return spec
@@ -142,7 +142,7 @@ def sim_cmd(**o: Any) -> None:
 
     try:
         step, step_path = resolve_step_model(o["step_model"], o["model"])
-        spec = _spec(o, stamp_block_size(step.stamp))
+        spec = _spec(o, step_block_size(step))
         trace = _trace(o, tuple(t.name for t in spec.tenants))
         report = simulate(spec, trace, step)
         report["step_model"] = {"path": str(step_path), **step.stamp}  # which fit priced the steps

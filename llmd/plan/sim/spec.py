@@ -101,14 +101,20 @@ class SimSpec:
 VLLM_BLOCK = 16  # vLLM's KV block on a GPU; its CPU backend forces 128 (a step model's stamp says which)
 
 
-def stamp_block_size(stamp: dict[str, str]) -> int | None:
+def step_block_size(step: object) -> int | None:
     """The KV block size of the engine a step model was measured on (`llmd plan calibrate`
-    stamps it), or None where the stamp does not say."""
+    stamps it), or None where its stamp does not say (or it has none: a test's step function)."""
+    stamp = getattr(step, "stamp", None)
     try:
-        size = int(stamp.get("block_size", ""))
+        size = int(stamp.get("block_size", "")) if isinstance(stamp, dict) else 0
     except ValueError:
         return None
     return size if size > 0 else None
+
+
+def default_engine(block_size: int | None = None) -> EngineSpec:
+    """llmd's default engine (no config given), in the measured engine's blocks where known."""
+    return EngineSpec(block_size=block_size or VLLM_BLOCK)
 
 
 def engine_from_model(m: ModelConfig, block_size: int | None = None) -> EngineSpec:
