@@ -36,6 +36,7 @@ from llmd.cluster.signing import Signer
 from llmd.cluster.warm_pool import WarmPool
 from llmd.config import Config, ConfigError, ModelConfig
 from llmd.policy.admission import AdmissionController
+from llmd.policy.homes import HomeTable
 from llmd.policy.placement import POLICIES, Candidate, Reservations, home_key, home_ranks
 from llmd.policy.warmpool import ClusterLoad
 from llmd.registry.registry import Registry
@@ -95,6 +96,7 @@ class ClusterNode:
         self._chains: dict[int, KvChains] = {}  # id(backend) -> its KV events' adapter
         self.peers: dict[str, Peer] = {}
         policy = POLICIES[cc.placement](Reservations(time.monotonic, RESERVATION_TTL_S), random.Random())
+        self.homes = HomeTable(time.monotonic)  # repeated prefixes' balanced homes, from what this node routed
         self.router = Router(self.name, self._targets, self.forwarder, policy, cc.max_failovers, self._ran)
         self.sync = RegistrySync(registry, self._fetch_registry)
         self.warm_pool = WarmPool(registry, cc.warm_pool, self.cluster_load)
@@ -315,7 +317,11 @@ class ClusterNode:
         if key is None:
             return out
         ranks = home_ranks(key, (t.candidate.node for t in out))
-        return [Target(replace(t.candidate, home_rank=ranks[t.candidate.node]), t.url) for t in out]
+        self.homes.observe(key, prompt.num_tokens)
+        shares = self.homes.homes(key, {t.candidate.node: t.candidate.load.kv_capacity_tokens for t in out
+                                        if not (t.candidate.load.draining or t.candidate.load.standby)})
+        return [Target(replace(t.candidate, home_rank=ranks[t.candidate.node],
+                               home_share=shares.get(t.candidate.node, 0.0)), t.url) for t in out]
 
     def _ran(self, node: str, prompt: Prompt, engine_cached: int) -> None:
         """A choice started on `node`. Where it is this node and its engine sends no KV events,

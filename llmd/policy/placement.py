@@ -35,6 +35,7 @@ AFFINITY_SLACK = 1.0  # a node holding most of the prompt in cache keeps it up t
 SATURATED_AFFINITY_SLACK = 2.0  # past capacity (`saturated`) it keeps it up to 3x: a miss there costs everyone
 AFFINITY_MIN_MATCH = 0.5  # "most": at least half the prompt's tokens (SGLang's match threshold)
 FLOOR_TPS = 100.0  # a prefill rate nobody knows yet: slow, but never a division by zero
+HOME_PREFILLS = 4  # a balanced home (`home_share`) is left only when this many full prefills behind
 HOME_BLOCKS = 8  # a prompt's home is drawn from the hash of its first 8 summary blocks (512 tokens)
 
 
@@ -66,6 +67,7 @@ class Candidate:
     local: bool
     sticky: bool = False  # served this conversation's last turn
     home_rank: int | None = None  # this node's place in the prompt's order of homes (`home_ranks`; 0: its home)
+    home_share: float = 0.0  # of the prompt's prefix traffic, this node's in the balanced home table (policy/homes.py)
 
 
 class Reservations:
@@ -193,6 +195,7 @@ def place(cands: Sequence[Candidate], prompt_tokens: int, expected_output: int,
     ttft = {c.node: (max(0, c.load.waiting_prefill_tokens) + max(0, reserved[c.node]) + u)
             / (c.load.prefill_tps if c.load.prefill_tps > 0 else max(default, 1e-9)) + (0.0 if c.local else hop_s)
             for c, u in zip(fitting, unc, strict=True)}
+    fitting, unc = _at_homes(fitting, unc, ttft, prompt_tokens, default, saturated_slack)
     roomy = [c for c, u in zip(fitting, unc, strict=True) if c.load.kv_free_tokens - reserved[c.node] >= u + need]
     queued = saturated(fitting, prompt_tokens, reserved)
     full = queued or not roomy
@@ -213,6 +216,25 @@ def place(cands: Sequence[Candidate], prompt_tokens: int, expected_output: int,
         choice = rng.choice([c for c in pool if score[c.node] <= best + band])
     reservations.add(choice.node, uncached(choice, prompt_tokens))
     return choice
+
+
+def _at_homes(fitting: list[Candidate], unc: list[int], ttft: dict[str, float], prompt_tokens: int,
+              default_tps: float, slack: float) -> tuple[list[Candidate], list[int]]:
+    """The candidates narrowed to the prompt's balanced homes (`home_share`), at every load: a
+    repeated prefix kept on its homes is held once in the cluster. A home is left only when it
+    is far slower than the best node: its TTFT over `slack` times the best's plus HOME_PREFILLS
+    full prefills of this prompt there. A miss elsewhere costs one full prefill and evicts
+    another prefix there, a cost later requests pay too, so a home is kept through a queue."""
+    best = min(ttft.values())
+
+    def near(c: Candidate) -> bool:
+        rate = c.load.prefill_tps if c.load.prefill_tps > 0 else max(default_tps, 1e-9)
+        return ttft[c.node] <= best * (1 + slack) + HOME_PREFILLS * prompt_tokens / rate
+
+    kept = [(c, u) for c, u in zip(fitting, unc, strict=True) if c.home_share > 0 and near(c)]
+    if not kept:
+        return fitting, unc
+    return [c for c, _ in kept], [u for _, u in kept]
 
 
 def saturated(cands: Sequence[Candidate], prompt_tokens: int, reserved: dict[str, int]) -> bool:

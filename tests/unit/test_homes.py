@@ -1,0 +1,166 @@
+"""Balanced homes for repeated prefixes (llmd/policy/homes.py) and how placement keeps a prompt
+on them (`home_share`): bounded traffic and KV per node, hot prefixes split, rare ones left to
+the score, agreement between ingresses, and the way out when a home is far slower. Fake clocks."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+from dataclasses import replace
+
+from llmd.policy.homes import HomeTable
+from llmd.policy.placement import Candidate, Reservations, VersionLoad, home_ranks, place
+
+NODES = {"n0": 6400, "n1": 6400, "n2": 6400}
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def feed(table: HomeTable, clock: Clock, weights: dict[int, float], n: int, tokens: int = 1600,
+         seed: int = 0, dt: float = 0.05) -> None:
+    rng = random.Random(seed)
+    keys, w = list(weights), list(weights.values())
+    for _ in range(n):
+        table.observe(rng.choices(keys, weights=w)[0], tokens)
+        clock.t += dt
+
+
+def traffic(table: HomeTable, weights: dict[int, float], nodes: dict[str, int] = NODES) -> dict[str, float]:
+    got = dict.fromkeys(nodes, 0.0)
+    total = sum(weights.values())
+    for k, w in weights.items():
+        for n, share in table.homes(k, nodes).items():
+            got[n] += w / total * share
+    return got
+
+
+def skewed_keys(n: int = 10) -> dict[int, float]:
+    """`n` keys, Zipf 0.5, chosen so rendezvous hashing alone is uneven on NODES (the bench's case)."""
+    keys: dict[int, float] = {}
+    k = 1
+    while len(keys) < n:
+        ranks = home_ranks(k, NODES)
+        if ranks["n2"] == 0 or len(keys) >= n * 0.7:  # most of them hash to n2 first
+            keys[k] = 1 / (len(keys) + 1) ** 0.5
+        k += 1
+    return keys
+
+
+def test_rendezvous_alone_is_uneven_and_the_table_bounds_each_nodes_traffic() -> None:
+    keys = skewed_keys()
+    first = Counter(min(home_ranks(k, NODES).items(), key=lambda kv: kv[1])[0] for k in keys)
+    assert first["n2"] >= 7  # what hashing alone would do
+    clock = Clock()
+    table = HomeTable(clock, kv_share=1.0)
+    feed(table, clock, keys, 2000, tokens=500)
+    got = traffic(table, keys)
+    homed = sum(got.values())
+    assert homed > 0.99  # every key fits (500-token prefixes)
+    assert max(got.values()) <= 1.15 / 3 * homed * 1.05  # (1 + ε) x the mean, within the decay's noise
+
+
+def test_homed_prefixes_fit_a_share_of_each_nodes_kv_and_the_rest_have_no_home() -> None:
+    keys = skewed_keys()
+    clock = Clock()
+    table = HomeTable(clock)  # 0.8 x 6400 tokens a node: three 1600-token prefixes each
+    feed(table, clock, keys, 2000, tokens=1600)
+    per_node = Counter(n for k in keys for n in table.homes(k, NODES))
+    assert all(c <= 3 for c in per_node.values())
+    assert sum(1 for k in keys if not table.homes(k, NODES)) == 1  # nine fit, the tenth is the score's
+
+
+def test_a_hot_prefix_is_split_over_its_next_homes() -> None:
+    clock = Clock()
+    table = HomeTable(clock)
+    keys = {1: 10.0, **dict.fromkeys(range(2, 8), 1.0)}  # key 1 has 10 / 16 of the traffic
+    feed(table, clock, keys, 3000, tokens=300)
+    hot = table.homes(1, NODES)
+    assert len(hot) >= 2 and abs(sum(hot.values()) - 1) < 1e-9
+    assert max(traffic(table, keys).values()) <= 1.15 / 3 * 1.05
+
+
+def test_a_prefix_seen_once_has_no_home_and_old_traffic_fades() -> None:
+    clock = Clock()
+    table = HomeTable(clock, half_life_s=10.0)
+    table.observe(42, 1000)
+    assert table.homes(42, NODES) == {}  # seen once: not repeated traffic
+    table.observe(42, 1000)
+    table.observe(42, 1000)
+    assert table.homes(42, NODES) == {}  # the assignment is recomputed at most once a second ...
+    clock.t += 1.0
+    homes = table.homes(42, NODES)  # ... then it has homes: all three, the cluster's only repeated traffic
+    assert len(homes) == 3 and abs(sum(homes.values()) - 1) < 1e-9
+    clock.t += 20.0  # two half-lives: 3 requests are 0.75 now, under MIN_REQUESTS
+    assert table.homes(42, NODES) == {}
+
+
+def test_ingresses_that_see_different_samples_agree_on_almost_every_home() -> None:
+    keys = {k: 1 / (i + 1) ** 0.5 for i, k in enumerate(range(100, 130))}
+    tables = []
+    for seed in range(3):  # each ingress routes its own random third of the traffic
+        clock = Clock()
+        t = HomeTable(clock, kv_share=1.0)
+        feed(t, clock, keys, 1500, tokens=200, seed=seed)
+        tables.append(t)
+    homes = [{k: max(t.homes(k, NODES).items(), key=lambda kv: kv[1])[0] for k in keys} for t in tables]
+    same = sum(1 for k in keys if homes[0][k] == homes[1][k] == homes[2][k])
+    assert same >= 0.8 * len(keys)
+
+
+def test_a_node_leaving_moves_its_homes_and_the_assignment_follows_the_nodes_given() -> None:
+    clock = Clock()
+    table = HomeTable(clock, kv_share=1.0)
+    keys = dict.fromkeys(range(1, 7), 1.0)
+    feed(table, clock, keys, 600, tokens=300)
+    two = {"n0": 6400, "n1": 6400}
+    assert {n for k in keys for n in table.homes(k, two)} <= {"n0", "n1"}
+    assert {n for k in keys for n in table.homes(k, NODES)} == set(NODES)
+
+
+def test_the_table_remembers_a_bounded_number_of_prefixes() -> None:
+    clock = Clock()
+    table = HomeTable(clock, max_keys=16)
+    for k in range(1000):
+        table.observe(k, 100)
+        clock.t += 0.01
+    assert len(table._traffic) == 16
+
+
+# -- placement with homes ----------------------------------------------------------------------
+
+def cand(node: str, share: float = 0.0, waiting: int = 0, cached: int = 0, sticky: bool = False) -> Candidate:
+    load = VersionLoad(model="m", version="ab" * 32, kv_capacity_tokens=100_000, kv_free_tokens=100_000,
+                       running=0, running_tokens=0, waiting_prefill_tokens=waiting, prefill_tps=10_000.0,
+                       decode_tps=500.0)
+    return Candidate(node=node, load=load, cached_tokens=cached, age_s=0.1, local=False, sticky=sticky,
+                     home_share=share)
+
+
+def choose(cands: list[Candidate], n: int = 50, prompt: int = 2000) -> Counter[str]:
+    return Counter(place(cands, prompt, 100, Reservations(Clock(), 2.0), random.Random(i)).node  # type: ignore[union-attr]
+                   for i in range(n))
+
+
+def test_a_homed_prompt_goes_home_even_when_another_node_is_idler_or_holds_a_copy() -> None:
+    # home: 3,000 tokens queued (0.3 s + 0.2 s of its own prefill); elsewhere idle, one with a stale copy
+    got = choose([cand("home", share=1.0, waiting=3000), cand("idle"), cand("copy", cached=2000)])
+    assert got == Counter({"home": 50})
+
+
+def test_a_home_far_slower_than_the_best_is_left() -> None:
+    # 30,000 tokens queued at home: 3.2 s against 0.2 s elsewhere, over 3x + one prefill
+    got = choose([cand("home", share=1.0, waiting=30_000), cand("idle")])
+    assert got == Counter({"idle": 50})
+
+
+def test_a_split_prefix_is_placed_by_load_among_its_homes_and_a_sticky_chat_stays_within_them() -> None:
+    got = choose([cand("a", share=0.6, waiting=4000), cand("b", share=0.4), cand("c")])
+    assert got == Counter({"b": 50})
+    got = choose([cand("a", share=0.6), cand("b", share=0.4), replace(cand("c"), sticky=True)])
+    assert set(got) <= {"a", "b"}
