@@ -195,7 +195,8 @@ def place(cands: Sequence[Candidate], prompt_tokens: int, expected_output: int,
     ttft = {c.node: (max(0, c.load.waiting_prefill_tokens) + max(0, reserved[c.node]) + u)
             / (c.load.prefill_tps if c.load.prefill_tps > 0 else max(default, 1e-9)) + (0.0 if c.local else hop_s)
             for c, u in zip(fitting, unc, strict=True)}
-    fitting, unc = _at_homes(fitting, unc, ttft, prompt_tokens, default, saturated_slack)
+    if busy(fitting, prompt_tokens, reserved):
+        fitting, unc = _at_homes(fitting, unc, ttft, prompt_tokens, default, saturated_slack)
     roomy = [c for c, u in zip(fitting, unc, strict=True) if c.load.kv_free_tokens - reserved[c.node] >= u + need]
     queued = saturated(fitting, prompt_tokens, reserved)
     full = queued or not roomy
@@ -220,7 +221,7 @@ def place(cands: Sequence[Candidate], prompt_tokens: int, expected_output: int,
 
 def _at_homes(fitting: list[Candidate], unc: list[int], ttft: dict[str, float], prompt_tokens: int,
               default_tps: float, slack: float) -> tuple[list[Candidate], list[int]]:
-    """The candidates narrowed to the prompt's balanced homes (`home_share`), at every load: a
+    """The candidates narrowed to the prompt's balanced homes (`home_share`), once the cluster is `busy`: a
     repeated prefix kept on its homes is held once in the cluster. A home is left only when it
     is far slower than the best node: its TTFT over `slack` times the best's plus HOME_PREFILLS
     full prefills of this prompt there. A miss elsewhere costs one full prefill and evicts
@@ -235,6 +236,13 @@ def _at_homes(fitting: list[Candidate], unc: list[int], ttft: dict[str, float], 
     if not kept:
         return fitting, unc
     return [c for c, _ in kept], [u for _, u in kept]
+
+
+def busy(cands: Sequence[Candidate], prompt_tokens: int, reserved: dict[str, int]) -> bool:
+    """The nodes have, on average, at least a full prefill of this prompt queued ahead: the
+    cluster as a whole is past what its prefill serves (`saturated` asks it of every node)."""
+    ahead = sum(max(0, c.load.waiting_prefill_tokens) + max(0, reserved.get(c.node, 0)) for c in cands)
+    return bool(cands) and prompt_tokens > 0 and ahead >= prompt_tokens * len(cands)
 
 
 def saturated(cands: Sequence[Candidate], prompt_tokens: int, reserved: dict[str, int]) -> bool:

@@ -9,7 +9,7 @@ from collections import Counter
 from dataclasses import replace
 
 from llmd.policy.homes import HomeTable
-from llmd.policy.placement import Candidate, Reservations, VersionLoad, home_ranks, place
+from llmd.policy.placement import Candidate, Reservations, VersionLoad, busy, home_ranks, place
 
 NODES = {"n0": 6400, "n1": 6400, "n2": 6400}
 
@@ -68,7 +68,7 @@ def test_rendezvous_alone_is_uneven_and_the_table_bounds_each_nodes_traffic() ->
 def test_homed_prefixes_fit_a_share_of_each_nodes_kv_and_the_rest_have_no_home() -> None:
     keys = skewed_keys()
     clock = Clock()
-    table = HomeTable(clock)  # 0.8 x 6400 tokens a node: three 1600-token prefixes each
+    table = HomeTable(clock, kv_share=0.8)  # 0.8 x 6400 tokens a node: three 1600-token prefixes each
     feed(table, clock, keys, 2000, tokens=1600)
     per_node = Counter(n for k in keys for n in table.homes(k, NODES))
     assert all(c <= 3 for c in per_node.values())
@@ -147,20 +147,31 @@ def choose(cands: list[Candidate], n: int = 50, prompt: int = 2000) -> Counter[s
                    for i in range(n))
 
 
-def test_a_homed_prompt_goes_home_even_when_another_node_is_idler_or_holds_a_copy() -> None:
-    # home: 3,000 tokens queued (0.3 s + 0.2 s of its own prefill); elsewhere idle, one with a stale copy
-    got = choose([cand("home", share=1.0, waiting=3000), cand("idle"), cand("copy", cached=2000)])
+def test_past_capacity_a_homed_prompt_goes_home_even_when_another_node_is_less_loaded_or_holds_a_copy() -> None:
+    # every node has at least this prompt queued (past capacity); home has 6,000 tokens queued
+    # (0.8 s with its own prefill), the others 2,000, one of them with a copy of the prompt
+    got = choose([cand("home", share=1.0, waiting=6000), cand("other", waiting=2000),
+                  cand("copy", cached=2000, waiting=2000)])
     assert got == Counter({"home": 50})
 
 
+def test_below_capacity_homes_do_not_bind_and_the_cache_holder_keeps_the_prompt() -> None:
+    # 3,000 tokens queued in all: under one full prefill of this prompt a node on average
+    got = choose([cand("home", share=1.0, waiting=3000), cand("idle"), cand("copy", cached=2000)])
+    assert got == Counter({"copy": 50})
+    assert not busy([cand("a", waiting=3000), cand("b"), cand("c", waiting=2999)], 2000, {})
+    assert busy([cand("a", waiting=3000), cand("b"), cand("c", waiting=2000)], 2000, {"b": 1000})
+
+
 def test_a_home_far_slower_than_the_best_is_left() -> None:
-    # 30,000 tokens queued at home: 3.2 s against 0.2 s elsewhere, over 3x + one prefill
-    got = choose([cand("home", share=1.0, waiting=30_000), cand("idle")])
-    assert got == Counter({"idle": 50})
+    # 30,000 tokens queued at home: 3.2 s against 0.4 s elsewhere, over 3x + four prefills
+    got = choose([cand("home", share=1.0, waiting=30_000), cand("other", waiting=2000)])
+    assert got == Counter({"other": 50})
 
 
-def test_a_split_prefix_is_placed_by_load_among_its_homes_and_a_sticky_chat_stays_within_them() -> None:
-    got = choose([cand("a", share=0.6, waiting=4000), cand("b", share=0.4), cand("c")])
+def test_a_split_prefix_is_placed_by_load_among_its_homes_and_a_sticky_chat_elsewhere_comes_home() -> None:
+    got = choose([cand("a", share=0.6, waiting=6000), cand("b", share=0.4, waiting=2000), cand("c", waiting=2000)])
     assert got == Counter({"b": 50})
-    got = choose([cand("a", share=0.6), cand("b", share=0.4), replace(cand("c"), sticky=True)])
+    got = choose([cand("a", share=0.6, waiting=2000), cand("b", share=0.4, waiting=2000),
+                  replace(cand("c", waiting=2000), sticky=True)])
     assert set(got) <= {"a", "b"}
