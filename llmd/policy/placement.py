@@ -35,7 +35,7 @@ AFFINITY_SLACK = 1.0  # a node holding most of the prompt in cache keeps it up t
 SATURATED_AFFINITY_SLACK = 2.0  # past capacity (`saturated`) it keeps it up to 3x: a miss there costs everyone
 AFFINITY_MIN_MATCH = 0.5  # "most": at least half the prompt's tokens (SGLang's match threshold)
 FLOOR_TPS = 100.0  # a prefill rate nobody knows yet: slow, but never a division by zero
-HOME_PREFILLS = 4  # a balanced home (`home_share`) is left only when this many full prefills behind
+HOME_PREFILLS = 1  # a balanced home (`home_share`) is left when over 3x the best TTFT + this many full prefills
 HOME_BLOCKS = 8  # a prompt's home is drawn from the hash of its first 8 summary blocks (512 tokens)
 
 
@@ -195,7 +195,7 @@ def place(cands: Sequence[Candidate], prompt_tokens: int, expected_output: int,
     ttft = {c.node: (max(0, c.load.waiting_prefill_tokens) + max(0, reserved[c.node]) + u)
             / (c.load.prefill_tps if c.load.prefill_tps > 0 else max(default, 1e-9)) + (0.0 if c.local else hop_s)
             for c, u in zip(fitting, unc, strict=True)}
-    if busy(fitting, prompt_tokens, reserved):
+    if any(c.home_share > 0 for c in fitting) and busy(fitting, prompt_tokens, reserved):
         fitting, unc = _at_homes(fitting, unc, ttft, prompt_tokens, default, saturated_slack)
     roomy = [c for c, u in zip(fitting, unc, strict=True) if c.load.kv_free_tokens - reserved[c.node] >= u + need]
     queued = saturated(fitting, prompt_tokens, reserved)
@@ -225,7 +225,8 @@ def _at_homes(fitting: list[Candidate], unc: list[int], ttft: dict[str, float], 
     repeated prefix kept on its homes is held once in the cluster. A home is left only when it
     is far slower than the best node: its TTFT over `slack` times the best's plus HOME_PREFILLS
     full prefills of this prompt there. A miss elsewhere costs one full prefill and evicts
-    another prefix there, a cost later requests pay too, so a home is kept through a queue."""
+    another prefix there, a cost later requests pay too, so a home is kept through a queue
+    (4 prefills held too long: bench (a) at 70 %, one hot prefix's nodes queued 1.65x the mean)."""
     best = min(ttft.values())
 
     def near(c: Candidate) -> bool:
