@@ -317,9 +317,11 @@ class ClusterNode:
         if key is None:
             return out
         ranks = home_ranks(key, (t.candidate.node for t in out))
-        self.homes.observe(key, prompt.num_tokens)
-        shares = self.homes.homes(key, {t.candidate.node: t.candidate.load.kv_capacity_tokens for t in out
-                                        if not (t.candidate.load.draining or t.candidate.load.standby)})
+        shares: dict[str, float] = {}
+        if self.config.balanced_homes:
+            self.homes.observe(key, prompt.num_tokens)
+            shares = self.homes.homes(key, {t.candidate.node: t.candidate.load.kv_capacity_tokens for t in out
+                                            if not (t.candidate.load.draining or t.candidate.load.standby)})
         return [Target(replace(t.candidate, home_rank=ranks[t.candidate.node],
                                home_share=shares.get(t.candidate.node, 0.0)), t.url) for t in out]
 
@@ -353,6 +355,7 @@ class ClusterNode:
             "warm_pool": self.warm_pool.status(),
             "forwarded": self.forwarder.forwarded, "lost": self.forwarder.lost,
             "failovers": self.router.failovers, "placed": dict(self.router.placed),
+            "homes": self.homes.status(),
         }
 
 

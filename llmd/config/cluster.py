@@ -48,6 +48,10 @@ class ClusterConfig(_Strict):
     # How a node is chosen: "score" (the lowest estimated time to first token from queue, cache
     # and prefill rate, weighted by occupancy) or "round_robin" (the peer bench/cluster.py runs beside it).
     placement: Literal["score", "round_robin"] = "score"
+    # With "score": once the cluster is busy, keep each repeated prompt prefix on its balanced
+    # homes (llmd/policy/homes.py; docs/cluster.md, "Balanced homes"). Off by default: measured, it
+    # helps past capacity with long shared prefixes and is within run-to-run noise below it.
+    balanced_homes: bool = False
     # SWIM: probe one member per interval; no ack within the timeout: ask `indirect_probes`
     # others to probe it; still nothing: suspect; not refuted within suspicion_s: dead.
     probe_interval_s: Annotated[float, Field(gt=0)] = 0.5

@@ -81,6 +81,14 @@ class HomeTable:
             self._homes = self._assign(dict(nodes), now)
         return self._homes.get(key, {})
 
+    def status(self) -> dict[str, object]:
+        """For /admin/cluster: prefixes remembered, those with homes, and how many each node is home to."""
+        per_node: dict[str, int] = {}
+        for shares in self._homes.values():
+            for n in shares:
+                per_node[n] = per_node.get(n, 0) + 1
+        return {"prefixes": len(self._traffic), "homed": len(self._homes), "per_node": per_node}
+
     def _decay(self, dt: float) -> float:
         return math.exp(-math.log(2) * max(0.0, dt) / self.half_life_s)
 

@@ -175,3 +175,15 @@ def test_a_split_prefix_is_placed_by_load_among_its_homes_and_a_sticky_chat_else
     got = choose([cand("a", share=0.6, waiting=2000), cand("b", share=0.4, waiting=2000),
                   replace(cand("c", waiting=2000), sticky=True)])
     assert set(got) <= {"a", "b"}
+
+
+def test_status_counts_prefixes_homes_and_each_nodes_share() -> None:
+    clock = Clock()
+    table = HomeTable(clock, kv_share=1.0)
+    feed(table, clock, dict.fromkeys(range(1, 7), 1.0), 600, tokens=300)
+    table.observe(99, 300)  # seen once: remembered, not homed
+    for k in range(1, 7):
+        table.homes(k, NODES)
+    st = table.status()
+    assert st["prefixes"] == 7 and st["homed"] == 6
+    assert sum(st["per_node"].values()) >= 6 and set(st["per_node"]) <= set(NODES)  # type: ignore[attr-defined]
