@@ -140,14 +140,16 @@ def mean_prompt_tokens(wl: Workload, n: int = 200) -> float:
 
 
 async def one_run(tmp: Path, placement: str, req_per_s: float, seconds: float, hot: float | None = None,
-                  seed: int = 1, warmup_s: float = 0.0, workload: str = "pressure") -> dict[str, Any]:
+                  seed: int = 1, warmup_s: float = 0.0, workload: str = "pressure",
+                  homes: bool = False) -> dict[str, Any]:
     # "single": one node with the three nodes' KV cache, prefill rate and seats together: the
     # single shared cache the issue compares with, measured (running sequences pin its KV too)
     n, scale = (1, 3) if placement == "single" else (3, 1)
     kv_blocks, wl_kw = _workload(workload)
     nodes = await asyncio.to_thread(start_nodes, tmp / f"{placement}-{req_per_s:.1f}-{hot}", n,
                                     "score" if placement == "single" else placement, 5.0, kv_blocks * scale,
-                                    PREFILL_TPS * scale, seqs=32 * scale)
+                                    PREFILL_TPS * scale, seqs=32 * scale,
+                                    cluster_extra="balanced_homes = true" if homes else "")
     log: list[tuple[dict[str, Any], Stream]] = []
     queues: dict[str, list[int]] = {}
     stop = asyncio.Event()
@@ -184,8 +186,9 @@ def _workload(name: str) -> tuple[int, dict[str, Any]]:
 
 
 async def part_a(tmp: Path, seconds: float, loads: tuple[float, ...] = LOADS, workload: str = "pressure",
-                 capacity: float | None = None, hot: bool = True) -> dict[str, Any]:
-    """The runs of (a) as data (`report_a` writes them; `--save`/`--merge` join split runs)."""
+                 capacity: float | None = None, hot: bool = True, homes: bool = False) -> dict[str, Any]:
+    """The runs of (a) as data (`report_a` writes them; `--save`/`--merge` join split runs);
+    `homes`: every node with `[cluster] balanced_homes = true` ((a4))."""
     kv_blocks, wl_kw = _workload(workload)
     mean_p = mean_prompt_tokens(Workload(seed=99, **wl_kw))
     bare = 3 * PREFILL_TPS / mean_p  # what the nodes' prefill serves with no cache at all, req/s
@@ -200,14 +203,15 @@ async def part_a(tmp: Path, seconds: float, loads: tuple[float, ...] = LOADS, wo
                         think_s=THINK_S)
         offline = routed_hit_rates(tr, kv_blocks, warm_s=max(seconds, 60.0) / 3)
         for placement in ("round_robin", "score", "single"):
-            r = await one_run(tmp, placement, load * capacity, seconds, warmup_s=seconds / 3, workload=workload)
+            r = await one_run(tmp, placement, load * capacity, seconds, warmup_s=seconds / 3, workload=workload,
+                              homes=homes)
             r["load"], r["offline"] = load, offline
             print(r, flush=True)
             runs.append(r)
     hot_run = None
     if hot:
         hot_run = await one_run(tmp, "score", 0.7 * capacity, seconds, hot=0.5, warmup_s=seconds / 3,
-                                workload=workload)
+                                workload=workload, homes=homes)
         print("hot", hot_run, flush=True)
     return {"workload": workload, "kv_blocks": kv_blocks, "mean_p": mean_p, "capacity": capacity,
             "seconds": seconds, "runs": runs, "hot": hot_run}
@@ -348,6 +352,8 @@ def main() -> None:
     ap.add_argument("--workload", choices=sorted(WORKLOADS), default="pressure", help="(a): bench/lib/cluster.py")
     ap.add_argument("--capacity", type=float, help="(a): round robin's capacity in req/s (skips measuring it)")
     ap.add_argument("--no-hot", action="store_true", help="(a): skip the hot-prefix run")
+    ap.add_argument("--homes", action="store_true",
+                    help="(a): nodes with [cluster] balanced_homes = true ((a4): save, merge, file by hand)")
     ap.add_argument("--save", type=Path, help="(a): write its runs to this JSON file, not to the docs")
     ap.add_argument("--merge", help="(a): comma-separated --save files of one workload: write them as one")
     args = ap.parse_args()
@@ -366,7 +372,7 @@ def main() -> None:
         if "a" in parts:
             t = time.monotonic()
             data = asyncio.run(part_a(tmp, args.seconds, tuple(float(x) for x in args.loads.split(",")),
-                                      args.workload, args.capacity, not args.no_hot))
+                                      args.workload, args.capacity, not args.no_hot, args.homes))
             data.update(commands=[report.command()], minutes=(time.monotonic() - t) / 60)
             if args.save:
                 args.save.write_text(json.dumps(data))

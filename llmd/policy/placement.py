@@ -226,7 +226,7 @@ def _at_homes(fitting: list[Candidate], unc: list[int], ttft: dict[str, float], 
     is far slower than the best node: its TTFT over `slack` times the best's plus HOME_PREFILLS
     full prefills of this prompt there. A miss elsewhere costs one full prefill and evicts
     another prefix there, a cost later requests pay too, so a home is kept through a queue
-    (4 prefills held too long: bench (a) at 70 %, one hot prefix's nodes queued 1.65x the mean)."""
+    (in one run with 4 prefills, at 70 % with one hot prefix, its homes queued 1.65x the mean)."""
     best = min(ttft.values())
 
     def near(c: Candidate) -> bool:
