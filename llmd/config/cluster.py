@@ -50,7 +50,7 @@ class ClusterConfig(_Strict):
     placement: Literal["score", "round_robin"] = "score"
     # With "score": once the cluster is busy, keep each repeated prompt prefix on its balanced
     # homes (llmd/policy/homes.py; docs/cluster.md, "Balanced homes"). Off by default: measured, it
-    # helps past capacity with long shared prefixes and costs hits at half load.
+    # helps past capacity with long shared prefixes; at half load it may cost hits (not settled).
     balanced_homes: bool = False
     # SWIM: probe one member per interval; no ack within the timeout: ask `indirect_probes`
     # others to probe it; still nothing: suspect; not refuted within suspicion_s: dead.
