@@ -140,7 +140,9 @@ async def one_round(srv: ServerProcess, args: argparse.Namespace, kill: bool) ->
     out: dict[str, Any] = {"queued_before_kill": await until(all_queued, 60)}
     if kill:
         await until(lambda: at(args.kill_after), 600)
+        running = (await h.get(srv.url + "/admin/engines")).json()["smollm2"]["scheduler_running"]
         os.kill(engine_core_pid(srv.proc.pid), signal.SIGKILL)
+        out["running_at_kill"] = running  # a stream the engine had already finished is not a resume
         t_kill = time.monotonic()
 
         async def ready() -> bool:
@@ -211,7 +213,8 @@ def tally(args: argparse.Namespace, ref: dict[str, Any], rounds: list[dict[str, 
     sent = (len(rounds) + 1) * (args.streams + args.queued)
     ready = [r["ready_s"] for r in rounds if r["ready_s"] is not None]
     return {"counts": dict(f), "reference_ok": ref_ok, "sent": sent, "ledger": led, "ready_s": ready,
-            "restart_s": restarts, "kills": len(rounds), "took_s": took}
+            "restart_s": restarts, "kills": len(rounds), "took_s": took,
+            "running_at_kill": [r["running_at_kill"] for r in rounds]}
 
 
 def verdicts(args: argparse.Namespace, r: dict[str, Any]) -> list[tuple[str, bool]]:
