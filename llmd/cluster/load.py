@@ -20,6 +20,7 @@ from itertools import islice
 from typing import Any
 
 from llmd.backends.base import StepRecord
+from llmd.policy.homes import Shared
 from llmd.policy.placement import VersionLoad
 from llmd.runtime import ModelRuntime
 
@@ -29,6 +30,8 @@ MAX_STATE_BYTES = 1200  # one datagram, with room for the signature under a 1400
 _MAGIC = b"L\x01"
 _U32 = 0xFFFFFFFF
 _F32 = struct.Struct("<ff")
+_U64 = struct.Struct("<Q")
+TRAFFIC_UNIT = 16  # a prefix's traffic goes out in tokens / 16: as exact as placement needs, fewer bytes
 _DRAINING, _STANDBY = 1, 2
 
 
@@ -47,6 +50,7 @@ class NodeState:
     tenant_tokens: dict[str, int] = field(default_factory=dict)  # cumulative, here (quota across nodes)
     registry_rev: int = 0  # the newest registry change this node has applied
     stored: tuple[str, ...] = ()  # versions whose weights this node can serve to peers
+    traffic: tuple[Shared, ...] = ()  # the prefixes this node routed most, for balanced homes (policy/homes.py)
 
 
 # -- writing ------------------------------------------------------------------------------------
@@ -105,15 +109,24 @@ def encode(s: NodeState) -> bytes:
     """At most `MAX_STATE_BYTES`; raises `StateError` only when the versions alone do not fit."""
     head = (_MAGIC + _str(s.node) + _str(s.http_url) + _uint(s.seq) + _uint(s.prefix_seq) + _uint(s.registry_rev)
             + _uint(len(s.versions)) + b"".join(_version(v) for v in s.versions))
-    room = MAX_STATE_BYTES - len(head) - 3 * 3  # the three counts below: each under 2**21, 3 bytes at most
+    room = MAX_STATE_BYTES - len(head) - 3 * 4  # the four counts below: each under 2**21, 3 bytes at most
     if room < 0:
         raise StateError(f"node state of {len(s.versions)} versions is over {MAX_STATE_BYTES} bytes")
     stored, room = _rotated([_str(v) for v in s.stored], s.seq, room)
     delta = s.prefix_delta if len(s.prefix_delta) <= room else b""
-    tenants, _ = _rotated([_str(t) + _uint(n) for t, n in sorted(s.tenant_tokens.items())], s.seq,
-                          room - len(delta))
+    tenants, room = _rotated([_str(t) + _uint(n) for t, n in sorted(s.tenant_tokens.items())], s.seq,
+                             room - len(delta))
+    traffic = [_shared(e) for e in s.traffic]
+    while traffic and sum(map(len, traffic)) > room:  # the least busy go first
+        traffic.pop()
     return (head + _uint(len(stored)) + b"".join(stored) + _uint(len(delta)) + delta
-            + _uint(len(tenants)) + b"".join(tenants))
+            + _uint(len(tenants)) + b"".join(tenants) + _uint(len(traffic)) + b"".join(traffic))
+
+
+def _shared(e: Shared) -> bytes:
+    """A prefix's key, then its requests in quarters and its tokens in TRAFFIC_UNIT units."""
+    return (_U64.pack(e.key & 0xFFFFFFFFFFFFFFFF) + _uint(round(max(0.0, e.requests) * 4))
+            + _uint(round(max(0.0, e.tokens) / TRAFFIC_UNIT)) + _uint(e.size))
 
 
 # -- reading ------------------------------------------------------------------------------------
@@ -174,9 +187,11 @@ def decode(b: bytes) -> NodeState:
     stored = tuple(r.str() for _ in r.count())
     delta = r.take(r.uint())
     tenants = {r.str(): r.uint() for _ in r.count()}
+    traffic = tuple(Shared(_U64.unpack(r.take(_U64.size))[0], r.uint() / 4, r.uint() * TRAFFIC_UNIT, r.uint())
+                    for _ in r.count())
     if r.pos != len(b):
         raise StateError("node state has trailing bytes")
-    return NodeState(node, url, seq, versions, prefix_seq, delta, tenants, registry_rev, stored)
+    return NodeState(node, url, seq, versions, prefix_seq, delta, tenants, registry_rev, stored, traffic)
 
 
 # -- a runtime's load ----------------------------------------------------------------------------

@@ -36,7 +36,7 @@ from llmd.cluster.signing import Signer
 from llmd.cluster.warm_pool import WarmPool
 from llmd.config import Config, ConfigError, ModelConfig
 from llmd.policy.admission import AdmissionController
-from llmd.policy.homes import HomeTable
+from llmd.policy.homes import HomeTable, Shared
 from llmd.policy.placement import POLICIES, Candidate, Reservations, home_key, home_ranks
 from llmd.policy.warmpool import ClusterLoad
 from llmd.registry.registry import Registry
@@ -50,6 +50,7 @@ PREFIX_DELTA_BYTES = 400
 PREFIX_RESEND = 2  # a push's prefix delta covers the changes since this many pushes back
 RESERVATION_TTL_S = 2.0  # a reservation outlives any state push that could have missed it
 STORED_REFRESH_S = 10.0  # how often the store is listed for the state's `stored`
+TRAFFIC_EVERY_S = 2.0  # how often the prefixes' traffic in the state is taken afresh (balanced homes)
 
 
 @dataclass
@@ -96,13 +97,14 @@ class ClusterNode:
         self._chains: dict[int, KvChains] = {}  # id(backend) -> its KV events' adapter
         self.peers: dict[str, Peer] = {}
         policy = POLICIES[cc.placement](Reservations(time.monotonic, RESERVATION_TTL_S), random.Random())
-        self.homes = HomeTable(time.monotonic)  # repeated prefixes' balanced homes, from what this node routed
+        self.homes = HomeTable(time.monotonic)  # repeated prefixes' balanced homes, from the cluster's traffic
         self.router = Router(self.name, self._targets, self.forwarder, policy, cc.max_failovers, self._ran)
         self.sync = RegistrySync(registry, self._fetch_registry)
         self.warm_pool = WarmPool(registry, cc.warm_pool, self.cluster_load)
         self.draining = False
         self._seq = 0
         self._stored: tuple[float, tuple[str, ...]] = (float("-inf"), ())
+        self._exported: tuple[float, tuple[Shared, ...]] = (float("-inf"), ())
         self._tasks: list[asyncio.Task[None]] = []
         self.local_routing = cc.routing == "local"
 
@@ -152,7 +154,7 @@ class ClusterNode:
         return NodeState(node=self.name, http_url=self.url, seq=seq, versions=loads,
                          prefix_seq=self.prefixes.seq, prefix_delta=delta,
                          tenant_tokens=dict(self.admission.charged), registry_rev=self._registry_rev(),
-                         stored=self._stored_versions())
+                         stored=self._stored_versions(), traffic=self._traffic())
 
     def _stored_versions(self) -> tuple[str, ...]:
         """Versions whose weights this node can hand to a joining peer (its store, served or
@@ -163,6 +165,18 @@ class ClusterNode:
             versions = tuple(sorted({m.version for m in self.registry.weights.list()}))
             self._stored = (now, versions)
         return versions
+
+    def _traffic(self) -> tuple[Shared, ...]:
+        """The prefixes this node routed most, for its peers' balanced homes; taken afresh at most
+        every TRAFFIC_EVERY_S (decayed figures change on every push, and each change costs bytes)."""
+        if not self.config.balanced_homes:
+            return ()
+        at, traffic = self._exported
+        now = time.monotonic()
+        if now - at >= TRAFFIC_EVERY_S:
+            traffic = self.homes.export()
+            self._exported = (now, traffic)
+        return traffic
 
     def _standby(self, model: str, version: str) -> bool:
         return on_standby(self.registry, model, version)
@@ -241,7 +255,10 @@ class ClusterNode:
             self._apply(peer, state)
 
     def _apply(self, peer: Peer, state: NodeState) -> None:
-        first, peer.state = peer.state is None, state
+        prev, peer.state = peer.state, state
+        first = prev is None
+        if state.traffic and (prev is None or prev.traffic != state.traffic):
+            self.homes.merge(peer.info.name, state.traffic)  # as of now: it was taken at most a push ago
         if state.registry_rev and (peer.sync_task is None or peer.sync_task.done()):
             peer.sync_task = asyncio.get_running_loop().create_task(self._sync(state.http_url, state.registry_rev))
         self.router.reservations.seen(peer.info.name, state.seq)
@@ -291,6 +308,7 @@ class ClusterNode:
         if m.state in ("dead", "left"):
             self.forwarder.node_lost(m.name)
             self.router.reservations.forget(m.name)
+            self.homes.forget(m.name)
             self.sync.forget(m.http_url)
         else:
             self.forwarder.node_suspect(m.name, m.state == "suspect")
