@@ -141,7 +141,7 @@ def mean_prompt_tokens(wl: Workload, n: int = 200) -> float:
 
 async def one_run(tmp: Path, placement: str, req_per_s: float, seconds: float, hot: float | None = None,
                   seed: int = 1, warmup_s: float = 0.0, workload: str = "pressure",
-                  homes: bool = False) -> dict[str, Any]:
+                  homes: bool | None = None) -> dict[str, Any]:
     # "single": one node with the three nodes' KV cache, prefill rate and seats together: the
     # single shared cache the issue compares with, measured (running sequences pin its KV too)
     n, scale = (1, 3) if placement == "single" else (3, 1)
@@ -149,7 +149,7 @@ async def one_run(tmp: Path, placement: str, req_per_s: float, seconds: float, h
     nodes = await asyncio.to_thread(start_nodes, tmp / f"{placement}-{req_per_s:.1f}-{hot}", n,
                                     "score" if placement == "single" else placement, 5.0, kv_blocks * scale,
                                     PREFILL_TPS * scale, seqs=32 * scale,
-                                    cluster_extra="balanced_homes = true" if homes else "")
+                                    cluster_extra="" if homes is None else f"balanced_homes = {str(homes).lower()}")
     log: list[tuple[dict[str, Any], Stream]] = []
     queues: dict[str, list[int]] = {}
     stop = asyncio.Event()
@@ -186,9 +186,9 @@ def _workload(name: str) -> tuple[int, dict[str, Any]]:
 
 
 async def part_a(tmp: Path, seconds: float, loads: tuple[float, ...] = LOADS, workload: str = "pressure",
-                 capacity: float | None = None, hot: bool = True, homes: bool = False) -> dict[str, Any]:
+                 capacity: float | None = None, hot: bool = True, homes: bool | None = None) -> dict[str, Any]:
     """The runs of (a) as data (`report_a` writes them; `--save`/`--merge` join split runs);
-    `homes`: every node with `[cluster] balanced_homes = true` ((a4))."""
+    `homes`: every node with `[cluster] balanced_homes` set so (None: the shipped default)."""
     kv_blocks, wl_kw = _workload(workload)
     mean_p = mean_prompt_tokens(Workload(seed=99, **wl_kw))
     bare = 3 * PREFILL_TPS / mean_p  # what the nodes' prefill serves with no cache at all, req/s
@@ -352,8 +352,8 @@ def main() -> None:
     ap.add_argument("--workload", choices=sorted(WORKLOADS), default="pressure", help="(a): bench/lib/cluster.py")
     ap.add_argument("--capacity", type=float, help="(a): round robin's capacity in req/s (skips measuring it)")
     ap.add_argument("--no-hot", action="store_true", help="(a): skip the hot-prefix run")
-    ap.add_argument("--homes", action="store_true",
-                    help="(a): nodes with [cluster] balanced_homes = true ((a4): save, merge, file by hand)")
+    ap.add_argument("--no-homes", action="store_true",
+                    help="(a): nodes with [cluster] balanced_homes = false (a variant: save, merge, file by hand)")
     ap.add_argument("--save", type=Path, help="(a): write its runs to this JSON file, not to the docs")
     ap.add_argument("--merge", help="(a): comma-separated --save files of one workload: write them as one")
     args = ap.parse_args()
@@ -372,7 +372,7 @@ def main() -> None:
         if "a" in parts:
             t = time.monotonic()
             data = asyncio.run(part_a(tmp, args.seconds, tuple(float(x) for x in args.loads.split(",")),
-                                      args.workload, args.capacity, not args.no_hot, args.homes))
+                                      args.workload, args.capacity, not args.no_hot, False if args.no_homes else None))
             data.update(commands=[report.command()], minutes=(time.monotonic() - t) / 60)
             if args.save:
                 args.save.write_text(json.dumps(data))

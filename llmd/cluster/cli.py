@@ -43,8 +43,8 @@ def status(api: Api, as_json: bool) -> None:
     click.echo(f"gossip: sent {g['sent_bytes']} B, received {g['recv_bytes']} B, dropped {g['dropped']}; "
                f"forwarded {data['forwarded']}, failovers {data['failovers']}")
     h = data.get("homes") or {}
-    click.echo(f"homes: {h.get('homed', 0)} of {h.get('prefixes', 0)} prefixes seen have balanced homes, "
-               f"per node {h.get('per_node', {})}")
+    click.echo(f"homes: {h.get('homed', 0)} prefixes have balanced homes, per node {h.get('per_node', {})} "
+               f"({h.get('prefixes', 0)} routed here, traffic heard from {h.get('peers', 0)} peers)")
 
 
 def _row(name: str, state: str, age: float | None, v: dict[str, Any] | None, seq: int) -> str:

@@ -104,7 +104,7 @@ class ClusterNode:
         self.draining = False
         self._seq = 0
         self._stored: tuple[float, tuple[str, ...]] = (float("-inf"), ())
-        self._exported: tuple[float, tuple[Shared, ...]] = (float("-inf"), ())
+        self._exported_at = float("-inf")
         self._tasks: list[asyncio.Task[None]] = []
         self.local_routing = cc.routing == "local"
 
@@ -144,7 +144,7 @@ class ClusterNode:
         """This node's state to push; its prefix delta starts at `since` (a few pushes back, so
         a peer that missed one catches up from the next; overlaps are harmless)."""
         self._seq += 1
-        return self._state(self._seq, since)
+        return replace(self._state(self._seq, since), traffic=self._traffic())
 
     def _state(self, seq: int, since: int = 0) -> NodeState:
         reg = self.registry
@@ -154,7 +154,7 @@ class ClusterNode:
         return NodeState(node=self.name, http_url=self.url, seq=seq, versions=loads,
                          prefix_seq=self.prefixes.seq, prefix_delta=delta,
                          tenant_tokens=dict(self.admission.charged), registry_rev=self._registry_rev(),
-                         stored=self._stored_versions(), traffic=self._traffic())
+                         stored=self._stored_versions())
 
     def _stored_versions(self) -> tuple[str, ...]:
         """Versions whose weights this node can hand to a joining peer (its store, served or
@@ -167,16 +167,14 @@ class ClusterNode:
         return versions
 
     def _traffic(self) -> tuple[Shared, ...]:
-        """The prefixes this node routed most, for its peers' balanced homes; taken afresh at most
-        every TRAFFIC_EVERY_S (decayed figures change on every push, and each change costs bytes)."""
-        if not self.config.balanced_homes:
-            return ()
-        at, traffic = self._exported
+        """The prefixes this node routed most, for its peers' balanced homes: in one push every
+        TRAFFIC_EVERY_S, none in between (decayed figures change on every push, and every
+        push would carry them; a peer keeps the last it heard)."""
         now = time.monotonic()
-        if now - at >= TRAFFIC_EVERY_S:
-            traffic = self.homes.export()
-            self._exported = (now, traffic)
-        return traffic
+        if not self.config.balanced_homes or now - self._exported_at < TRAFFIC_EVERY_S:
+            return ()
+        self._exported_at = now
+        return self.homes.export()
 
     def _standby(self, model: str, version: str) -> bool:
         return on_standby(self.registry, model, version)
@@ -255,10 +253,9 @@ class ClusterNode:
             self._apply(peer, state)
 
     def _apply(self, peer: Peer, state: NodeState) -> None:
-        prev, peer.state = peer.state, state
-        first = prev is None
-        if state.traffic and (prev is None or prev.traffic != state.traffic):
-            self.homes.merge(peer.info.name, state.traffic)  # as of now: it was taken at most a push ago
+        first, peer.state = peer.state is None, state
+        if state.traffic:
+            self.homes.merge(peer.info.name, state.traffic)  # as of now: it was taken for this push
         if state.registry_rev and (peer.sync_task is None or peer.sync_task.done()):
             peer.sync_task = asyncio.get_running_loop().create_task(self._sync(state.http_url, state.registry_rev))
         self.router.reservations.seen(peer.info.name, state.seq)

@@ -48,10 +48,10 @@ class ClusterConfig(_Strict):
     # How a node is chosen: "score" (the lowest estimated time to first token from queue, cache
     # and prefill rate, weighted by occupancy) or "round_robin" (the peer bench/cluster.py runs beside it).
     placement: Literal["score", "round_robin"] = "score"
-    # With "score": once the cluster is busy, keep each repeated prompt prefix on its balanced
-    # homes (llmd/policy/homes.py; docs/cluster.md, "Balanced homes"). Off by default: measured, it
-    # helps past capacity with long shared prefixes; at half load it may cost hits (not settled).
-    balanced_homes: bool = False
+    # With "score": send each repeated prompt prefix that no node caches to its balanced homes,
+    # and once the cluster is busy keep it there (llmd/policy/homes.py; docs/cluster.md,
+    # "Balanced homes"). Nodes then gossip their busiest prefixes' traffic (~250 bytes every 2 s).
+    balanced_homes: bool = True
     # SWIM: probe one member per interval; no ack within the timeout: ask `indirect_probes`
     # others to probe it; still nothing: suspect; not refuted within suspicion_s: dead.
     probe_interval_s: Annotated[float, Field(gt=0)] = 0.5

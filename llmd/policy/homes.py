@@ -117,12 +117,14 @@ class HomeTable:
         return self._homes.get(key, {})
 
     def status(self) -> dict[str, object]:
-        """For /admin/cluster: prefixes remembered, those with homes, and how many each node is home to."""
+        """For /admin/cluster: prefixes this ingress routed, those with homes (from the cluster's
+        traffic), how many each node is home to, and the peers whose traffic counts."""
         per_node: dict[str, int] = {}
         for shares in self._homes.values():
             for n in shares:
                 per_node[n] = per_node.get(n, 0) + 1
-        return {"prefixes": len(self._traffic), "homed": len(self._homes), "per_node": per_node}
+        return {"prefixes": len(self._traffic), "homed": len(self._homes), "per_node": per_node,
+                "peers": len(self._peers)}
 
     def _decay(self, dt: float) -> float:
         return math.exp(-math.log(2) * max(0.0, dt) / self.half_life_s)
@@ -151,7 +153,11 @@ class HomeTable:
         return out
 
     def _totals(self, now: float) -> dict[int, Shared]:
-        """Each prefix's traffic over the cluster: this ingress's plus its peers' latest, decayed."""
+        """Each prefix's traffic over the cluster: what this ingress exports plus what its peers
+        last exported, decayed. Only exported figures count, its own too: a prefix outside
+        every export (none of the ingresses' EXPORT_KEYS busiest) would be counted by one
+        ingress alone and land wherever its own sample put it; it has no home (the score
+        places it), and the rest are counted alike at every ingress."""
         out: dict[int, Shared] = {}
 
         def add(key: int, requests: float, tokens: float, size: int) -> None:
@@ -159,9 +165,8 @@ class HomeTable:
             out[key] = Shared(key, requests, tokens, size) if e is None else \
                 Shared(key, e.requests + requests, e.tokens + tokens, min(e.size, size))
 
-        for key, t in self._traffic.items():
-            f = self._decay(now - t.at)
-            add(key, t.requests * f, t.tokens * f, t.size)
+        for e in self.export():
+            add(e.key, e.requests, e.tokens, e.size)
         for peer, (at, traffic) in list(self._peers.items()):
             if now - at > PEER_TTL_S:
                 del self._peers[peer]

@@ -174,7 +174,9 @@ def place(cands: Sequence[Candidate], prompt_tokens: int, expected_output: int,
     hand it to whichever node frees a block first, off its cache; and on a saturated cluster a
     miss is a full prefill added to a queue that every later request waits behind.
 
-    Past capacity (queues, not only KV, full), a prompt no node caches half of goes to its first home (`home_rank`)
+    A prompt no node caches half of goes to its balanced homes (`home_share`) when it has them
+    and one is within the slack, at any load: where every ingress will send it again. Past
+    capacity (queues, not only KV, full), one without balanced homes goes to its first home (`home_rank`)
     within the same slack (every ingress orders a prefix's homes the same way, so its traffic
     meets on one node, spilling to the same second one, instead of being copied onto whichever
     node was least loaded when no cache held it). Below capacity the score places it: homes dealt
@@ -207,10 +209,11 @@ def place(cands: Sequence[Candidate], prompt_tokens: int, expected_output: int,
     holders = [] if sticky else _cache_holders(ok, ttft, prompt_tokens, best_ttft, slack)
     homes = sorted((c for c in ok if queued and c.home_rank is not None and ttft[c.node] <= best_ttft * (1 + slack)),
                    key=lambda c: c.home_rank or 0)
-    if sticky or (not holders and homes):
+    balanced = [c for c in ok if c.home_share > 0 and ttft[c.node] <= best_ttft * (1 + slack)]
+    if sticky or (not holders and not balanced and homes):
         choice = (sticky or homes)[0]
     else:
-        pool = holders or ok
+        pool = holders or balanced or ok
         score = {c.node: ttft[c.node] * (1 + gamma * occupancy(c.load)) for c in pool}
         best = min(score.values())
         band = min(best * near_best, NEAR_BEST_MAX_S)

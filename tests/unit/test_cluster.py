@@ -192,16 +192,16 @@ async def test_llmd_cluster_status_and_drain_from_the_command_line(make_server: 
     assert out.exit_code == 0, out.output
     lines = out.output.splitlines()
     assert any(line.startswith("n1") and "alive" in line and "fake@" in line for line in lines), out.output
-    assert any(line.startswith("homes: 0 of 0") for line in lines), out.output  # balanced_homes is off
+    assert any(line.startswith("homes: ") and "traffic heard from" in line for line in lines), out.output
     out = await asyncio.to_thread(run, main, ["cluster", "--url", b.url, "--api-key", ADMIN, "drain"])
     assert out.exit_code == 0 and b.node.cluster.draining, out.output
     out = await asyncio.to_thread(run, main, ["cluster", "--url", b.url, "--api-key", KEY, "status"])
     assert out.exit_code != 0 and "403" in out.output  # a tenant's key is not an admin's
 
 
-async def test_balanced_homes_when_on_learn_the_repeated_prefixes_this_node_routes(make_server: Any,
-                                                                                   tmp_path: Path) -> None:
-    a, _, _ = await start_cluster(make_server, tmp_path, extra="balanced_homes = true")
+async def test_balanced_homes_when_on_learn_the_repeated_prefixes_the_cluster_routes(make_server: Any,
+                                                                                     tmp_path: Path) -> None:
+    a, b, _ = await start_cluster(make_server, tmp_path, extra="balanced_homes = true")
     system = "You answer questions about the manual. " + "manual " * 300  # several 64-token summary blocks
     for turn in range(3):
         await _client(a).chat.completions.create(
@@ -214,6 +214,15 @@ async def test_balanced_homes_when_on_learn_the_repeated_prefixes_this_node_rout
     homes = a.node.cluster.status()["homes"]
     assert homes["prefixes"] == 1 and homes["homed"] == 1, homes
     assert sum(homes["per_node"].values()) >= 1, homes
+    # b routed none of them: it learns a's traffic over gossip, and homes the prefix where a
+    # does after seeing it once itself (under MIN_REQUESTS: its own count would not home it)
+    assert await async_wait_until(lambda: b.node.cluster.status()["homes"]["peers"] >= 1, timeout=10)
+    await _client(b).chat.completions.create(model="fake", max_tokens=2,
+                                             messages=[{"role": "system", "content": system},
+                                                       {"role": "user", "content": "question 5"}])
+    theirs = b.node.cluster.status()["homes"]
+    assert theirs["prefixes"] == 1 and theirs["homed"] == 1, theirs
+    assert theirs["per_node"] == a.node.cluster.status()["homes"]["per_node"], (theirs, homes)
 
 
 async def test_a_conversation_stays_on_its_node_while_that_node_is_not_much_slower(make_server: Any,

@@ -28,6 +28,7 @@ from llmd.cluster.load import (
 )
 from llmd.config import ModelConfig, TenantConfig
 from llmd.policy import placement
+from llmd.policy.homes import Shared
 from llmd.policy.queue import QueuedRequest
 from llmd.runtime import ModelRuntime, build_runtime
 from tests.conftest import async_wait_until
@@ -61,6 +62,21 @@ def test_round_trip() -> None:
     odd = NodeState("nöde", "http://h:1", 2**40, (vload(0, draining=False),), 7, b"", {"A-b.c": 0},
                     stored=("ABCDEF", "abc"))  # not lowercase hex / odd length: sent as text
     assert decode(encode(odd)) == odd
+
+
+def test_prefix_traffic_goes_out_quantized_and_the_least_busy_make_room_first() -> None:
+    traffic = tuple(Shared(2**63 + k * 7919, 40.0 - k, 64_000.0 - 1000 * k, 1500 + k) for k in range(16))
+    s = state()
+    got = decode(encode(NodeState(s.node, s.http_url, s.seq, s.versions, s.prefix_seq, s.prefix_delta,
+                                  s.tenant_tokens, s.registry_rev, s.stored, traffic))).traffic
+    assert [e.key for e in got] == [e.key for e in traffic] and [e.size for e in got] == [e.size for e in traffic]
+    assert all(abs(g.requests - e.requests) <= 0.125 and abs(g.tokens - e.tokens) <= 8
+               for g, e in zip(got, traffic, strict=True))
+    full = state(tenants=32, delta=400, stored=4)  # tenants and the delta fill the datagram
+    out = encode(NodeState(full.node, full.http_url, full.seq, full.versions, full.prefix_seq, full.prefix_delta,
+                           full.tenant_tokens, full.registry_rev, full.stored, traffic))
+    assert len(out) <= MAX_STATE_BYTES
+    assert [e.key for e in decode(out).traffic] == [e.key for e in traffic][:len(decode(out).traffic)]
 
 
 def test_small_with_four_versions() -> None:

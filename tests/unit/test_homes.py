@@ -8,7 +8,7 @@ import random
 from collections import Counter
 from dataclasses import replace
 
-from llmd.policy.homes import HomeTable
+from llmd.policy.homes import EXPORT_KEYS, PEER_TTL_S, HomeTable
 from llmd.policy.placement import Candidate, Reservations, VersionLoad, busy, home_ranks, place
 
 NODES = {"n0": 6400, "n1": 6400, "n2": 6400}
@@ -100,8 +100,10 @@ def test_a_prefix_seen_once_has_no_home_and_old_traffic_fades() -> None:
     assert table.homes(42, NODES) == {}
 
 
-def test_ingresses_that_see_different_samples_agree_on_almost_every_home() -> None:
-    keys = {k: 1 / (i + 1) ** 0.5 for i, k in enumerate(range(100, 130))}
+def test_ingresses_that_count_only_their_own_sample_disagree_on_some_homes() -> None:
+    """Why the traffic is shared (the next test): each ingress's third alone moves prefixes
+    across the bounds, and each disagreement copies a prefix onto a second node."""
+    keys = {k: 1 / (i + 1) ** 0.5 for i, k in enumerate(range(100, 100 + EXPORT_KEYS))}
     tables = []
     for seed in range(3):  # each ingress routes its own random third of the traffic
         clock = Clock()
@@ -110,7 +112,55 @@ def test_ingresses_that_see_different_samples_agree_on_almost_every_home() -> No
         tables.append(t)
     homes = [{k: max(t.homes(k, NODES).items(), key=lambda kv: kv[1])[0] for k in keys} for t in tables]
     same = sum(1 for k in keys if homes[0][k] == homes[1][k] == homes[2][k])
+    assert same < len(keys)
+
+
+def test_ingresses_that_share_their_traffic_agree_on_every_home_and_a_node_without_clients_has_homes() -> None:
+    keys = {k: 1 / (i + 1) ** 0.5 for i, k in enumerate(range(100, 130))}
+    clock = Clock()
+    tables = [HomeTable(clock, kv_share=1.0) for _ in range(4)]  # the fourth routes nothing itself
+    rng = random.Random(3)
+    for i in range(1500):
+        tables[i % 3].observe(rng.choices(list(keys), weights=list(keys.values()))[0], 200)
+        clock.t += 0.05
+        if i % 10 == 0:  # a gossip push every half second
+            sent = [t.export() for t in tables]
+            for a, t in enumerate(tables):
+                for b, traffic in enumerate(sent):
+                    if a != b:
+                        t.merge(f"n{b}", traffic)
+    homes = [{k: tuple(sorted(t.homes(k, NODES))) for k in keys} for t in tables]
+    same = sum(1 for k in keys if homes[0][k] == homes[1][k] == homes[2][k] == homes[3][k])
+    # what arrived since the last push differs, and one prefix placed apart moves the bounds
+    # for those after it; prefixes no ingress counts among its 16 busiest have no home anywhere
     assert same >= 0.8 * len(keys)
+    assert EXPORT_KEYS <= sum(1 for k in keys if homes[3][k]) < len(keys)  # the union of the ingresses' exports
+    sent = [t.export() for t in tables]  # one more push, and each table's next refresh
+    for a, t in enumerate(tables):
+        for b, traffic in enumerate(sent):
+            if a != b:
+                t.merge(f"n{b}", traffic)
+    clock.t += 1.1
+    homes = [{k: tuple(sorted(t.homes(k, NODES))) for k in keys} for t in tables]
+    assert homes[0] == homes[1] == homes[2] == homes[3]
+    assert sum(1 for h in homes[3].values() if h) >= EXPORT_KEYS  # homed from its peers' traffic alone
+
+
+def test_a_peers_traffic_stops_counting_when_it_leaves_or_falls_silent() -> None:
+    clock = Clock()
+    table = HomeTable(clock)
+    peer = HomeTable(clock)
+    feed(peer, clock, {7: 1.0}, 20)
+    table.merge("p", peer.export())
+    assert table.homes(7, NODES)
+    table.forget("p")
+    clock.t += 2  # past the refresh
+    assert table.homes(7, NODES) == {}
+    table.merge("p", peer.export())
+    clock.t += 2
+    assert table.homes(7, NODES)
+    clock.t += PEER_TTL_S
+    assert table.homes(7, NODES) == {}
 
 
 def test_a_node_leaving_moves_its_homes_and_the_assignment_follows_the_nodes_given() -> None:
@@ -161,6 +211,15 @@ def test_below_capacity_homes_do_not_bind_and_the_cache_holder_keeps_the_prompt(
     assert got == Counter({"copy": 50})
     assert not busy([cand("a", waiting=3000), cand("b"), cand("c", waiting=2999)], 2000, {})
     assert busy([cand("a", waiting=3000), cand("b"), cand("c", waiting=2000)], 2000, {"b": 1000})
+
+
+def test_below_capacity_a_prompt_no_node_caches_goes_to_its_balanced_home_unless_it_is_much_slower() -> None:
+    # not busy (1,000 tokens queued in all); home 0.3 s against 0.2 s idle: within the slack
+    got = choose([cand("home", share=1.0, waiting=1000), cand("idle"), cand("idle2")])
+    assert got == Counter({"home": 50})
+    # home 0.45 s against 0.2 s: over 2x the best, the score places it
+    got = choose([cand("home", share=1.0, waiting=2500), cand("idle"), cand("idle2")])
+    assert got["home"] == 0
 
 
 def test_a_home_far_slower_than_the_best_is_left() -> None:
