@@ -352,8 +352,8 @@ def main() -> None:
     ap.add_argument("--workload", choices=sorted(WORKLOADS), default="pressure", help="(a): bench/lib/cluster.py")
     ap.add_argument("--capacity", type=float, help="(a): round robin's capacity in req/s (skips measuring it)")
     ap.add_argument("--no-hot", action="store_true", help="(a): skip the hot-prefix run")
-    ap.add_argument("--no-homes", action="store_true",
-                    help="(a): nodes with [cluster] balanced_homes = false (a variant: save, merge, file by hand)")
+    ap.add_argument("--homes", action="store_true",
+                    help="(a): nodes with [cluster] balanced_homes = true ((a4): save, merge, file by hand)")
     ap.add_argument("--save", type=Path, help="(a): write its runs to this JSON file, not to the docs")
     ap.add_argument("--merge", help="(a): comma-separated --save files of one workload: write them as one")
     args = ap.parse_args()
@@ -372,7 +372,7 @@ def main() -> None:
         if "a" in parts:
             t = time.monotonic()
             data = asyncio.run(part_a(tmp, args.seconds, tuple(float(x) for x in args.loads.split(",")),
-                                      args.workload, args.capacity, not args.no_hot, False if args.no_homes else None))
+                                      args.workload, args.capacity, not args.no_hot, True if args.homes else None))
             data.update(commands=[report.command()], minutes=(time.monotonic() - t) / 60)
             if args.save:
                 args.save.write_text(json.dumps(data))

@@ -1,5 +1,5 @@
 """Issue J's bench (a), balanced homes off and on, paired: the `score` placement on 3 llmd nodes
-(fake engines), runs alternating between `[cluster] balanced_homes = false` and `true` (the default), the
+(fake engines), runs alternating between `[cluster] balanced_homes = false` (the default) and `true`, the
 same workload and load for each pair. One run of each cannot tell the switch's effect from the
 runs' own spread (about ±0.05 in hit rate, 2x in TTFT p90); alternating pairs can. Writes
 subsection (a5) of "Cluster (J)" in docs/benchmarks.md.
@@ -57,10 +57,10 @@ def main() -> None:
     lines = ["### (a5) Balanced homes off and on, paired", "",
              report.stamp(cmd=report.command(), seconds=time.monotonic() - t0), "",
              f"Workload `pressure` as in (a); the `score` placement only; {args.pairs} pairs per load, each a run "
-             "with `[cluster] balanced_homes = false` then one with `true` (the default); round robin's capacity "
+             "with `[cluster] balanced_homes = false` (the default) then one with `true`; round robin's capacity "
              f"{args.capacity} req/s as (a) measured it; {args.seconds:.0f} s of arrivals, the first third not "
              "counted. Each cell: hit rate (TTFT p90), one per run, in order.", "",
-             *report.table(["load", "balanced homes off", "balanced homes on (the default)"], rows), "",
+             *report.table(["load", "balanced homes off (the default)", "balanced homes on"], rows), "",
              f"Failed requests: {failed}."]
     print("\n".join(lines))
     report.write_subsections(report.DOC, SECTION, [INTRO], {"(a5)": lines})
