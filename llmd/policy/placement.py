@@ -174,13 +174,12 @@ def place(cands: Sequence[Candidate], prompt_tokens: int, expected_output: int,
     hand it to whichever node frees a block first, off its cache; and on a saturated cluster a
     miss is a full prefill added to a queue that every later request waits behind.
 
-    A prompt no node caches half of goes to its balanced homes (`home_share`) when it has them
-    and one is within the slack, at any load: where every ingress will send it again. Past
-    capacity (queues, not only KV, full), one without balanced homes goes to its first home (`home_rank`)
-    within the same slack (every ingress orders a prefix's homes the same way, so its traffic
-    meets on one node, spilling to the same second one, instead of being copied onto whichever
-    node was least loaded when no cache held it). Below capacity the score places it: homes dealt
-    by hashing are uneven, and there an uneven queue costs more TTFT than a copy costs hits."""
+    A prompt no node caches half of goes to a balanced home (`home_share`) within the slack, at
+    any load: where every ingress sends it again. Past capacity (queues, not only KV, full), one
+    without balanced homes goes to its first home (`home_rank`) within the same slack (every
+    ingress orders a prefix's homes alike: its traffic meets on one node, spilling to the same
+    second, not copied onto whichever was least loaded); below capacity the score places it:
+    homes dealt by hashing are uneven, and an uneven queue costs more TTFT than a copy costs hits."""
     reserved = {c.node: reservations.of(c.node) for c in cands}
     # fits(), eligible() and estimated_ttft(), each candidate's uncached tokens counted once (hot path)
     need = max(0, expected_output)
