@@ -52,7 +52,7 @@ class ClusterConfig(_Strict):
     # and once the cluster is busy keep it there (llmd/policy/homes.py; docs/cluster.md,
     # "Balanced homes"); nodes then gossip their busiest prefixes' traffic (~250 bytes every 2 s).
     # Off by default: it gains past capacity, and lost hits at 70-100 % and the hot-prefix
-    # balance in the last full bench run (docs/benchmarks.md, (a4)).
+    # balance in the last full bench run (docs/benchmarks.md, Cluster (J) (a6)).
     balanced_homes: bool = False
     # SWIM: probe one member per interval; no ack within the timeout: ask `indirect_probes`
     # others to probe it; still nothing: suspect; not refuted within suspicion_s: dead.

@@ -15,11 +15,11 @@ cluster's and whose homed prefixes still fit in a share of its KV. A prefix with
 than one node's bound is split over its next homes (a hot system prompt is served from two).
 A prefix that fits nowhere, or is seen once, has no home here: the score places it.
 
-Traffic is the cluster's: what this ingress routed, decayed, plus what each peer last said it
-routed (`export` and `merge`, carried by gossip). Ingresses that counted only their own sample
-disagreed on a quarter of the requests' homes (ten Zipf-popular prefixes, three ingresses), and
-every disagreement copies a prefix onto a second node. With the same totals they differ only
-by the last second's arrivals: in a simulation of that case, on 0.1-0.4 % of the requests. (A
+Traffic is the cluster's: each ingress's EXPORT_KEYS busiest prefixes, decayed, its own and
+what each peer last sent (`export` and `merge`, carried by gossip). Ingresses that counted only
+their own sample disagreed on 6-46 % of the requests' homes (ten Zipf-popular prefixes, three
+ingresses, a simulation), and every disagreement copies a prefix onto a second node. With the
+same totals they differ only by the last second's arrivals: 0.1-0.4 % of the requests. (A
 hysteresis that kept each prefix on its last home made it worse: a disagreement from the first
 seconds, before peers were heard, was kept for good.) A prefix that still lands apart gets a
 second copy: a cost in hits, never in correctness. Pure: an injected clock, no I/O.
