@@ -356,22 +356,14 @@ class FakeBackend:
             req.generated += 1
             self.cache.append(req.kv, ids[0])
         sampling = req.sampling
-        stops = sampling.stop
-        hit = min((i for s in stops if s and (i := req.text.find(s)) >= 0), default=-1) if stops else -1
+        hit = outputs.stop_at(req.text, sampling.stop)
         if hit >= 0:
             req.text, finish = req.text[:hit], "stop"
         elif finish is None and ((req.eos_after is not None and req.generated >= req.eos_after) or req.script_done()):
             finish = "stop"
         elif finish is None and req.generated >= req.max_new:
             finish = "length"
-        # Hold back a tail that could still become a stop string, so it is never streamed.
-        safe = len(req.text)
-        if finish is None:
-            for s in stops:
-                for k in range(min(len(s) - 1, len(req.text)), 0, -1):
-                    if req.text.endswith(s[:k]):
-                        safe = min(safe, len(req.text) - k)
-                        break
+        safe = len(req.text) if finish is not None else outputs.sendable(req.text, sampling.stop)
         delta = Delta(req.text[req.emitted:safe], tokens, finish, req.cached_out, ids,
                       outputs.logprobs_of(ids, piece, sampling.logprobs),
                       self._prompt_logprobs(req) if sampling.prompt_logprobs is not None else None)

@@ -117,3 +117,20 @@ def script_of(say: re.Match[str] | None, sampling: Sampling) -> tuple[str, str] 
         return ("say", instance(sampling.structured))
     return (say.group(1), say.group(2).replace("|", "")) if say else None
 
+
+
+def stop_at(text: str, stops: Sequence[str]) -> int:
+    """Where the first stop string starts in `text` (vLLM cuts the output there), or -1."""
+    return min((i for s in stops if s and (i := text.find(s)) >= 0), default=-1) if stops else -1
+
+
+def sendable(text: str, stops: Sequence[str]) -> int:
+    """How much of an unfinished `text` may be streamed: a tail that could still grow into a
+    stop string is held back, so a stop string is never sent."""
+    safe = len(text)
+    for s in stops:
+        for k in range(min(len(s) - 1, len(text)), 0, -1):
+            if text.endswith(s[:k]):
+                safe = min(safe, len(text) - k)
+                break
+    return safe

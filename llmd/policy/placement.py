@@ -126,9 +126,13 @@ def estimated_ttft(c: Candidate, prompt_tokens: int, reserved_tokens: int, hop_s
                    default_tps: float = FLOOR_TPS) -> float:
     """Seconds until `c` would start this prompt's first token. A node whose prefill rate is
     unknown (0) is taken to prefill at `default_tps`."""
-    rate = c.load.prefill_tps if c.load.prefill_tps > 0 else max(default_tps, 1e-9)
     work = max(0, c.load.waiting_prefill_tokens) + max(0, reserved_tokens) + uncached(c, prompt_tokens)
-    return work / rate + (0.0 if c.local else hop_s)
+    return work / prefill_rate(c, default_tps) + (0.0 if c.local else hop_s)
+
+
+def prefill_rate(c: Candidate, default_tps: float) -> float:
+    """The node's measured prefill rate, or `default_tps` while it has none (never zero)."""
+    return c.load.prefill_tps if c.load.prefill_tps > 0 else max(default_tps, 1e-9)
 
 
 def occupancy(load: VersionLoad) -> float:
@@ -194,8 +198,7 @@ def place(cands: Sequence[Candidate], prompt_tokens: int, expected_output: int,
         return None
     default = _default_tps(fitting, floor_tps)
     ttft = {c.node: (max(0, c.load.waiting_prefill_tokens) + max(0, reserved[c.node]) + u)
-            / (c.load.prefill_tps if c.load.prefill_tps > 0 else max(default, 1e-9)) + (0.0 if c.local else hop_s)
-            for c, u in zip(fitting, unc, strict=True)}
+            / prefill_rate(c, default) + (0.0 if c.local else hop_s) for c, u in zip(fitting, unc, strict=True)}
     if any(c.home_share > 0 for c in fitting) and busy(fitting, prompt_tokens, reserved):
         fitting, unc = _at_homes(fitting, unc, ttft, prompt_tokens, default, saturated_slack)
     roomy = [c for c, u in zip(fitting, unc, strict=True) if c.load.kv_free_tokens - reserved[c.node] >= u + need]
@@ -232,8 +235,7 @@ def _at_homes(fitting: list[Candidate], unc: list[int], ttft: dict[str, float], 
     best = min(ttft.values())
 
     def near(c: Candidate) -> bool:
-        rate = c.load.prefill_tps if c.load.prefill_tps > 0 else max(default_tps, 1e-9)
-        return ttft[c.node] <= best * (1 + slack) + HOME_PREFILLS * prompt_tokens / rate
+        return ttft[c.node] <= best * (1 + slack) + HOME_PREFILLS * prompt_tokens / prefill_rate(c, default_tps)
 
     kept = [(c, u) for c, u in zip(fitting, unc, strict=True) if c.home_share > 0 and near(c)]
     if not kept:
