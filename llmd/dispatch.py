@@ -19,7 +19,7 @@ from llmd.backends import Backend, BackendError, EngineDead, PromptError
 from llmd.backends.base import Delta, Prompt, Sampling
 from llmd.errors import APIError, bad_request, deadline_exceeded, engine_failed, unavailable
 from llmd.filters import ContentFiltered, OutputWindow
-from llmd.policy.classes import ENGINE_PRIORITY
+from llmd.policy.classes import ENGINE_PRIORITY, INTERACTIVE
 from llmd.runtime import Choice, Job
 from llmd.scheduler import Dropped
 
@@ -162,7 +162,9 @@ async def _screened(job: Job, choice: Choice, window: OutputWindow,
 
 def account(job: Job, choice: Choice, delta: Delta, here: bool = True) -> None:
     """The one place a delta's tokens are counted: the record (all choices' total), the
-    choice's gaps for the ITL controller, the scheduler's fairness charge, the ledger's progress
+    choice's gaps for the ITL controller (interactive streams only: the ITL target is theirs,
+    and a batch stream's gaps include the minutes it yields its seat by design, which cut
+    interactive seats in bench/plan.py (c) at 70 %), the scheduler's fairness charge, the ledger's progress
     (the client-observed gaps are timed as tokens are sent: ChoiceOutput.sent). `here`:
     this node's engine made them (a peer's are charged and timed in the peer's own queue)."""
     rec, n = job.record, delta.num_tokens
@@ -171,7 +173,7 @@ def account(job: Job, choice: Choice, delta: Delta, here: bool = True) -> None:
     rec.on_tokens(n, now)
     if n:
         choice.t_last_token = now
-        if here and prev is not None and job.runtime.cfg.scheduling.target_itl_ms:
+        if here and prev is not None and choice.flow.klass == INTERACTIVE and job.runtime.cfg.scheduling.target_itl_ms:
             job.runtime.gaps.extend([(time.time(), (now - prev) / n)] * n)
         if here:
             job.runtime.scheduler.on_output(choice.flow, n)

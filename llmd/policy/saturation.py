@@ -57,7 +57,8 @@ class ITLController:
     """AIMD on measured p95 inter-token latency.
 
     It steers on the gaps between a request's tokens as they reach the gateway (the service
-    feeds them in): what clients see, a preempted request's wait included. vLLM's own ITL
+    feeds them in): what clients see, a preempted request's wait included, of the interactive
+    class only (a batch stream yields its seat by design; its waits are not the target's). vLLM's own ITL
     samples ran 10% under the clients' p95 in bench/fairness.py (c) and let the limit grow
     past the target. Clients add their read loop, so the controller aims at `margin` x target.
     A cut scales with the overshoot (never below half), so a limit far too high converges in

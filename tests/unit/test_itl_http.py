@@ -79,3 +79,16 @@ async def test_a_flood_brings_the_seat_limit_to_the_step_models_value(make_serve
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
     assert await async_wait_until(lambda: not rt.scheduler.running and not len(rt.queue))
+
+
+async def test_only_interactive_streams_feed_the_itl_controller(make_server) -> None:
+    """A batch stream's gaps include the seat it yields by design (minutes, when preempted):
+    they would cut the interactive class's seats. Only interactive streams' gaps are fed."""
+    live = await make_server(TOML)
+    rt = live.runtime("fake")
+    c = openai.AsyncOpenAI(base_url=live.base, api_key="none", max_retries=0, timeout=60)
+    await c.completions.create(model="fake", prompt="batch", max_tokens=20,
+                               extra_headers={"X-Priority-Class": "batch"})
+    assert len(rt.gaps) == 0
+    await c.completions.create(model="fake", prompt="interactive", max_tokens=20)
+    assert len(rt.gaps) == 19  # a gap per token after the first

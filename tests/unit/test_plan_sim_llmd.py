@@ -126,6 +126,20 @@ def test_exact_controller_sees_a_gap_per_token_and_a_record_per_step() -> None:
             assert len(eng.history) < int(eng.basis[0]) and len(eng.gaps) < 3 * (30 - 1)
 
 
+def test_batch_streams_feed_the_itl_controller_no_gaps() -> None:
+    """As llmd (dispatch.account): only interactive streams' gaps steer the controller; a batch
+    stream's would include the minutes it yields its seat. The steps still count in its history."""
+    for klass, want in ((0, 3 * (30 - 1)), (1, 0)):
+        tr = trace_of([(0.0, 20, 30), (0.0, 20, 30), (0.005, 40, 30)], klass=klass)
+        spec = SimSpec(replicas=1, scheduling=SchedulingConfig(target_itl_ms=200), ingress_s=0.0, delivery_s=0.0,
+                       exact_controller=True)
+        fleet = Fleet(spec, tr, SLOW)
+        fleet.run()
+        eng = fleet.replicas[0].engine
+        assert len(eng.gaps) == want
+        assert len(eng.history) == int(eng.basis[0])
+
+
 def test_a_horizon_cuts_what_still_runs_and_counts_only_completed_requests() -> None:
     """As a replay cuts its streams a while after the last arrival: the long request has its
     first token by the horizon but does not complete, so only the short one's TTFT counts."""

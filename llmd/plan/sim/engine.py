@@ -21,10 +21,12 @@ from llmd.plan.sim.metrics import Recorder
 from llmd.plan.sim.prefix_cache import PrefixLRU
 from llmd.plan.sim.request import Req
 from llmd.plan.sim.spec import EngineSpec
+from llmd.plan.sim.trace import CLASSES
 from llmd.stepmodel import StepTime, pricer
 from llmd.stepplan import chunk_attention, prefill_chunks
 
 HISTORY = 64  # steps kept for the ITL controller's step-time model
+INTERACTIVE_K = CLASSES.index("interactive")  # a request's class index (Req.klass; its key's parity)
 
 
 class StepRec(NamedTuple):
@@ -299,10 +301,12 @@ class Engine:
         self.generated += b * k
         rise = slope * (k - 1)
         mid = first + rise / 2
+        inter = self._interactive()
         if not self.exact:
-            self.gaps.extend([(self.sink.now, mid)] * min(3, 1 + b * k // 64))
+            if inter:
+                self.gaps.extend([(self.sink.now, mid)] * min(3, 1 + inter * k // 64))
         elif k == 1:
-            self.gaps.extend([(self.sink.now, first)] * b)
+            self.gaps.extend([(self.sink.now, first)] * inter)
         if self.sink.now < self.sink.warmup_s:
             return
         hists = self.sink.itl_by_key
@@ -322,12 +326,17 @@ class Engine:
         """Exact mode: each of a segment's k decode steps as llmd would have seen it, a history
         record and a gap per decoding sequence, stamped when the step ended (the last ones the
         history keeps)."""
-        b = len(self.decoding)
+        b, inter = len(self.decoding), self._interactive()
         for j in range(max(0, k - self.history.maxlen) if self.history.maxlen else 0, k):
             gap = first + slope * j
             t = t0 + (j + 1) * first + slope * (j + 1) * j / 2
             self.history.append(StepRec(t, b, 0, gap))
-            self.gaps.extend([(t, gap)] * b)
+            self.gaps.extend([(t, gap)] * inter)
+
+    def _interactive(self) -> int:
+        """Decoding sequences of the interactive class: only their gaps steer llmd's ITL
+        controller (llmd/dispatch.py `account`)."""
+        return sum(n for key, n in self.groups.items() if key % 2 == INTERACTIVE_K)
 
     def _prefilled(self, s: Seq, now: float) -> Req:
         """Prefill done: the step sampled its next token; the sequence decodes from here on."""
@@ -337,6 +346,8 @@ class Engine:
         self.cache.remember(r)
         if r.first_t is not None:
             self.sink.itl_sample(r.key, now - r.last_t, 1.0)  # a resumed stream's stall, as its client sees it
+            if self.exact and r.klass == INTERACTIVE_K:  # and as llmd's ITL controller takes it
+                self.gaps.append((now, now - r.last_t))
         r.generated += 1
         self.generated += 1
         r.last_t = now
