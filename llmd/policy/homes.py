@@ -12,7 +12,8 @@ This is consistent hashing with bounded loads (Mirrokni, Thorup and Zadimoghadda
 two bounds. Each prefix, taken in the order of its hash (the same at every ingress), goes to
 the first node in its rendezvous order whose recent traffic stays under (1 + ε)/N of the
 cluster's and whose homed prefixes still fit in a share of its KV. A prefix with more traffic
-than one node's bound is split over its next homes (a hot system prompt is served from two).
+than one node's bound is split over its next homes (a hot system prompt is served from two),
+and placed before the others, while the nodes still have KV room for it.
 A prefix that fits nowhere, or is seen once, has no home here: the score places it.
 
 Traffic is the cluster's: each ingress's EXPORT_KEYS busiest prefixes, decayed, its own and
@@ -145,7 +146,10 @@ class HomeTable:
         load = dict.fromkeys(kv_tokens, 0.0)
         room = {n: self.kv_share * kv for n, kv in kv_tokens.items()}
         out: dict[int, dict[str, float]] = {}
-        for key in sorted(weight):
+        # Prefixes too big for one node's bound first (first-fit decreasing, in two classes so
+        # that every ingress orders them alike): placed last, a hot prefix found the nodes' KV
+        # taken by small prefixes and piled onto one node (half the traffic: 0.52 of it on one).
+        for key in sorted(weight, key=lambda k: (weight[k][0] <= cap, k)):
             w, size = weight[key]
             shares = _place(w, size, home_ranks(key, kv_tokens), cap, load, room)
             if shares:
@@ -181,7 +185,8 @@ def _place(w: float, size: int, ranks: Mapping[str, int], cap: float, load: dict
            room: dict[str, float]) -> dict[str, float]:
     """One prefix's traffic `w` on the first nodes (rendezvous `ranks`) with traffic and KV room:
     whole on one when one can take it, else split in order (a prefix bigger than a node's
-    bound). Updates `load` and `room`; empty when no node can hold its KV."""
+    bound). Updates `load` and `room`; without the traffic no node with KV room can take under
+    its bound (none: the score places it; going over a bound piled a hot prefix on one node)."""
     order = sorted(ranks, key=ranks.__getitem__)
     fits = [n for n in order if room[n] >= size]
     whole = next((n for n in fits if load[n] + w <= cap), None)
@@ -201,9 +206,9 @@ def _place(w: float, size: int, ranks: Mapping[str, int], cap: float, load: dict
         left -= take
         if left <= 1e-9 * w:
             return shares
-    if not fits:
+    if not fits or left > 1e-6 * w:  # every node with room is at its bound: no home for the rest
         return shares
-    if left > 0:  # every node at its bound (a rounding edge): the rest on the least loaded that fits
+    if left > 0:  # a rounding edge: the rest on the least loaded that fits
         n = min(fits, key=load.__getitem__)
         if n not in shares:
             room[n] -= size
