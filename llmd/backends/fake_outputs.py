@@ -118,7 +118,6 @@ def script_of(say: re.Match[str] | None, sampling: Sampling) -> tuple[str, str] 
     return (say.group(1), say.group(2).replace("|", "")) if say else None
 
 
-
 def stop_at(text: str, stops: Sequence[str]) -> int:
     """Where the first stop string starts in `text` (vLLM cuts the output there), or -1."""
     return min((i for s in stops if s and (i := text.find(s)) >= 0), default=-1) if stops else -1
