@@ -185,8 +185,8 @@ def _place(w: float, size: int, ranks: Mapping[str, int], cap: float, load: dict
            room: dict[str, float]) -> dict[str, float]:
     """One prefix's traffic `w` on the first nodes (rendezvous `ranks`) with traffic and KV room:
     whole on one when one can take it, else split in order (a prefix bigger than a node's
-    bound). Updates `load` and `room`; without the traffic no node with KV room can take under
-    its bound (none: the score places it; going over a bound piled a hot prefix on one node)."""
+    bound). Updates `load` and `room`. Traffic that no node with KV room can take under its bound
+    gets no home (the score places it): pushed over a bound, it piled a hot prefix on one node."""
     order = sorted(ranks, key=ranks.__getitem__)
     fits = [n for n in order if room[n] >= size]
     whole = next((n for n in fits if load[n] + w <= cap), None)

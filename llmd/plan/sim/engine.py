@@ -301,12 +301,11 @@ class Engine:
         self.generated += b * k
         rise = slope * (k - 1)
         mid = first + rise / 2
-        inter = self._interactive()
         if not self.exact:
-            if inter:
+            if inter := self._interactive():
                 self.gaps.extend([(self.sink.now, mid)] * min(3, 1 + inter * k // 64))
-        elif k == 1:
-            self.gaps.extend([(self.sink.now, first)] * inter)
+        elif k == 1:  # (k > 1: `_steps_of` fed a gap per step)
+            self.gaps.extend([(self.sink.now, first)] * self._interactive())
         if self.sink.now < self.sink.warmup_s:
             return
         hists = self.sink.itl_by_key
