@@ -168,13 +168,16 @@ class StepModelITL(ITLController):
     window by window. The AIMD rules above, on the clients' p95 and on the same windows, then
     correct the engine aim, not the limit: clients also see our streaming path and preemption
     waits, on top of the engine's steps. A cut lowers the aim by the overshoot (at least one
-    seat's worth), growth raises it by one seat's worth, and a futile cut is undone and held.
+    seat's worth), growth by the room under 0.9x the target (at most `increase`, at least
+    a seat's worth), and a futile cut is undone and held. Growth by one seat's worth alone left
+    a halved aim at one or two seats for minutes while clients read half the target: each seat
+    it added sat on the fit's edge and the next refit took it back (bench/plan.py (c), 80 %).
     Until the model has seen enough steps (a cold start), plain AIMD on the limit."""
 
     def __init__(self, target_ms: float, max_seats: int, min_seats: int = 1, window_s: float = 6.0,
                  interval_s: float = 0.5, margin: float = 0.88, hold_s: float = 10.0, *, clock: Clock,
                  steps: Callable[[], Sequence[StepSample]], model: StepTimeModel | None = None, lag_s: float = 2.0,
-                 samples: Callable[[], Iterable[tuple[float, float]]] | None = None) -> None:
+                 samples: Callable[[], Iterable[tuple[float, float]]] | None = None, increase: float = 1.25) -> None:
         super().__init__(target_ms, max_seats, min_seats, window_s, interval_s, margin=margin, hold_s=hold_s,
                          clock=clock, samples=samples)
         self.steps = steps
@@ -183,6 +186,7 @@ class StepModelITL(ITLController):
         self.lag_s = lag_s  # AIMD judges only client gaps this old: the model reacts to a change first
         self._proposed: int | None = None  # a small move of the limit, waiting for a second interval
         self.aim_floor = 0.25 * self.target
+        self.increase = increase  # the most one growth multiplies the engine aim by
 
     def _on_interval(self, now: float) -> None:
         self.model.ingest(self.steps())
@@ -243,7 +247,8 @@ class StepModelITL(ITLController):
             return None
         assert self.last_p95 is not None
         if self.last_p95 < 0.9 * self.target:
-            self.engine_aim = max(self.engine_aim, fit.predict(int(self.limit) + 1))  # one seat more
+            room = min(self.target, self.engine_aim * min(self.increase, 0.9 * self.target / self.last_p95))
+            self.engine_aim = max(self.engine_aim, room, fit.predict(int(self.limit) + 1))  # a seat at least
             self._size(now, fit, at_once=True)
             self._settled_at = now
         return None

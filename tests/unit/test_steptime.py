@@ -275,3 +275,20 @@ def test_with_sequences_starting_all_the_time_the_seats_leave_room_for_their_pre
     best = int((0.100 / 1.05 - e.a - e.c * 100) / e.b)
     assert best - 7 <= min(tail) and max(tail) <= best + 1, (min(tail), max(tail), best)
     assert p95([x for t, x in e.gaps if t > start]) <= 0.100 * 1.02
+
+
+def test_after_a_deep_cut_the_seats_come_back_within_a_few_windows() -> None:
+    """bench/plan.py (c), the fake backend at 80 %: prefill stalls put the clients' p95 at
+    390 ms against a 176 ms aim, the cut halved the engine aim (166 -> 83 ms: one seat), and
+    the clients' p95 then read 82 ms for minutes while the aim crept up a seat's worth (4 ms)
+    at a time, each new seat lost again to the fit's noise: 1-2 seats, queues, 503s. Growth
+    now scales with the room under the aim, as a cut scales with the overshoot."""
+    e = Engine(a=0.077, b=0.0039, c=0.0021)
+    ctl = controller(e, target_ms=176.0)
+    e.run(ctl, 20.0, demand=200)
+    best = e.best(0.176)
+    assert abs(ctl.seat_limit - best) <= 5 and ctl.engine_aim is not None
+    ctl._cut_or_undo(e.clock(), 0.39)  # what update() did on that half window of stalls
+    assert ctl.engine_aim < 0.09 and ctl.seat_limit <= 3
+    limits = e.run(ctl, 60.0, demand=200)
+    assert limits[-1] >= best - 5
