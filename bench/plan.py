@@ -64,13 +64,15 @@ def part_c(measure: tuple[str, ...]) -> list[str]:
               "starts; the ITL controller's growth by the room under its target; the same traces as before, at the "
               "load scale of the fake capacity measured before the controller took only interactive gaps); "
               "the real engine's points (`--parts points-real-noitl "
-              "--loads L --duration-s 120 --warmup-s 20`, 2026-12-02, rep 0 at 30-80 % 10:33-10:47 UTC, rep 1 of the same "
+              "--loads L --duration-s 120 --warmup-s 20`, 2026-12-02, rep 0 at 30-80 % 10:33-10:47 UTC, "
+              "rep 1 of the same "
               "trace (`--first-rep 1 --same-trace`) at 50 % 10:49-10:52 and at 30 % 11:32-11:36), its capacity "
               "(`--parts capacity-real-noitl`) 07:48 UTC; the fake backend's capacity and llmd's overheads (`--parts "
               "overhead capacity-fake`) earlier, 00:15-03:30 UTC; the shipped config's real capacity (`capacity-real`) "
               "2026-12-03 06:12 UTC, after the ITL controller's growth fix (0.28 req/s before, 2026-12-02; "
               "`capacity-real-noitl` run beside it then read 2.46 req/s: the box ran twice as fast as on 12-02, "
-              "so the stored noitl capacity and the points priced by it are 12-02's). This run simulated every one of them again with the code named above.")
+              "so the stored noitl capacity and the points priced by it are 12-02's). "
+              "This run simulated every one of them again with the code named above.")
     return ["### (c) End to end: the simulator against llmd", "",
             report.stamp(time.perf_counter() - t0, cmd=report.command()), "", source, "", body]
 
