@@ -247,8 +247,8 @@ class StepModelITL(ITLController):
             return None
         assert self.last_p95 is not None
         if self.last_p95 < 0.9 * self.target:
-            room = min(self.target, self.engine_aim * min(self.increase, 0.9 * self.target / self.last_p95))
-            self.engine_aim = max(self.engine_aim, room, fit.predict(int(self.limit) + 1))  # a seat at least
+            scaled = min(self.target, self.engine_aim * min(self.increase, 0.9 * self.target / self.last_p95))
+            self.engine_aim = max(self.engine_aim, scaled, fit.predict(int(self.limit) + 1))  # a seat at least
             self._size(now, fit, at_once=True)
             self._settled_at = now
         return None

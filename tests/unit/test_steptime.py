@@ -282,7 +282,7 @@ def test_after_a_deep_cut_the_seats_come_back_within_a_few_windows() -> None:
     390 ms against a 176 ms aim, the cut halved the engine aim (166 -> 83 ms: one seat), and
     the clients' p95 then read 82 ms for minutes while the aim crept up a seat's worth (4 ms)
     at a time, each new seat lost again to the fit's noise: 1-2 seats, queues, 503s. Growth
-    now scales with the room under the aim, as a cut scales with the overshoot."""
+    now scales with the room under 0.9x the target, as a cut scales with the overshoot."""
     e = Engine(a=0.077, b=0.0039, c=0.0021)
     ctl = controller(e, target_ms=176.0)
     e.run(ctl, 20.0, demand=200)
