@@ -35,6 +35,20 @@ def test_forged_tampered_and_unsigned_messages_are_dropped() -> None:
     assert b.dropped["forged"] == 2 and b.dropped["unsigned"] == 1
 
 
+def test_truncated_or_garbled_datagrams_are_dropped_never_raise() -> None:
+    """The header is binary (a length-prefixed name): every cut of a genuine datagram, a name
+    longer than the datagram, and a name that is not UTF-8 are counted as unsigned or forged."""
+    clock = Clock()
+    b = Signer("b", [SECRET], clock)
+    msg = Signer("a", [SECRET], clock).seal(b"load=1")
+    for cut in range(len(msg)):
+        assert b.open(msg[:cut]) is None
+    assert b.open(b"\xa7\xff" + msg[2:]) is None
+    assert b.open(msg[:2] + b"\xff" + msg[3:]) is None  # the name's byte garbled
+    assert sum(b.dropped.values()) == len(msg) + 2 and set(b.dropped) <= {"unsigned", "forged"}
+    assert b.open(msg) is not None  # the genuine one still opens: none of the above took its nonce
+
+
 def test_a_message_outside_the_window_is_stale_and_a_nonce_is_forgotten_after_it() -> None:
     clock = Clock()
     a, b = Signer("a", [SECRET], clock, window_s=5), Signer("b", [SECRET], Clock(1010.0), window_s=5)
