@@ -20,7 +20,7 @@ from itertools import islice
 from typing import Any
 
 from llmd.backends.base import StepRecord
-from llmd.policy.homes import Shared
+from llmd.policy.homes import Shared, from_level, level
 from llmd.policy.placement import VersionLoad
 from llmd.runtime import ModelRuntime
 
@@ -31,7 +31,6 @@ _MAGIC = b"L\x01"
 _U32 = 0xFFFFFFFF
 _F32 = struct.Struct("<ff")
 _U64 = struct.Struct("<Q")
-TRAFFIC_UNIT = 16  # a prefix's traffic goes out in tokens / 16: as exact as placement needs, fewer bytes
 _DRAINING, _STANDBY = 1, 2
 
 
@@ -124,9 +123,9 @@ def encode(s: NodeState) -> bytes:
 
 
 def _shared(e: Shared) -> bytes:
-    """A prefix's key, then its requests in quarters and its tokens in TRAFFIC_UNIT units."""
-    return (_U64.pack(e.key & 0xFFFFFFFFFFFFFFFF) + _uint(round(max(0.0, e.requests) * 4))
-            + _uint(round(max(0.0, e.tokens) / TRAFFIC_UNIT)) + _uint(e.size))
+    """A prefix's key, its requests and tokens a byte each (homes.level: the export's own grid),
+    then its size: 12 bytes for most."""
+    return _U64.pack(e.key & 0xFFFFFFFFFFFFFFFF) + bytes([level(e.requests), level(e.tokens)]) + _uint(e.size)
 
 
 # -- reading ------------------------------------------------------------------------------------
@@ -187,11 +186,15 @@ def decode(b: bytes) -> NodeState:
     stored = tuple(r.str() for _ in r.count())
     delta = r.take(r.uint())
     tenants = {r.str(): r.uint() for _ in r.count()}
-    traffic = tuple(Shared(_U64.unpack(r.take(_U64.size))[0], r.uint() / 4, r.uint() * TRAFFIC_UNIT, r.uint())
-                    for _ in r.count())
+    traffic = tuple(_read_shared(r) for _ in r.count())
     if r.pos != len(b):
         raise StateError("node state has trailing bytes")
     return NodeState(node, url, seq, versions, prefix_seq, delta, tenants, registry_rev, stored, traffic)
+
+
+def _read_shared(r: _Reader) -> Shared:
+    key, (requests, tokens) = _U64.unpack(r.take(_U64.size))[0], r.take(2)
+    return Shared(key, from_level(requests), from_level(tokens), r.uint())
 
 
 # -- a runtime's load ----------------------------------------------------------------------------

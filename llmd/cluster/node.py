@@ -50,7 +50,7 @@ PREFIX_DELTA_BYTES = 400
 PREFIX_RESEND = 2  # a push's prefix delta covers the changes since this many pushes back
 RESERVATION_TTL_S = 2.0  # a reservation outlives any state push that could have missed it
 STORED_REFRESH_S = 10.0  # how often the store is listed for the state's `stored`
-TRAFFIC_EVERY_S = 2.0  # how often the prefixes' traffic in the state is taken afresh (balanced homes)
+TRAFFIC_EVERY_S = 4.0  # how often the prefixes' traffic goes out in the state (balanced homes; < PEER_TTL_S / 2)
 
 
 @dataclass

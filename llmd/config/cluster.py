@@ -50,7 +50,7 @@ class ClusterConfig(_Strict):
     placement: Literal["score", "round_robin"] = "score"
     # With "score": send each repeated prompt prefix that no node caches to its balanced homes,
     # and once the cluster is busy keep it there (llmd/policy/homes.py; docs/cluster.md,
-    # "Balanced homes"); nodes then gossip their busiest prefixes' traffic (~250 bytes every 2 s).
+    # "Balanced homes"); nodes then gossip their busiest prefixes' traffic (~200 bytes every 4 s).
     # Off by default: it gains hits at 70-130 % (rounds against off, docs/benchmarks.md Cluster
     # (J) (a5)), but one hot prefix with half the traffic queues its homes 1.8-2.2x the mean.
     balanced_homes: bool = False

@@ -42,6 +42,8 @@ REFRESH_S = 1.0  # the assignment is recomputed at most this often (or when the 
 MAX_KEYS = 512  # prefixes remembered; the least used are dropped beyond this
 PEER_TTL_S = 10.0  # a peer's traffic unheard of for this long is left out (it stopped sending)
 EXPORT_KEYS = 16  # the busiest prefixes a node tells its peers about
+LEVELS_PER_DOUBLING = 8  # exported figures sit on a log grid, one byte each on the wire (±4.4 %)
+_LEVEL_ZERO = 32  # level of 1.0: the grid spans 2**-3.9 .. 2**27.9
 
 
 @dataclass(frozen=True)
@@ -73,6 +75,7 @@ class HomeTable:
         self.min_requests, self.refresh_s, self.max_keys = min_requests, refresh_s, max_keys
         self._traffic: dict[int, _Traffic] = {}
         self._peers: dict[str, tuple[float, tuple[Shared, ...]]] = {}  # peer -> (heard at, its traffic then)
+        self._sent: tuple[float, tuple[Shared, ...]] | None = None  # (when, what) this ingress last exported
         self._homes: dict[int, dict[str, float]] = {}  # key -> {node: share of its traffic}
         self._nodes: tuple[tuple[str, int], ...] = ()
         self._next = -math.inf
@@ -91,13 +94,20 @@ class HomeTable:
         t.size = min(t.size, prompt_tokens)
 
     def export(self, limit: int = EXPORT_KEYS) -> tuple[Shared, ...]:
-        """This ingress's own traffic for its busiest prefixes, decayed to now (what gossip carries)."""
+        """This ingress's own traffic for its busiest prefixes, decayed to now, on the grid the
+        wire carries (what gossip sends). Its own totals count these same figures from here on,
+        decayed as its peers decay them: every ingress sums the same numbers."""
         now = self._clock()
+        self._sent = (now, self._busiest(now, limit))
+        return self._sent[1]
+
+    def _busiest(self, now: float, limit: int) -> tuple[Shared, ...]:
         out = []
         for key, t in self._traffic.items():
             f = self._decay(now - t.at)
-            out.append(Shared(key, t.requests * f, t.tokens * f, t.size))
-        return tuple(sorted(out, key=lambda e: (-e.tokens, e.key))[:limit])
+            out.append((t.tokens * f, key, t.requests * f, t.size))
+        out.sort(key=lambda e: (-e[0], e[1]))
+        return tuple(Shared(key, on_grid(req), on_grid(tokens), size) for tokens, key, req, size in out[:limit])
 
     def merge(self, peer: str, traffic: tuple[Shared, ...]) -> None:
         """What `peer` last said it routed (its `export`), as of now."""
@@ -157,11 +167,12 @@ class HomeTable:
         return out
 
     def _totals(self, now: float) -> dict[int, Shared]:
-        """Each prefix's traffic over the cluster: what this ingress exports plus what its peers
-        last exported, decayed. Only exported figures count, its own too: a prefix outside
-        every export (none of the ingresses' EXPORT_KEYS busiest) would be counted by one
-        ingress alone and land wherever its own sample put it; it has no home (the score
-        places it), and the rest are counted alike at every ingress."""
+        """Each prefix's traffic over the cluster: what this ingress and each of its peers last
+        exported, decayed (its own figures now while it has exported none). Only exported
+        figures count, its own too: a prefix outside every export (none of the ingresses'
+        EXPORT_KEYS busiest) would be counted by one ingress alone and land wherever its own
+        sample put it; it has no home (the score places it), and the rest are counted alike at
+        every ingress."""
         out: dict[int, Shared] = {}
 
         def add(key: int, requests: float, tokens: float, size: int) -> None:
@@ -169,8 +180,10 @@ class HomeTable:
             out[key] = Shared(key, requests, tokens, size) if e is None else \
                 Shared(key, e.requests + requests, e.tokens + tokens, min(e.size, size))
 
-        for e in self.export():
-            add(e.key, e.requests, e.tokens, e.size)
+        at, own = self._sent if self._sent is not None else (now, self._busiest(now, EXPORT_KEYS))
+        f = self._decay(now - at)
+        for e in own:
+            add(e.key, e.requests * f, e.tokens * f, e.size)
         for peer, (at, traffic) in list(self._peers.items()):
             if now - at > PEER_TTL_S:
                 del self._peers[peer]
@@ -179,6 +192,21 @@ class HomeTable:
             for e in traffic:
                 add(e.key, e.requests * f, e.tokens * f, e.size)
         return out
+
+
+def level(x: float) -> int:
+    """`x` as a byte on the log grid (0: nothing); what the wire carries of an exported figure."""
+    if not x > 0:
+        return 0
+    return max(1, min(255, round(LEVELS_PER_DOUBLING * math.log2(x)) + _LEVEL_ZERO))
+
+
+def from_level(q: int) -> float:
+    return 0.0 if q <= 0 else 2.0 ** ((q - _LEVEL_ZERO) / LEVELS_PER_DOUBLING)
+
+
+def on_grid(x: float) -> float:
+    return from_level(level(x))
 
 
 def _place(w: float, size: int, ranks: Mapping[str, int], cap: float, load: dict[str, float],

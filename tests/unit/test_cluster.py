@@ -13,6 +13,7 @@ import httpx
 import openai
 import pytest
 
+from llmd.cluster.node import TRAFFIC_EVERY_S
 from llmd.cluster.signing import Signer
 from tests.conftest import async_wait_until, free_port
 
@@ -207,7 +208,9 @@ async def test_balanced_homes_when_on_learn_the_repeated_prefixes_the_cluster_ro
         await _client(a).chat.completions.create(
             model="fake", max_tokens=2,
             messages=[{"role": "system", "content": system}, {"role": "user", "content": f"question {turn}"}])
-    await asyncio.sleep(1.1)  # the assignment is recomputed at most once a second
+    # a's own figures count once exported (as its peers count them), within TRAFFIC_EVERY_S;
+    # the assignment is recomputed at most once a second
+    await asyncio.sleep(TRAFFIC_EVERY_S + 1.1)
     await _client(a).chat.completions.create(model="fake", max_tokens=2,
                                              messages=[{"role": "system", "content": system},
                                                        {"role": "user", "content": "question 4"}])
