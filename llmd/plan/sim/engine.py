@@ -70,6 +70,8 @@ class Engine:
         self.heap: list[tuple[int, int, Seq]] = []
         self.bases: list[tuple[int, int, Seq]] = []  # (−base, order): the longest decoder on top, lazily
         self.groups: dict[int, int] = {}  # decoding sequences per (tenant, class) key
+        self.interactive = 0  # decoding sequences of the interactive class: only their gaps steer
+        # llmd's ITL controller (llmd/dispatch.py `account`)
         self.sum_base = 0
         self.kv_prefill = 0
         self._order = 0
@@ -137,6 +139,7 @@ class Engine:
             r.last_t = now
             self.sum_base -= s.base
             self.groups[r.key] -= 1
+            self.interactive -= r.klass == INTERACTIVE_K
             if r.generated < r.output:  # cut short: its full blocks stay cached for its resume
                 self.cache.keep_own(r, r.prompt + r.generated - 1)
         elif s in self.prefill:
@@ -302,10 +305,10 @@ class Engine:
         rise = slope * (k - 1)
         mid = first + rise / 2
         if not self.exact:
-            if inter := self._interactive():
+            if inter := self.interactive:
                 self.gaps.extend([(self.sink.now, mid)] * min(3, 1 + inter * k // 64))
         elif k == 1:  # (k > 1: `_steps_of` fed a gap per step)
-            self.gaps.extend([(self.sink.now, first)] * self._interactive())
+            self.gaps.extend([(self.sink.now, first)] * self.interactive)
         if self.sink.now < self.sink.warmup_s:
             return
         hists = self.sink.itl_by_key
@@ -325,17 +328,12 @@ class Engine:
         """Exact mode: each of a segment's k decode steps as llmd would have seen it, a history
         record and a gap per decoding sequence, stamped when the step ended (the last ones the
         history keeps)."""
-        b, inter = len(self.decoding), self._interactive()
+        b, inter = len(self.decoding), self.interactive
         for j in range(max(0, k - self.history.maxlen) if self.history.maxlen else 0, k):
             gap = first + slope * j
             t = t0 + (j + 1) * first + slope * (j + 1) * j / 2
             self.history.append(StepRec(t, b, 0, gap))
             self.gaps.extend([(t, gap)] * inter)
-
-    def _interactive(self) -> int:
-        """Decoding sequences of the interactive class: only their gaps steer llmd's ITL
-        controller (llmd/dispatch.py `account`)."""
-        return sum(n for key, n in self.groups.items() if key % 2 == INTERACTIVE_K)
 
     def _prefilled(self, s: Seq, now: float) -> Req:
         """Prefill done: the step sampled its next token; the sequence decodes from here on."""
@@ -355,6 +353,7 @@ class Engine:
         self.decoding[s.order] = s
         self.sum_base += base
         self.groups[r.key] = self.groups.get(r.key, 0) + 1
+        self.interactive += r.klass == INTERACTIVE_K
         heapq.heappush(self.heap, (s.fin, s.order, s))
         heapq.heappush(self.bases, (-base, s.order, s))
         if len(self.bases) > 2 * len(self.decoding) + 64:  # stale entries under a long-lived top: rebuild
