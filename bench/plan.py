@@ -56,24 +56,10 @@ def part_c(measure: tuple[str, ...]) -> list[str]:
     source = ("Measured rows are kept in bench/data/plan-e2e.json, each point's requests (every chunk's time and "
               "tokens) and llmd's side over time (seats by class, queues, the ITL controller, the engine's steps) "
               "in bench/data/plan-e2e-requests/; they are only re-measured when asked (`--measure PART`: minutes "
-              "of real engine per point). Each point ran alone under the box lock: the fake backend's on the "
-              "fitted step model (`[models.fake] step_model`, the function the simulator prices steps by; "
-              "bench/data/stepmodel-fake-e2e.json), `python -m bench.lib.plan_e2e --step-model "
-              "bench/data/stepmodel-fake-e2e.json --parts points-fake --loads L --same-trace --duration-s 600 "
-              "--warmup-s 20`, 2026-12-03 05:17-06:08 UTC at b2c30ed (a fresh llmd per point, cold as the simulation "
-              "starts; the ITL controller's growth by the room under its target; the same traces as before, at the "
-              "load scale of the fake capacity measured before the controller took only interactive gaps), and rep 1 "
-              "of the 80 % trace (`--first-rep 1`) 07:14-07:26 UTC at b23a36a; "
-              "the real engine's points (`--parts points-real-noitl "
-              "--loads L --duration-s 120 --warmup-s 20`, 2026-12-02, rep 0 at 30-80 % 10:33-10:47 UTC, "
-              "rep 1 of the same "
-              "trace (`--first-rep 1 --same-trace`) at 50 % 10:49-10:52 and at 30 % 11:32-11:36), its capacity "
-              "(`--parts capacity-real-noitl`) 07:48 UTC; the fake backend's capacity and llmd's overheads (`--parts "
-              "overhead capacity-fake`) earlier, 00:15-03:30 UTC; the shipped config's real capacity (`capacity-real`) "
-              "2026-12-03 06:12 UTC, after the ITL controller's growth fix (0.28 req/s before, 2026-12-02; "
-              "`capacity-real-noitl` run beside it then read 2.46 req/s: the box ran twice as fast as on 12-02, "
-              "so the stored noitl capacity and the points priced by it are 12-02's). "
-              "This run simulated every one of them again with the code named above.")
+              "of real engine per point), each point alone under the box lock on a fresh llmd. The fake backend's "
+              "points run on the fitted step model (`[models.fake] step_model`, the function the simulator prices "
+              "steps by: bench/data/stepmodel-fake-e2e.json). When, at which llmd and by which command each row "
+              "was measured: the last table. This run simulated every one of them again with the code named above.")
     return ["### (c) End to end: the simulator against llmd", "",
             report.stamp(time.perf_counter() - t0, cmd=report.command()), "", source, "", body]
 

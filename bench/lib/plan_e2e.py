@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.lib import plan_servers as ps
+from bench.lib import report as report_lib
 from bench.lib import stats
 from bench.lib.e2e_stats import ttft_split
 from bench.lib.plan_load import capacity, dump, load_point, mix_trace
@@ -84,14 +85,20 @@ async def _capacity(res: dict[str, Any], engine: str, a: argparse.Namespace) -> 
     dump(_raw(a, f"capacity-{engine}"), sent, t0)
     _raw(a, f"capacity-{engine}-server").write_text(json.dumps({"steps": steps}) + "\n")
     print(f"  capacity {engine}: {cap.describe()}", flush=True)
-    res["capacity"][engine] = asdict(cap)
+    res["capacity"][engine] = {**asdict(cap), "provenance": provenance()}
 
 
 async def _overhead(res: dict[str, Any], a: argparse.Namespace) -> None:
     with ps.serve("overhead", config_for("fake", a.step_model)) as (srv, _pid):
         o = await measure(srv, MODEL)
     print(f"  overheads: {o.describe()}", flush=True)
-    res["overheads"] = asdict(o)
+    res["overheads"] = {**asdict(o), "provenance": provenance()}
+
+
+def provenance(note: str | None = None) -> dict[str, str]:
+    """When, at which llmd and by which command a stored row was measured (the report lists them)."""
+    out = {"at": report_lib.date(), "llmd": report_lib.code_version(), "cmd": report_lib.command()}
+    return {**out, "note": note} if note else out
 
 
 def _raw(a: argparse.Namespace, tag: str) -> Path:
@@ -126,7 +133,8 @@ async def _points(res: dict[str, Any], engine: str, a: argparse.Namespace) -> No
                 _raw(a, f"{engine}-{load:g}-{rep}-server").write_text(json.dumps(server) + "\n")
                 row = {**asdict(p), "rep": rep, "duration_s": a.duration_s, "warmup_s": a.warmup_s,
                        "drain_s": a.drain_s,
-                       "step_model": str(a.step_model) if a.step_model else None, "sim": None}
+                       "step_model": str(a.step_model) if a.step_model else None, "sim": None,
+                       "provenance": provenance()}
                 res["points"] = [x for x in res["points"] if (x["engine"], x["load"], x["rep"]) != (engine, load, rep)]
                 res["points"].append(row)
                 save_results(a.results, res)

@@ -149,6 +149,22 @@ def _noise(rows: list[dict[str, Any]]) -> list[str]:
     return md.table(["engine", "load", "repeats", *(f"{label} spread" for label, _ in FIGURES)], body)
 
 
+def provenance_table(res: dict[str, Any]) -> list[str]:
+    """Each stored row: when it was measured, at which llmd, by which command (rows measured
+    before 2026-12-03 were filled in by hand from the notes of the time)."""
+    rows = [(f"capacity {e}", c) for e, c in sorted(res.get("capacity", {}).items())]
+    rows += [("overheads", res["overheads"])] if res.get("overheads") else []
+    rows += [(f"{r['engine']} {r['load']:.0%} rep {r['rep']}", r)
+             for r in sorted(res.get("points", []), key=lambda r: (r["engine"], r["load"], r["rep"]))]
+    out = []
+    for name, r in rows:
+        p = r.get("provenance") or {}
+        cmd = f"`{p['cmd']}`" if p.get("cmd") else "?"
+        out.append([name, p.get("at", "?"), p.get("llmd", "?"), cmd, p.get("note", "")])
+    return ["#### Where each stored row comes from", "",
+            *md.table(["row", "measured", "llmd at", "command", "note"], out)]
+
+
 def report(res: dict[str, Any], held_out: tuple[float, ...]) -> str:
     lines = ["#### Capacity (closed loop, the mix)", ""]
     for engine, c in sorted(res.get("capacity", {}).items()):
@@ -181,4 +197,5 @@ def report(res: dict[str, Any], held_out: tuple[float, ...]) -> str:
     cpu = [r["client_cpu"] for r in rows]
     if cpu:
         lines += ["", f"Client CPU share: median {stats.median(cpu):.2f}, max {max(cpu):.2f} cores."]
+    lines += ["", *provenance_table(res)]
     return "\n".join(lines) + "\n"

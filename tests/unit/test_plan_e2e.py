@@ -74,6 +74,18 @@ def test_the_report_judges_held_out_real_points_and_every_fake_point() -> None:
     assert "- real: no load points measured (capacity only)" in report(res, (0.5,))
 
 
+def test_every_stored_row_says_when_and_at_which_llmd_it_was_measured() -> None:
+    from bench.lib.plan_e2e import provenance
+
+    stamped = {**row("fake", 0.5, 0.2, 0.21), "provenance": provenance("rep 0")}
+    text = report({"capacity": {}, "points": [stamped, {**row("real", 0.3, 0.2, None), "rep": 1}]}, (0.3, 0.5))
+    table = text.split("#### Where each stored row comes from", 1)[1]
+    got = {line.split(" | ")[0].lstrip("| "): line for line in table.splitlines() if line.startswith("| ")}
+    at = stamped["provenance"]["at"]
+    assert at.endswith(" UTC") and at in got["fake 50% rep 0"] and "| rep 0 |" in got["fake 50% rep 0"]
+    assert "| ? | ? | ? |" in got["real 30% rep 1"]  # a row stored before rows carried their provenance
+
+
 def test_the_simulator_is_given_llmd_as_served_and_its_measured_overheads(monkeypatch: pytest.MonkeyPatch) -> None:
     """The fake points' simulation: the served config (bench tenants, their limits, the bench's
     deadline, the model's degradation steps), llmd's overheads as measured, the exact controller."""
