@@ -172,6 +172,7 @@ def build_node(config: Config, store: WeightStore | None = None, ledger: Ledger 
     if config.cluster.enabled:
         node.cluster = ClusterNode(config, registry, admission)
         service.router = node.cluster.runner()
+        service.peer_tokenizer = node.cluster.tokenizer_of
         metrics.registry.register(ClusterCollector(node.cluster))
         dashboard.cluster = node.cluster
     node.uptime = uptime = EngineUptime(UptimeStore(uptime_path(db)), config.server.node,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -65,6 +66,8 @@ class Service:
         self.filters = filters
         self.degraders = degraders
         self.router: Router | None = None  # a cluster's: admitted jobs run on the node that starts them soonest
+        # a cluster's: what renders a version that only peers serve (its tokenizer id), as they say
+        self.peer_tokenizer: Callable[[str, str], str | None] | None = None
 
     def route(self, name: str, tenant: TenantConfig | None = None, key: str | None = None) -> ModelRuntime:
         """The version that serves this request: `name@version` pins one; otherwise the
@@ -90,7 +93,7 @@ class Service:
             local = self.registry.primary(model)
             if self.router is None or local is None:
                 raise unavailable(str(e), "version_not_served_here", retry_after=1) from None
-            return local, e.version
+            return self._renderer(model, e.version, local), e.version
         except RoutingError as e:
             raise not_found(str(e), "model_version_not_found", "model") from None
         if not rt.backend.healthy:
@@ -98,6 +101,21 @@ class Service:
         if not rt.backend.healthy and not rt.watch.recoverable:  # a rebuilding engine: the request waits
             raise unavailable(f"the engine for model '{model}' is not healthy", "engine_unhealthy", retry_after=10)
         return rt, rt.version
+
+    def _renderer(self, model: str, version: str, primary: ModelRuntime) -> ModelRuntime:
+        """A version served here that renders and counts prompts as `version` (only peers serve
+        it) does: the same tokenizer and template, or its token ids would be another model's
+        text there. None served here: a clear 503, never a request run on the wrong tokens."""
+        want = self.peer_tokenizer(model, version) if self.peer_tokenizer is not None else None
+        if not want or primary.backend.tokenizer_id in ("", want):
+            return primary
+        same = next((rt for rt in self.registry.versions(model).values() if rt.backend.tokenizer_id == want), None)
+        if same is None:
+            raise unavailable(f"version {version[:12]} of model '{model}' (the split picked it for this request) "
+                              "has another tokenizer or chat template than every version this node serves, and "
+                              "only its peers serve it: load it on this node too, or send the model's requests "
+                              "to nodes that serve it", "version_not_served_here", retry_after=1)
+        return same
 
     async def admit(self, life: RequestLife, req: ChatRequest | CompletionRequest, who: Principal,
                     deadline_s: float, asked_class: str | None = None, conversation: str | None = None) -> Job:

@@ -81,6 +81,32 @@ def version_id(weight_digests: dict[str, str]) -> str:
     return h.hexdigest()
 
 
+# What renders and counts a prompt: two versions that differ in any of these cannot share
+# token ids (the version id hashes the weights only).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "chat_template.json",
+                   "special_tokens_map.json", "added_tokens.json", "tokenizer.model", "vocab.json", "merges.txt")
+
+
+def tokenizer_id(path: Path | None, override: str | None = None) -> str:
+    """A short fingerprint of a model folder's tokenizer and chat template ("simple": the fake
+    backend's built-in one). A cluster compares it before it runs token ids rendered by one
+    version on another. `override`: the tokenizer the engine is told to use instead (a folder,
+    hashed the same way, or a name, hashed as such)."""
+    if path is None and override is None:
+        return "simple"
+    h = hashlib.sha256()
+    folder = path
+    if override is not None:
+        if Path(override).is_dir():
+            folder = Path(override)
+        else:
+            h.update(f"tokenizer:{override}\n".encode())
+    for name in TOKENIZER_FILES:
+        if folder is not None and (folder / name).is_file():
+            h.update(f"{name}:{sha256_file(folder / name)}\n".encode())
+    return h.hexdigest()[:16]
+
+
 class WeightStore:
     def __init__(self, root: Path | None = None) -> None:
         self.root = (root or home()) / "models"

@@ -10,7 +10,7 @@ import asyncio
 
 from llmd.backends.base import Backend, BackendError, EngineDead, PromptError
 from llmd.config import ModelConfig
-from llmd.store import StoreError, WeightStore
+from llmd.store import StoreError, WeightStore, tokenizer_id
 
 __all__ = ["Backend", "BackendError", "EngineDead", "PromptError", "build_backend", "unknown_tool_parser"]
 
@@ -40,12 +40,17 @@ async def build_backend(cfg: ModelConfig, store: WeightStore) -> Backend:
         from llmd.backends.vllm_engine import VllmBackend
 
         assert stored is not None  # config validation guarantees a source
-        return VllmBackend(cfg.name, stored.version, stored.path, cfg.engine, cfg.tool_parser)
+        vllm = VllmBackend(cfg.name, stored.version, stored.path, cfg.engine, cfg.tool_parser)
+        override = cfg.engine.extra.get("tokenizer")
+        vllm.tokenizer_id = await asyncio.to_thread(tokenizer_id, stored.path, str(override) if override else None)
+        return vllm
     if cfg.backend == "fake":
         from llmd.backends.fake import FakeBackend
         from llmd.backends.tokenizer import TiktokenTokenizer
 
         tok = TiktokenTokenizer.from_hf_dir(stored.path) if stored else TiktokenTokenizer.simple()
         version = stored.version if stored else "fake-" + cfg.name
-        return FakeBackend(cfg.name, version, cfg.engine.max_model_len, cfg.fake, tok)
+        fake = FakeBackend(cfg.name, version, cfg.engine.max_model_len, cfg.fake, tok)
+        fake.tokenizer_id = await asyncio.to_thread(tokenizer_id, stored.path if stored else None)
+        return fake
     raise StoreError(f"unknown backend {cfg.backend!r}")

@@ -189,6 +189,7 @@ class Backend(Protocol):
 
     model_name: str
     version: str
+    tokenizer_id: str  # llmd.store.tokenizer_id of what renders its prompts ("": unknown)
     max_model_len: int
     stats: EngineStats
     # Called with the engine's KV-cache events (llmd.backends.kv_events, as vLLM publishes them)

@@ -85,6 +85,7 @@ class FakeBackend:
                  tokenizer: TiktokenTokenizer) -> None:
         self.model_name = model_name
         self.version = version
+        self.tokenizer_id = ""  # set by build_backend
         self.max_model_len = max_model_len
         self.cfg = cfg
         self.tokenizer = tokenizer

@@ -110,6 +110,7 @@ class VllmBackend:
                  tool_parser: str | None = None) -> None:
         self.model_name = model_name
         self.version = version
+        self.tokenizer_id = ""  # set by build_backend
         self.model_path = model_path
         self.cfg = cfg
         self.tool_parser = tool_parser

@@ -40,6 +40,11 @@ def runtime_for(registry: Registry, req: RunRequest) -> ModelRuntime:
     if rt is None or (not rt.ready and rt.watch.closed) or on_standby(registry, req.model, req.version):
         raise not_found(f"version {req.version[:12]} of model '{req.model}' is not served on this node",
                         "version_not_here", "model")
+    if req.tokenizer and rt.backend.tokenizer_id and req.tokenizer != rt.backend.tokenizer_id:
+        # the same weights stored with another tokenizer or template: its ids are not this copy's
+        # text (a 404, so the ingress tries another node)
+        raise not_found(f"version {req.version[:12]} of model '{req.model}' renders prompts with another "
+                        "tokenizer or chat template on this node", "tokenizer_mismatch", "model")
     if req.klass not in CLASSES:
         raise APIError(400, f"unknown priority class {req.klass!r}", param="klass")
     return rt

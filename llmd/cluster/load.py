@@ -27,7 +27,7 @@ from llmd.runtime import ModelRuntime
 __all__ = ["MAX_STATE_BYTES", "NodeState", "StateError", "VersionLoad", "decode", "encode", "version_load"]
 
 MAX_STATE_BYTES = 1200  # one datagram, with room for the signature under a 1400-byte MTU
-_MAGIC = b"L\x01"
+_MAGIC = b"L\x02"  # 2: a version's tokenizer id after its rates
 _U32 = 0xFFFFFFFF
 _F32 = struct.Struct("<ff")
 _U64 = struct.Struct("<Q")
@@ -87,7 +87,7 @@ def _version(v: VersionLoad) -> bytes:
     flags = (_DRAINING if v.draining else 0) | (_STANDBY if v.standby else 0)
     ints = (v.kv_capacity_tokens, v.kv_free_tokens, v.running, v.running_tokens, v.waiting_prefill_tokens, flags)
     return (_str(v.model) + _str(v.version) + b"".join(_uint(i) for i in ints)
-            + _F32.pack(min(_f32(v.prefill_tps), 3e38), min(_f32(v.decode_tps), 3e38)))
+            + _F32.pack(min(_f32(v.prefill_tps), 3e38), min(_f32(v.decode_tps), 3e38)) + _str(v.tokenizer))
 
 
 def _rotated(items: list[bytes], start: int, room: int) -> tuple[list[bytes], int]:
@@ -172,7 +172,7 @@ def _read_version(r: _Reader) -> VersionLoad:
     if not (math.isfinite(prefill) and math.isfinite(decode_) and prefill >= 0 and decode_ >= 0) or flags > 3:
         raise StateError("node state has an invalid rate or flag")
     return VersionLoad(model, version, cap, free, running, running_tokens, waiting, prefill, decode_,
-                       draining=bool(flags & _DRAINING), standby=bool(flags & _STANDBY))
+                       draining=bool(flags & _DRAINING), standby=bool(flags & _STANDBY), tokenizer=r.str())
 
 
 def decode(b: bytes) -> NodeState:
@@ -263,7 +263,7 @@ def version_load(rt: ModelRuntime, draining: bool = False, standby: bool = False
                        running=min(stats.running, len(seated)) if seated else 0, running_tokens=used,
                        waiting_prefill_tokens=round((queued + unstarted) * (1 - _hit_rate(stats))),
                        prefill_tps=prefill_tps, decode_tps=decode_tps,
-                       draining=draining, standby=standby)
+                       draining=draining, standby=standby, tokenizer=rt.backend.tokenizer_id)
 
 
 def _hit_rate(stats: Any) -> float:

@@ -340,6 +340,15 @@ class ClusterNode:
         return [Target(replace(t.candidate, home_rank=ranks[t.candidate.node],
                                home_share=shares.get(t.candidate.node, 0.0)), t.url) for t in out]
 
+    def tokenizer_of(self, model: str, version: str) -> str | None:
+        """What renders `version`'s prompts, as a live peer serving it says (None: none says)."""
+        for peer in self.peers.values():
+            if peer.state is not None and peer.info.state == "alive":
+                for v in peer.state.versions:
+                    if v.model == model and v.version == version and v.tokenizer:
+                        return v.tokenizer
+        return None
+
     def _ran(self, node: str, prompt: Prompt, engine_cached: int) -> None:
         """A choice started on `node`. Where it is this node and its engine sends no KV events,
         the summary is kept approximately: the cache now holds the prompt, and held what the

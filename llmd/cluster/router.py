@@ -122,7 +122,8 @@ class Router:
         req = RunRequest(request_id=rec.request_id, engine_id=f"{choice.engine_id}-{uuid.uuid4().hex[:6]}",
                          tenant=rec.tenant, klass=choice.flow.klass, model=rec.model, version=rec.version,
                          prompt_token_ids=prompt.token_ids, engine_input=encode_prompt_input(prompt),
-                         sampling=sampling_to_json(sampling), seconds_left=max(0.001, _left(job)))
+                         sampling=sampling_to_json(sampling), seconds_left=max(0.001, _left(job)),
+                         tokenizer=job.runtime.backend.tokenizer_id)
         if rec.t_dispatch is None:
             rec.t_dispatch = time.monotonic()
         rec.replica = f"{target.candidate.node}/{rec.model}@{rec.version[:12]}"

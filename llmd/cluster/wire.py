@@ -36,6 +36,7 @@ class RunRequest(BaseModel):
     sampling: dict[str, Any]
     seconds_left: Annotated[float, Field(gt=0)]
     hops: Annotated[int, Field(ge=0, le=1)] = 1  # forwarded once: an executor never forwards again
+    tokenizer: str = ""  # what rendered prompt_token_ids (llmd.store.tokenizer_id; "": not said)
 
     def prompt(self) -> Prompt:
         ids = list(self.prompt_token_ids)

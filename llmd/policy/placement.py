@@ -54,6 +54,7 @@ class VersionLoad:
     decode_tps: float
     draining: bool = False
     standby: bool = False
+    tokenizer: str = ""  # what renders its prompts (llmd.store.tokenizer_id; "": not said)
 
 
 @dataclass(frozen=True)

@@ -44,7 +44,8 @@ def vload(i: int, **kw: object) -> VersionLoad:
 
 
 def state(tenants: int = 3, delta: int = 40, seq: int = 17, stored: int = 2) -> NodeState:
-    versions = (vload(0), vload(1, draining=True), vload(2, standby=True), vload(3))
+    versions = (vload(0, tokenizer=os.urandom(8).hex()), vload(1, draining=True), vload(2, standby=True),
+                vload(3, tokenizer="simple"))
     return NodeState(node="node-a.example", http_url="https://10.0.0.17:8443", seq=seq, versions=versions,
                      prefix_seq=123_456, prefix_delta=os.urandom(delta),
                      tenant_tokens={f"tenant-{i:03d}": 10**9 + i for i in range(tenants)},
@@ -126,8 +127,9 @@ def test_versions_that_cannot_fit_are_refused() -> None:
 
 def test_garbage_is_rejected() -> None:
     good = encode(state())
-    bad = [b"", b"junk", b"L\x01", good[:-1], good + b"\0", good[:len(good) // 2], b"L\x02" + good[2:],
-           b"L\x01" + b"\xff" * 20, good[:2] + b"\x03\xff\xfe\xfd" + good[6:], good + os.urandom(2000)]
+    bad = [b"", b"junk", b"L\x02", good[:-1], good + b"\0", good[:len(good) // 2],
+           b"L\x01" + good[2:],  # the format before versions carried their tokenizer: refused, never misread
+           b"L\x02" + b"\xff" * 20, good[:2] + b"\x03\xff\xfe\xfd" + good[6:], good + os.urandom(2000)]
     for b in bad:
         with pytest.raises(StateError):
             decode(b)

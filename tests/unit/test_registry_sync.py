@@ -210,6 +210,73 @@ async def test_a_split_naming_a_version_b_lacks_never_runs_b_requests_on_other_w
     assert set(routed(b).values()) == {v3}
 
 
+def _retemplated(ws: WeightStore, like: str, payload: bytes) -> str:
+    """Another version of `tiny` whose chat template differs from `like`'s (its own weights too)."""
+    import shutil
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        src = Path(d) / "src"
+        shutil.copytree(ws.resolve("tiny", like).path, src)
+        (src / "llmd-manifest.json").unlink()
+        (src / "chat_template.jinja").write_text("{% for m in messages %}{{ m['content'] }}\n{% endfor %}")
+        (src / "model.safetensors").write_bytes(payload)
+        return ws.add_hf_dir(src, "tiny", "test:retemplated").version
+
+
+async def test_a_version_only_peers_serve_is_rendered_by_a_local_one_with_its_tokenizer_or_refused(
+        make: Make, store) -> None:
+    """The split gives a conversation a version only a peer serves: this node renders and counts
+    its prompt with a version it serves. Only one with the same tokenizer and template will do
+    (token ids are the text only under the tokenizer that made them); with none, a clear 503.
+    The executor refuses ids made by another tokenizer than its copy's (the same weights stored
+    with another template), as 'not here', so the ingress tries elsewhere."""
+    from llmd.cluster.executor import runtime_for
+    from llmd.cluster.wire import RunRequest
+    from llmd.errors import APIError
+    from llmd.service import Service
+
+    ws, (v1, _, v3) = store
+    v4 = _retemplated(ws, v1, b"weights v4")
+    v5 = _retemplated(ws, v1, b"weights v5")
+    a, b = await make("a"), await make("b")
+    for v in (v3, v4):
+        await a.load("m", v, warm=False)
+    ids = {v: rt.backend.tokenizer_id for v, rt in a.versions("m").items()}
+    assert ids[v1] == ids[v3] != ids[v4] and all(ids.values())
+    service = Service("b", b, None, None, {}, None)  # type: ignore[arg-type]  # locate reads the registry only
+    service.router = object()  # type: ignore[assignment]  # a cluster: peers run what b does not serve
+    service.peer_tokenizer = lambda model, version: ids.get(version)
+    await a.set_split("m", {v3: 1, v4: 1})
+    await sync(b, a)
+    cluster = Split.of(b.cluster_split("m"))
+    picks = {k: cluster.pick(unit_point(k)) for k in (f"c{i}" for i in range(40))}
+    assert set(picks.values()) == {v3, v4}
+    for key, picked in picks.items():
+        if picked == v3:  # v1 renders as v3 does: served by a peer, prepared here on v1
+            rt, version = service.locate("m", None, key)
+            assert (rt.version, version) == (v1, v3)
+            continue
+        with pytest.raises(APIError) as e:
+            service.locate("m", None, key)
+        assert (e.value.status, e.value.code) == (503, "version_not_served_here")
+        assert "tokenizer or chat template" in e.value.message
+    await b.load("m", v5, warm=False)  # v5 renders as v4: it prepares v4's requests
+    key = next(k for k, v in picks.items() if v == v4)
+    rt, version = service.locate("m", None, key)
+    assert (rt.version, version) == (v5, v4)
+
+    def run_request(tokenizer: str) -> RunRequest:
+        return RunRequest(request_id="r", engine_id="e", tenant="default", klass="interactive", model="m",
+                          version=v4, prompt_token_ids=[1, 2], sampling={}, seconds_left=5, tokenizer=tokenizer)
+
+    assert runtime_for(a, run_request(ids[v4])).version == v4
+    assert runtime_for(a, run_request("")).version == v4  # an ingress that does not say: as before
+    with pytest.raises(APIError) as e:
+        runtime_for(a, run_request(ids[v1]))
+    assert (e.value.status, e.value.code) == (404, "tokenizer_mismatch")
+
+
 async def test_revisions_and_the_cluster_split_survive_a_restart(make: Make, store) -> None:
     _, (v1, _, v3) = store
     a, b = await make("a"), await make("b")

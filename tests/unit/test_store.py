@@ -11,7 +11,7 @@ from click.testing import CliRunner
 from safetensors.torch import save_file
 
 from llmd.cli import main
-from llmd.store import StoreError, WeightStore, sha256_file, version_id
+from llmd.store import StoreError, WeightStore, sha256_file, tokenizer_id, version_id
 
 
 def hf_dir(root: Path, seed: int = 0) -> Path:
@@ -111,3 +111,17 @@ def test_cast_copy_is_a_new_version_of_the_same_model(tmp_path: Path) -> None:
         (a.path / "model.safetensors").stat().st_ino  # hard links, no copy
     with pytest.raises(StoreError):
         ws.cast_copy(a, "int8")
+
+
+def test_the_tokenizer_id_changes_with_the_tokenizer_or_template_and_only_with_them(tmp_path: Path) -> None:
+    """Versions hash their weights only; what renders their prompts is fingerprinted apart."""
+    a, b = hf_dir(tmp_path, seed=0), hf_dir(tmp_path, seed=1)  # other weights, the same tokenizer
+    assert tokenizer_id(a) == tokenizer_id(b) != tokenizer_id(None) == "simple"
+    (b / "chat_template.jinja").write_text("{{ messages[0]['content'] }}")
+    assert tokenizer_id(a) != tokenizer_id(b)
+    (a / "chat_template.jinja").write_text("{{ messages[0]['content'] }}")
+    assert tokenizer_id(a) == tokenizer_id(b)
+    (a / "config.json").write_text("{}")  # not the tokenizer's
+    assert tokenizer_id(a) == tokenizer_id(b)
+    assert tokenizer_id(a, "org/other-tokenizer") != tokenizer_id(a)  # the engine told to use another
+    assert tokenizer_id(b, str(a)) == tokenizer_id(a)  # a folder named instead: hashed as that folder
