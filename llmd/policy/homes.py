@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from llmd.policy.placement import home_ranks
 
 HALF_LIFE_S = 60.0  # how long a prefix's traffic is remembered (decayed by half)
-EPSILON = 0.15  # a node's traffic bound: (1 + ε) x the mean (1.15: the hot-prefix check asks queues within 1.5x)
+EPSILON = 0.05  # a node's traffic bound: (1 + ε) x the mean (at 70 % load a node 15 % over the mean queued 1.5-1.65x)
 KV_SHARE = 1.0  # homed prefixes take at most this share of a node's KV (its LRU keeps the busy ones)
 MIN_REQUESTS = 2.0  # a prefix seen fewer times (decayed) than this is not repeated traffic
 REFRESH_S = 1.0  # the assignment is recomputed at most this often (or when the nodes change)
