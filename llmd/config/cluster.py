@@ -51,8 +51,8 @@ class ClusterConfig(_Strict):
     # With "score": send each repeated prompt prefix that no node caches to its balanced homes,
     # and once the cluster is busy keep it there (llmd/policy/homes.py; docs/cluster.md,
     # "Balanced homes"); nodes then gossip their busiest prefixes' traffic (~200 bytes every 4 s).
-    # Off by default: it gains hits at 70-130 % (rounds against off, docs/benchmarks.md Cluster
-    # (J) (a5)), but one hot prefix with half the traffic queues its homes 1.8-2.2x the mean.
+    # Off by default: it gains hits past capacity (rounds against off, docs/benchmarks.md Cluster
+    # (J) (a5)); the shipped default's sweep, (a), has not been run with it on since.
     balanced_homes: bool = False
     # SWIM: probe one member per interval; no ack within the timeout: ask `indirect_probes`
     # others to probe it; still nothing: suspect; not refuted within suspicion_s: dead.
