@@ -36,21 +36,23 @@ async def build_backend(cfg: ModelConfig, store: WeightStore) -> Backend:
     if cfg.source:
         stored = store.resolve(cfg.source, cfg.version)
         await asyncio.to_thread(store.verify, stored)
+    backend: Backend
+    override = None
     if cfg.backend == "vllm":
         from llmd.backends.vllm_engine import VllmBackend
 
         assert stored is not None  # config validation guarantees a source
-        vllm = VllmBackend(cfg.name, stored.version, stored.path, cfg.engine, cfg.tool_parser)
+        backend = VllmBackend(cfg.name, stored.version, stored.path, cfg.engine, cfg.tool_parser)
         override = cfg.engine.extra.get("tokenizer")
-        vllm.tokenizer_id = await asyncio.to_thread(tokenizer_id, stored.path, str(override) if override else None)
-        return vllm
-    if cfg.backend == "fake":
+    elif cfg.backend == "fake":
         from llmd.backends.fake import FakeBackend
         from llmd.backends.tokenizer import TiktokenTokenizer
 
         tok = TiktokenTokenizer.from_hf_dir(stored.path) if stored else TiktokenTokenizer.simple()
         version = stored.version if stored else "fake-" + cfg.name
-        fake = FakeBackend(cfg.name, version, cfg.engine.max_model_len, cfg.fake, tok)
-        fake.tokenizer_id = await asyncio.to_thread(tokenizer_id, stored.path if stored else None)
-        return fake
-    raise StoreError(f"unknown backend {cfg.backend!r}")
+        backend = FakeBackend(cfg.name, version, cfg.engine.max_model_len, cfg.fake, tok)
+    else:
+        raise StoreError(f"unknown backend {cfg.backend!r}")
+    path = stored.path if stored else None
+    backend.tokenizer_id = await asyncio.to_thread(tokenizer_id, path, str(override) if override else None)
+    return backend
