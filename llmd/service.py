@@ -105,17 +105,22 @@ class Service:
     def _renderer(self, model: str, version: str, primary: ModelRuntime) -> ModelRuntime:
         """A version served here that renders and counts prompts as `version` (only peers serve
         it) does: the same tokenizer and template, or its token ids would be another model's
-        text there. None served here: a clear 503, never a request run on the wrong tokens."""
+        text there; a ready one first. None served here: a clear 503, never a request run on the
+        wrong tokens."""
         want = self.peer_tokenizer(model, version) if self.peer_tokenizer is not None else None
         if not want or primary.backend.tokenizer_id in ("", want):
             return primary
-        same = next((rt for rt in self.registry.versions(model).values() if rt.backend.tokenizer_id == want), None)
-        if same is None:
+        same = [rt for rt in self.registry.versions(model).values() if rt.backend.tokenizer_id == want]
+        if not same:
             raise unavailable(f"version {version[:12]} of model '{model}' (the split picked it for this request) "
                               "has another tokenizer or chat template than every version this node serves, and "
                               "only its peers serve it: load it on this node too, or send the model's requests "
                               "to nodes that serve it", "version_not_served_here", retry_after=1)
-        return same
+        ready = next((rt for rt in same if rt.ready), None)
+        if ready is None:  # a loading or dead engine's renderer may not answer: wait, as for a loading model
+            raise unavailable(f"the version of model '{model}' that renders prompts for version {version[:12]} "
+                              "is not ready on this node", "model_loading", retry_after=5)
+        return ready
 
     async def admit(self, life: RequestLife, req: ChatRequest | CompletionRequest, who: Principal,
                     deadline_s: float, asked_class: str | None = None, conversation: str | None = None) -> Job:

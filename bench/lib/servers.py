@@ -68,7 +68,8 @@ def two_version_store() -> tuple[Path, str, str]:
     return root, a.version, ws.cast_copy(a, "float32").version
 
 
-TOKENIZER_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+# what a tiny test model copies from SmolLM2 (llmd.store.TOKENIZER_FILES is what a tokenizer id hashes)
+TINY_MODEL_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 
 
 def tiny_versions(home: Path, payloads: Sequence[bytes], name: str = "tiny") -> tuple[WeightStore, list[str]]:
@@ -87,7 +88,7 @@ def tiny_versions(home: Path, payloads: Sequence[bytes], name: str = "tiny") -> 
         for i, payload in enumerate(payloads):
             src = Path(d) / f"src{i}"
             src.mkdir()
-            for f in TOKENIZER_FILES:
+            for f in TINY_MODEL_FILES:
                 shutil.copy(tokenizer / f, src / f)
             (src / "model.safetensors").write_bytes(payload)
             versions.append(ws.add_hf_dir(src, name, f"test:{i}").version)

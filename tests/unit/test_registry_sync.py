@@ -265,6 +265,14 @@ async def test_a_version_only_peers_serve_is_rendered_by_a_local_one_with_its_to
     key = next(k for k, v in picks.items() if v == v4)
     rt, version = service.locate("m", None, key)
     assert (rt.version, version) == (v5, v4)
+    v6 = _retemplated(ws, v1, b"weights v6")
+    await b.load("m", v6, warm=False)
+    b.versions("m")[v5].backend.kill()  # a dead renderer is passed over for a ready one
+    assert service.locate("m", None, key)[0].version == v6
+    b.versions("m")[v6].backend.kill()  # none ready: wait, as for a loading model
+    with pytest.raises(APIError) as e:
+        service.locate("m", None, key)
+    assert (e.value.status, e.value.code) == (503, "model_loading")
 
     def run_request(tokenizer: str) -> RunRequest:
         return RunRequest(request_id="r", engine_id="e", tenant="default", klass="interactive", model="m",
