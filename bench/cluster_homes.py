@@ -1,5 +1,5 @@
 """Issue J's bench (a), balanced homes off and on, in rounds: the `score` placement on 3 llmd nodes
-(fake engines), each round a run with `[cluster] balanced_homes = false` (the default), one with
+(fake engines), each round a run with `[cluster] balanced_homes = false`, one with
 `true` and one of `single` (one node with the three's cache, prefill and seats: the reference of
 the 90 % target), the same workload and load. One run of each cannot tell the switch's effect from
 the runs' own spread (±0.1 in hit rate at 70-100 %, 2x in TTFT p90); rounds give each its mean
@@ -91,7 +91,8 @@ def report_lines(runs: list[dict[str, Any]], args: argparse.Namespace, took_s: f
     lines = ["### (a5) Balanced homes off and on, in rounds with single", "",
              report.stamp(cmd=report.command(), seconds=took_s), "",
              f"Workload `pressure` as in (a); {args.rounds} rounds per load, each a run of the `score` placement with "
-             "`[cluster] balanced_homes = false` (the default: `off`), one with `true` (`on`) and one of `single` "
+             "`[cluster] balanced_homes = false` (`off`), one with `true` (`on`, the default since the congestion "
+             "gate) and one of `single` "
              f"(one node with the three's cache, prefill and seats); round robin's capacity {args.capacity} req/s as "
              f"(a) measured it; {args.seconds:.0f} s of arrivals, the first third not counted. Hit rate cells: mean "
              "(min-max; each run in order).", "",

@@ -36,8 +36,8 @@ from llmd.cluster.signing import Signer
 from llmd.cluster.warm_pool import WarmPool
 from llmd.config import Config, ConfigError, ModelConfig
 from llmd.policy.admission import AdmissionController
-from llmd.policy.homes import HomeTable, Shared
-from llmd.policy.placement import POLICIES, Candidate, Reservations, home_key, home_ranks
+from llmd.policy.homes import Congestion, HomeTable, Shared
+from llmd.policy.placement import POLICIES, Candidate, Reservations, home_key, home_ranks, queued_prefill_s
 from llmd.policy.warmpool import ClusterLoad
 from llmd.registry.registry import Registry
 from llmd.runtime import Job
@@ -98,6 +98,7 @@ class ClusterNode:
         self.peers: dict[str, Peer] = {}
         policy = POLICIES[cc.placement](Reservations(time.monotonic, RESERVATION_TTL_S), random.Random())
         self.homes = HomeTable(time.monotonic)  # repeated prefixes' balanced homes, from the cluster's traffic
+        self.congestion = Congestion(time.monotonic)  # whether they bind now
         self.router = Router(self.name, self._targets, self.forwarder, policy, cc.max_failovers, self._ran)
         self.sync = RegistrySync(registry, self._fetch_registry)
         self.warm_pool = WarmPool(registry, cc.warm_pool, self.cluster_load)
@@ -335,8 +336,10 @@ class ClusterNode:
         shares: dict[str, float] = {}
         if self.config.balanced_homes:
             self.homes.observe(key, prompt.num_tokens)
-            shares = self.homes.homes(key, {t.candidate.node: t.candidate.load.kv_capacity_tokens for t in out
-                                            if not (t.candidate.load.draining or t.candidate.load.standby)})
+            serving = [t.candidate for t in out if not (t.candidate.load.draining or t.candidate.load.standby)]
+            shares = self.homes.homes(key, {c.node: c.load.kv_capacity_tokens for c in serving})
+            if not (serving and self.congestion.update(queued_prefill_s(serving))):
+                shares = {}  # below capacity the score places it (`Congestion`): the homes are kept ready
         return [Target(replace(t.candidate, home_rank=ranks[t.candidate.node],
                                home_share=shares.get(t.candidate.node, 0.0)), t.url) for t in out]
 
@@ -379,7 +382,8 @@ class ClusterNode:
             "warm_pool": self.warm_pool.status(),
             "forwarded": self.forwarder.forwarded, "lost": self.forwarder.lost,
             "failovers": self.router.failovers, "placed": dict(self.router.placed),
-            "homes": self.homes.status(),
+            "homes": {**self.homes.status(), "congestion_s": round(self.congestion.level, 3),
+                      "bound": self.congestion.bound},
         }
 
 

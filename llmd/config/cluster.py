@@ -48,12 +48,11 @@ class ClusterConfig(_Strict):
     # How a node is chosen: "score" (the lowest estimated time to first token from queue, cache
     # and prefill rate, weighted by occupancy) or "round_robin" (the peer bench/cluster.py runs beside it).
     placement: Literal["score", "round_robin"] = "score"
-    # With "score": send each repeated prompt prefix that no node caches to its balanced homes,
-    # and once the cluster is busy keep it there (llmd/policy/homes.py; docs/cluster.md,
-    # "Balanced homes"); nodes then gossip their busiest prefixes' traffic (~200 bytes every 4 s).
-    # Off by default: it gains hits past capacity (rounds against off, docs/benchmarks.md Cluster
-    # (J) (a5)); the shipped default's sweep, (a), has not been run with it on since.
-    balanced_homes: bool = False
+    # With "score": once the cluster has queued prefill for a while (smoothed over ~5 s), send
+    # each repeated prompt prefix to its balanced homes and keep it there (llmd/policy/homes.py;
+    # docs/cluster.md, "Balanced homes"); below that the score alone places it. Nodes gossip
+    # their busiest prefixes' traffic (~200 bytes every 4 s). False: never bind homes.
+    balanced_homes: bool = True
     # SWIM: probe one member per interval; no ack within the timeout: ask `indirect_probes`
     # others to probe it; still nothing: suspect; not refuted within suspicion_s: dead.
     probe_interval_s: Annotated[float, Field(gt=0)] = 0.5

@@ -136,6 +136,12 @@ def prefill_rate(c: Candidate, default_tps: float) -> float:
     return c.load.prefill_tps if c.load.prefill_tps > 0 else max(default_tps, 1e-9)
 
 
+def queued_prefill_s(cands: Sequence[Candidate]) -> float:
+    """The nodes' mean queued prefill, in seconds of each node's own prefill rate."""
+    default = _default_tps(cands, FLOOR_TPS)
+    return sum(max(0, c.load.waiting_prefill_tokens) / prefill_rate(c, default) for c in cands) / max(1, len(cands))
+
+
 def occupancy(load: VersionLoad) -> float:
     return max(0, load.running_tokens) / max(1, load.kv_capacity_tokens)
 

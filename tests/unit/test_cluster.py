@@ -217,6 +217,7 @@ async def test_balanced_homes_when_on_learn_the_repeated_prefixes_the_cluster_ro
     homes = a.node.cluster.status()["homes"]
     assert homes["prefixes"] == 1 and homes["homed"] == 1, homes
     assert sum(homes["per_node"].values()) >= 1, homes
+    assert homes["bound"] is False and homes["congestion_s"] < 0.25, homes  # idle: the score places prompts
     # b routed none of them: it learns a's traffic over gossip, and homes the prefix where a
     # does after seeing it once itself (under MIN_REQUESTS: its own count would not home it)
     assert await async_wait_until(lambda: b.node.cluster.status()["homes"]["peers"] >= 1, timeout=10)

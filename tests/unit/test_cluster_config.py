@@ -41,6 +41,7 @@ def test_seeds_timing_and_unknown_keys_are_named(tmp_path: Path, monkeypatch: py
     with pytest.raises(ConfigError, match=r"config.toml: invalid configuration\n  cluster.balanced_homes: .*boolean"):
         _load(tmp_path, 'balanced_homes = "sometimes"')
     assert _load(tmp_path, "balanced_homes = true").cluster.balanced_homes  # type: ignore[attr-defined]
+    assert not _load(tmp_path, "balanced_homes = false").cluster.balanced_homes  # type: ignore[attr-defined]
     with pytest.raises(ConfigError, match=r"cluster.gosip_port: unknown key"):
         _load(tmp_path, "gosip_port = 1")
 

@@ -8,7 +8,7 @@ import random
 from collections import Counter
 from dataclasses import replace
 
-from llmd.policy.homes import EXPORT_KEYS, PEER_TTL_S, HomeTable
+from llmd.policy.homes import BIND_OFF_S, BIND_ON_S, CONGESTION_TAU_S, EXPORT_KEYS, PEER_TTL_S, Congestion, HomeTable
 from llmd.policy.placement import Candidate, Reservations, VersionLoad, busy, home_ranks, place
 
 NODES = {"n0": 6400, "n1": 6400, "n2": 6400}
@@ -262,3 +262,28 @@ def test_status_counts_prefixes_homes_and_each_nodes_share() -> None:
     st = table.status()
     assert st["prefixes"] == 7 and st["homed"] == 6
     assert sum(st["per_node"].values()) >= 6 and set(st["per_node"]) <= set(NODES)  # type: ignore[attr-defined]
+
+
+def test_homes_bind_only_after_the_cluster_has_queued_prefill_for_a_while_and_not_on_bursts() -> None:
+    """`Congestion` smooths the nodes' queued prefill: a burst at half load (a few seconds of
+    queue) does not bind homes; a queue that lasts does, and it takes the queue falling well
+    under the bound to let go (no flapping between the score's placement and the homes)."""
+    now = [0.0]
+    gate = Congestion(lambda: now[0])
+
+    def feed(queued_s: float, seconds: float, step: float = 0.1) -> bool:
+        bound = gate.bound
+        end = now[0] + seconds
+        while now[0] < end:
+            now[0] += step
+            bound = gate.update(queued_s)
+        return bound
+
+    assert not feed(0.05, 30)  # light load: the score places every prompt
+    assert not feed(4 * BIND_ON_S, 0.1 * CONGESTION_TAU_S)  # a 1 s burst of a deep queue
+    assert not feed(0.05, 30)
+    assert feed(2 * BIND_ON_S, 3 * CONGESTION_TAU_S)  # a queue that lasts: homes bind
+    assert feed((BIND_ON_S + BIND_OFF_S) / 2, 5 * CONGESTION_TAU_S)  # between the bounds: kept
+    assert feed(0.0, 0.2 * CONGESTION_TAU_S)  # a lull of 2 s: still kept
+    assert not feed(0.0, 3 * CONGESTION_TAU_S)  # the queue gone for good: the score again
+    assert gate.level < BIND_OFF_S
