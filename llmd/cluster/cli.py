@@ -8,6 +8,7 @@ from typing import Any
 import click
 
 from llmd.api_client import Api
+from llmd.policy.homes import BIND_ON_S
 
 
 @click.group()
@@ -44,7 +45,9 @@ def status(api: Api, as_json: bool) -> None:
                f"forwarded {data['forwarded']}, failovers {data['failovers']}")
     h = data.get("homes") or {}
     click.echo(f"homes: {h.get('homed', 0)} prefixes have balanced homes, per node {h.get('per_node', {})} "
-               f"({h.get('prefixes', 0)} routed here, traffic heard from {h.get('peers', 0)} peers)")
+               f"({h.get('prefixes', 0)} routed here, traffic heard from {h.get('peers', 0)} peers); "
+               f"{'bound' if h.get('bound') else 'not bound'}, queued prefill {h.get('congestion_s', 0.0):.2f} s "
+               f"(smoothed; homes bind over {BIND_ON_S} s)")
 
 
 def _row(name: str, state: str, age: float | None, v: dict[str, Any] | None, seq: int) -> str:

@@ -36,7 +36,10 @@ class ClusterCollector:
         dropped = c("llmd:cluster_dropped_messages", "Messages from other hosts dropped: unsigned, forged, "
                     "stale or replayed, by channel.", labels=["channel", "reason"])
         blocks = g("llmd:cluster_prefix_blocks", "Prefix blocks in this node's cache summary.")
-        fams: list[Metric] = [members, fwd, lost, failover, placed, gossip, dropped, blocks]
+        queued = g("llmd:cluster_queued_prefill_seconds", "The nodes' mean queued prefill as this ingress "
+                   "smooths it, in seconds of their prefill: balanced homes bind over 0.5 s.")
+        bound = g("llmd:cluster_homes_bound", "1 while this ingress keeps repeated prefixes on their balanced homes.")
+        fams: list[Metric] = [members, fwd, lost, failover, placed, gossip, dropped, blocks, queued, bound]
         if not live:
             return fams
         cl = self.cluster
@@ -55,4 +58,6 @@ class ClusterCollector:
             for reason, n in counts.items():
                 dropped.add_metric([channel, reason], n)
         blocks.add_metric([], len(cl.prefixes))
+        queued.add_metric([], cl.congestion.level)
+        bound.add_metric([], 1.0 if cl.congestion.bound else 0.0)
         return fams

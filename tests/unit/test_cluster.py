@@ -193,7 +193,8 @@ async def test_llmd_cluster_status_and_drain_from_the_command_line(make_server: 
     assert out.exit_code == 0, out.output
     lines = out.output.splitlines()
     assert any(line.startswith("n1") and "alive" in line and "fake@" in line for line in lines), out.output
-    assert any(line.startswith("homes: ") and "traffic heard from" in line for line in lines), out.output
+    assert any(line.startswith("homes: ") and "traffic heard from" in line and "not bound" in line
+               for line in lines), out.output
     out = await asyncio.to_thread(run, main, ["cluster", "--url", b.url, "--api-key", ADMIN, "drain"])
     assert out.exit_code == 0 and b.node.cluster.draining, out.output
     out = await asyncio.to_thread(run, main, ["cluster", "--url", b.url, "--api-key", KEY, "status"])
