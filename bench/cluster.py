@@ -82,15 +82,18 @@ async def chats(nodes: list[Node], wl: Workload, sessions_per_s: float, seconds:
 
 
 async def sample_queues(nodes: list[Node], stop: asyncio.Event, out: dict[str, list[int]],
-                        gossip: dict[str, list[tuple[float, int, int]]] | None = None) -> None:
-    """Each node's requests waiting (llmd's queue and the engine's), every 0.25 s; and the
-    gossip bytes it has sent and received so far."""
+                        gossip: dict[str, list[tuple[float, int, int]]] | None = None,
+                        bound: list[bool] | None = None) -> None:
+    """Each node's requests waiting (llmd's queue and the engine's), every 0.25 s; the gossip
+    bytes it has sent and received so far; whether its balanced homes bind."""
     async with httpx.AsyncClient(timeout=5) as h:
         while not stop.is_set():
             for n in nodes:
                 with contextlib.suppress(httpx.HTTPError, KeyError, IndexError, ValueError):
                     st = (await h.get(n.srv.url + "/admin/cluster")).json()
                     out.setdefault(n.name, []).append(int(st["self"]["queued"]))
+                    if bound is not None:
+                        bound.append(bool(st["homes"].get("bound")))
                     if gossip is not None:
                         g = st["gossip"]
                         gossip.setdefault(n.name, []).append((time.monotonic(), g["sent_bytes"], g["recv_bytes"]))
@@ -158,8 +161,9 @@ async def one_run(tmp: Path, placement: str, req_per_s: float, seconds: float, h
                                     cluster_extra="" if homes is None else f"balanced_homes = {str(homes).lower()}")
     log: list[tuple[dict[str, Any], Stream]] = []
     queues: dict[str, list[int]] = {}
+    bound: list[bool] = []
     stop = asyncio.Event()
-    sampler = asyncio.create_task(sample_queues(nodes, stop, queues))
+    sampler = asyncio.create_task(sample_queues(nodes, stop, queues, bound=bound))
     try:
         wl = Workload(seed=seed, hot=hot, **wl_kw)
         await chats(nodes, wl, req_per_s / 5.5, seconds, random.Random(seed), log)
@@ -182,7 +186,8 @@ async def one_run(tmp: Path, placement: str, req_per_s: float, seconds: float, h
                                             counted=[s.t_send >= t_warm for _, s in done]),
             "ttft_p50": stats.pct(ttfts, 50) if ttfts else None, "ttft_p90": stats.pct(ttfts, 90) if ttfts else None,
             "queue_max_over_mean": (max(means.values()) / stats.mean(means.values()))
-            if means and stats.mean(means.values()) > 0 else None, "queues": means}
+            if means and stats.mean(means.values()) > 0 else None, "queues": means,
+            "homes_bound": sum(bound) / len(bound) if bound else 0.0}
 
 
 def _workload(name: str) -> tuple[int, dict[str, Any]]:
@@ -252,6 +257,11 @@ def report_a(data: dict[str, Any]) -> list[str]:
     t70 = by[(at70, "score")]["ttft_p90"], by[(at70, "round_robin")]["ttft_p90"]
     ttft_ok = t70[0] is not None and t70[1] is not None and t70[0] <= t70[1] / 3
     lines = [*describe_a(data), ""]
+    scored = [by[(ld, "score")] for ld in loads]
+    if any("homes_bound" in r for r in scored):
+        lines += ["Balanced homes bound (`score`; the share of 0.25 s samples, over the nodes, with the gate on; "
+                  "docs/cluster.md \"Balanced homes\"): " + ", ".join(f"{r['load']:.0%} {r.get('homes_bound', 0):.0%}"
+                                                                    for r in scored) + ".", ""]
     lines += report.table(["load", "placement", "req/s", "ok", "hit rate", "shared cache", "TTFT p50 s",
                            "TTFT p90 s", "queue max/mean"], rows)
     off = [[f"{ld:.0%}", *(f"{by[(ld, 'score')]['offline'][k]:.2f}" for k in ("round_robin", "affinity", "single"))]
@@ -271,7 +281,8 @@ def report_a(data: dict[str, Any]) -> list[str]:
         each = ", ".join(f"{k} {v:.2f}" for k, v in sorted(hot["queues"].items()))
         lines += [f"Hot prefix (half the traffic on one system prompt) at 70 %, {hot.get('seconds', 40):.0f} s of "
                   f"arrivals, the first third not counted: {hot['ok']}/{hot['requests']} ok, "
-                  f"queue max/mean {report.num(hot['queue_max_over_mean'], 2)}, mean queue per node {each}.", ""]
+                  f"queue max/mean {report.num(hot['queue_max_over_mean'], 2)}, mean queue per node {each}; "
+                  f"homes bound {hot.get('homes_bound', 0):.0%} of the samples.", ""]
         verdicts.append(("a hot prefix with half the traffic: no failures, max queue <= 1.5x mean",
                          hot["failed"] == 0 and (hot["queue_max_over_mean"] or 0) <= 1.5))
     return lines + report.verdict_lines(verdicts)

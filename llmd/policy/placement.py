@@ -137,9 +137,11 @@ def prefill_rate(c: Candidate, default_tps: float) -> float:
 
 
 def queued_prefill_s(cands: Sequence[Candidate]) -> float:
-    """The nodes' mean queued prefill, in seconds of each node's own prefill rate."""
-    default = _default_tps(cands, FLOOR_TPS)
-    return sum(max(0, c.load.waiting_prefill_tokens) / prefill_rate(c, default) for c in cands) / max(1, len(cands))
+    """The nodes' mean queued prefill, in seconds of each node's own prefill rate; nodes whose
+    rate is not measured yet are left out (a fresh cluster's first prompts over FLOOR_TPS read
+    as 18 s of queue and bound the homes at every load for its first 10 s)."""
+    known = [c for c in cands if c.load.prefill_tps > 0]
+    return sum(max(0, c.load.waiting_prefill_tokens) / c.load.prefill_tps for c in known) / max(1, len(known))
 
 
 def occupancy(load: VersionLoad) -> float:

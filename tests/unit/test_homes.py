@@ -9,7 +9,7 @@ from collections import Counter
 from dataclasses import replace
 
 from llmd.policy.homes import BIND_OFF_S, BIND_ON_S, CONGESTION_TAU_S, EXPORT_KEYS, PEER_TTL_S, Congestion, HomeTable
-from llmd.policy.placement import Candidate, Reservations, VersionLoad, busy, home_ranks, place
+from llmd.policy.placement import Candidate, Reservations, VersionLoad, busy, home_ranks, place, queued_prefill_s
 
 NODES = {"n0": 6400, "n1": 6400, "n2": 6400}
 
@@ -287,3 +287,13 @@ def test_homes_bind_only_after_the_cluster_has_queued_prefill_for_a_while_and_no
     assert feed(0.0, 0.2 * CONGESTION_TAU_S)  # a lull of 2 s: still kept
     assert not feed(0.0, 3 * CONGESTION_TAU_S)  # the queue gone for good: the score again
     assert gate.level < BIND_OFF_S
+
+
+def test_the_gate_reads_queued_prefill_in_seconds_of_each_nodes_measured_rate_and_skips_unmeasured_ones() -> None:
+    fast, slow = cand("fast", waiting=10_000), replace(cand("slow"), load=replace(cand("slow").load,
+                                                                                   waiting_prefill_tokens=2_000,
+                                                                                   prefill_tps=1_000.0))
+    assert queued_prefill_s([fast, slow]) == (1.0 + 2.0) / 2
+    fresh = replace(cand("fresh"), load=replace(cand("fresh").load, waiting_prefill_tokens=1_800, prefill_tps=0.0))
+    assert queued_prefill_s([fast, slow, fresh]) == (1.0 + 2.0) / 2  # its rate unknown: not read as 18 s at 100 tok/s
+    assert queued_prefill_s([fresh]) == 0.0
