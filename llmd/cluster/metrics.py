@@ -8,6 +8,8 @@ from typing import TYPE_CHECKING
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from llmd.policy.homes import BIND_ON_S
+
 if TYPE_CHECKING:
     from llmd.cluster.node import ClusterNode
 
@@ -37,7 +39,7 @@ class ClusterCollector:
                     "stale or replayed, by channel.", labels=["channel", "reason"])
         blocks = g("llmd:cluster_prefix_blocks", "Prefix blocks in this node's cache summary.")
         queued = g("llmd:cluster_queued_prefill_seconds", "The nodes' mean queued prefill as this ingress "
-                   "smooths it, in seconds of their prefill: balanced homes bind over 0.5 s.")
+                   f"smooths it, in seconds of their prefill: balanced homes bind over {BIND_ON_S} s.")
         bound = g("llmd:cluster_homes_bound", "1 while this ingress keeps repeated prefixes on their balanced homes.")
         fams: list[Metric] = [members, fwd, lost, failover, placed, gossip, dropped, blocks, queued, bound]
         if not live:
