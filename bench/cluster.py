@@ -5,7 +5,9 @@ per uncached token): routing beside round robin, failover, a quota across nodes.
       request entering at a random node; load swept from light to past round robin's capacity,
       our placement and round robin in the same run; prefix hit rate beside a single shared
       cache's (the same prompts through one LRU of the three nodes' size); TTFT p90 at 70 %;
-      then one hot prefix with half the traffic: queues stay even, nothing fails.
+      then one hot prefix with half the traffic: queues stay even, nothing fails (a run of its
+      own, 120 s of arrivals: `--hot-seconds`). `--homes on|off` overrides the shipped
+      `[cluster] balanced_homes` (its variants are filed by hand, beside (a)).
       The workload is where a prefix router matters (`pressure`, bench/lib/cluster.py): the
       system prompts and live chats overflow one node's KV cache but fit the three's, so round
       robin thrashes every cache while each prompt can have a home. Where one node's cache
