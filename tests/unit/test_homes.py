@@ -271,7 +271,7 @@ def test_homes_bind_only_after_the_cluster_has_queued_prefill_for_a_while_and_no
     now = [0.0]
     gate = Congestion(lambda: now[0])
 
-    def feed(queued_s: float, seconds: float, step: float = 0.1) -> bool:
+    def hold(queued_s: float, seconds: float, step: float = 0.1) -> bool:
         bound = gate.bound
         end = now[0] + seconds
         while now[0] < end:
@@ -279,13 +279,13 @@ def test_homes_bind_only_after_the_cluster_has_queued_prefill_for_a_while_and_no
             bound = gate.update(queued_s)
         return bound
 
-    assert not feed(0.05, 30)  # light load: the score places every prompt
-    assert not feed(4 * BIND_ON_S, 0.1 * CONGESTION_TAU_S)  # a 1 s burst of a deep queue
-    assert not feed(0.05, 30)
-    assert feed(2 * BIND_ON_S, 3 * CONGESTION_TAU_S)  # a queue that lasts: homes bind
-    assert feed((BIND_ON_S + BIND_OFF_S) / 2, 5 * CONGESTION_TAU_S)  # between the bounds: kept
-    assert feed(0.0, 0.2 * CONGESTION_TAU_S)  # a lull of 2 s: still kept
-    assert not feed(0.0, 3 * CONGESTION_TAU_S)  # the queue gone for good: the score again
+    assert not hold(0.05, 30)  # light load: the score places every prompt
+    assert not hold(4 * BIND_ON_S, 0.1 * CONGESTION_TAU_S)  # a burst of a deep queue, a tenth of the time constant
+    assert not hold(0.05, 30)
+    assert hold(2 * BIND_ON_S, 3 * CONGESTION_TAU_S)  # a queue that lasts: homes bind
+    assert hold((BIND_ON_S + BIND_OFF_S) / 2, 5 * CONGESTION_TAU_S)  # between the bounds: kept
+    assert hold(0.0, 0.2 * CONGESTION_TAU_S)  # a lull of a fifth of it: still kept
+    assert not hold(0.0, 3 * CONGESTION_TAU_S)  # the queue gone for good: the score again
     assert gate.level < BIND_OFF_S
 
 
