@@ -33,7 +33,6 @@ import argparse
 import asyncio
 import contextlib
 import json
-import random
 import sys
 import tempfile
 import time
@@ -45,7 +44,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root: `bench` and `llmd`
 
 from bench.lib import report, stats
-from bench.lib.cluster import INTRO, SECTION, WORKLOADS, Node, Workload, start_nodes, stop_nodes
+from bench.lib.cluster import INTRO, SECTION, WORKLOADS, Node, Session, Workload, start_nodes, stop_nodes
 from bench.lib.prefix_oracle import chat_trace, prompt_ids, routed_hit_rates, shared_cache_hit_rate
 from bench.lib.streams import Stream, new_client, statuses, stream
 
@@ -56,29 +55,30 @@ THINK_S = 3.0  # a user reads the answer before the next turn
 
 
 async def chats(nodes: list[Node], wl: Workload, sessions_per_s: float, seconds: float,
-                rng: random.Random, log: list[tuple[dict[str, Any], Stream]]) -> None:
-    """Chat sessions arriving as a Poisson process; each sends its turns one after another
-    (THINK_S of reading between), every turn to a random node, as a load balancer would."""
+                seed: int, log: list[tuple[dict[str, Any], Stream]]) -> None:
+    """Chat sessions arriving as a Poisson process, drawn before the run (`Workload.sessions`:
+    every run of a seed sends the same chats, whatever the placement); each sends its turns one
+    after another (THINK_S of reading between), every turn to its drawn node, as a load
+    balancer would. Sessions start at their drawn times, not after sleeps that a busy client
+    overshoots."""
     client = new_client(timeout=300)
 
-    async def session() -> None:
-        chat = wl.new_chat()
-        for _ in range(chat.turns):
-            body = wl.next_turn(chat)
-            node = rng.choice(nodes)
+    async def session(plan: Session) -> None:
+        for question, ingress in zip(plan.questions, plan.ingress, strict=True):
+            body = wl.next_turn(plan.chat, question)
             s = Stream("a", time.monotonic(), texts=[])
             log.append((body, s))
-            await stream(client, node.srv.url + "/v1/chat/completions", s, body)
+            await stream(client, nodes[ingress].srv.url + "/v1/chat/completions", s, body)
             if not s.ok:
                 return
-            wl.answered(chat, "".join(s.texts or []))
+            wl.answered(plan.chat, "".join(s.texts or []))
             await asyncio.sleep(THINK_S)
 
     tasks: list[asyncio.Task[None]] = []
-    end = time.monotonic() + seconds
-    while time.monotonic() < end:
-        tasks.append(asyncio.create_task(session()))
-        await asyncio.sleep(rng.expovariate(sessions_per_s))
+    t0 = time.monotonic()
+    for plan in wl.sessions(sessions_per_s, seconds, len(nodes), seed):
+        await asyncio.sleep(max(0.0, t0 + plan.at - time.monotonic()))
+        tasks.append(asyncio.create_task(session(plan)))
     await asyncio.gather(*tasks)
     await client.aclose()
 
@@ -112,7 +112,7 @@ async def part_c(tmp: Path, seconds: float) -> list[str]:
     stop = asyncio.Event()
     sampler = asyncio.create_task(sample_queues(nodes, stop, queues, gossip))
     try:
-        await chats(nodes, Workload(seed=3), 8.0 / 5.5, seconds, random.Random(3), log)
+        await chats(nodes, Workload(seed=3), 8.0 / 5.5, seconds, 3, log)
     finally:
         stop.set()
         await sampler
@@ -168,7 +168,7 @@ async def one_run(tmp: Path, placement: str, req_per_s: float, seconds: float, h
     sampler = asyncio.create_task(sample_queues(nodes, stop, queues, bound=bound))
     try:
         wl = Workload(seed=seed, hot=hot, **wl_kw)
-        await chats(nodes, wl, req_per_s / 5.5, seconds, random.Random(seed), log)
+        await chats(nodes, wl, req_per_s / 5.5, seconds, seed, log)
     finally:
         stop.set()
         await sampler
@@ -181,6 +181,10 @@ async def one_run(tmp: Path, placement: str, req_per_s: float, seconds: float, h
     prompt = sum(s.prompt_tokens or 0 for s in ok)
     cached = sum(s.cached_tokens or 0 for s in ok)
     means = {k: stats.mean(v) for k, v in queues.items() if v}
+    t_end = log[0][1].t_send + seconds if log else 0.0  # the last session starts before this
+    window = [s for _, s in log if t_warm <= s.t_send < t_end]
+    halves = [[s.ttft for s in window if s.ttft is not None and (s.t_send >= (t_warm + t_end) / 2) == late]
+              for late in (False, True)]
     return {"placement": placement, "rate": req_per_s, "requests": len(log), "ok": len(done),
             "failed": len(log) - len(done), "errors": statuses([s for _, s in log if not s.ok]),
             "hit": cached / prompt if prompt else 0.0,
@@ -189,7 +193,11 @@ async def one_run(tmp: Path, placement: str, req_per_s: float, seconds: float, h
             "ttft_p50": stats.pct(ttfts, 50) if ttfts else None, "ttft_p90": stats.pct(ttfts, 90) if ttfts else None,
             "queue_max_over_mean": (max(means.values()) / stats.mean(means.values()))
             if means and stats.mean(means.values()) > 0 else None, "queues": means,
-            "homes_bound": sum(bound) / len(bound) if bound else 0.0}
+            "homes_bound": sum(bound) / len(bound) if bound else 0.0,
+            # steady state: the requests sent per second while sessions still start, and TTFT p50
+            # in each half of that window (a queue that keeps growing: the second far over the first)
+            "sent_per_s": len(window) / (t_end - t_warm) if t_end > t_warm else None,
+            "ttft_p50_halves": [stats.pct(h, 50) if h else None for h in halves]}
 
 
 def _workload(name: str) -> tuple[int, dict[str, Any]]:

@@ -146,6 +146,17 @@ class Chat:
     messages: list[dict[str, str]] = field(default_factory=list)
 
 
+@dataclass
+class Session:
+    """One chat as a run will send it: when it starts (seconds after the run's start), its turns'
+    questions and the node each turn enters at (a load balancer's pick)."""
+
+    at: float
+    chat: Chat
+    questions: list[str]
+    ingress: list[int]
+
+
 # Bench (a)'s workloads: each node's KV cache (blocks of 16 tokens) against the system prompts.
 # "pressure": 10 prompts of ~1,530 tokens (96 blocks each, 960 in all) on 400 blocks a node: one
 # node holds about 4 of them, the three together all 10 and the live chats' histories mostly;
@@ -178,9 +189,27 @@ class Workload:
         i = self.rng.choices(range(len(self.systems)), weights=self.weights)[0]
         return Chat(i, self.rng.randint(*self.turns), [{"role": "system", "content": self.systems[i]}])
 
-    def next_turn(self, chat: Chat) -> dict[str, Any]:
-        chat.messages.append({"role": "user", "content": words(self.rng, self.user_words) + "?"})
+    def question(self) -> str:
+        return words(self.rng, self.user_words) + "?"
+
+    def next_turn(self, chat: Chat, question: str | None = None) -> dict[str, Any]:
+        chat.messages.append({"role": "user", "content": question if question is not None else self.question()})
         return {"model": "fake", "messages": list(chat.messages), "max_tokens": 48, "temperature": 0}
+
+    def sessions(self, per_s: float, seconds: float, nodes: int, seed: int) -> list[Session]:
+        """The run's chat sessions, drawn before it starts: Poisson start times (from `seed`), each
+        session's system prompt, questions and the ingress of every turn. Drawn while the run
+        went, from generators the running sessions shared, each run of the same seed got other
+        chats and another number of them (614 to 811 requests in five 120 s runs at one rate)."""
+        rng = random.Random(seed)
+        out: list[Session] = []
+        t = rng.expovariate(per_s)
+        while t < seconds:
+            chat = self.new_chat()
+            out.append(Session(t, chat, [self.question() for _ in range(chat.turns)],
+                               [rng.randrange(nodes) for _ in range(chat.turns)]))
+            t += rng.expovariate(per_s)
+        return out
 
     @staticmethod
     def answered(chat: Chat, text: str) -> None:
