@@ -20,7 +20,7 @@ per uncached token): routing beside round robin, failover, a quota across nodes.
   (d) one tenant's tokens per minute across 3 nodes.
 Gossip bandwidth and detection times (c): bench/cluster_gossip.py.
 
-  .venv/bin/python bench/cluster.py [--parts a,d] [--seconds 40] [--workload pressure|light]
+  .venv/bin/python bench/cluster.py [--parts a,d] [--seconds 120] [--workload pressure|light]
   # (a) split into runs of a few minutes: measure the capacity once, pass it to the others, merge
   .venv/bin/python bench/cluster.py --parts a --loads 0.3,0.5 --no-hot --save a1.json
   .venv/bin/python bench/cluster.py --parts a --loads 0.7,1.0 --capacity C --save a2.json
@@ -49,6 +49,8 @@ from bench.lib.prefix_oracle import chat_trace, prompt_ids, routed_hit_rates, sh
 from bench.lib.streams import Stream, new_client, statuses, stream
 
 LOADS = (0.3, 0.5, 0.7, 1.0, 1.3)
+SECONDS = 120.0  # arrivals per run: a chat of 4-7 turns lasts about 20-30 s, so 40 s runs were mostly
+# ramp-up and drain; 120 s, the first 40 not counted, measures the steady state
 PREFILL_TPS = 3000.0
 KV_BLOCKS = 900
 THINK_S = 3.0  # a user reads the answer before the next turn
@@ -206,6 +208,32 @@ def _workload(name: str) -> tuple[int, dict[str, Any]]:
     return int(kw.pop("kv_blocks")), kw
 
 
+GROWTH = 1.5  # a queue that grows: TTFT p50 in the second half of a run's window over the first's
+
+
+async def measure_capacity(tmp: Path, seconds: float, workload: str, bare: float) -> tuple[float, list[dict[str, Any]]]:
+    """Round robin's capacity, measured: the highest rate on a ladder (from 0.8x `bare`, the rate
+    the nodes' prefill serves with no cache, in steps of 0.1x) at which its queue does not keep
+    growing over a run (TTFT p50 in the second half of the window under GROWTH x the first's,
+    nothing failed). A formula (`bare` over round robin's miss rate) read 8.3 req/s where 5.8
+    already grew TTFT p50 from 1.8 s to 4.9 s within a 120 s run: it left out the decode steps
+    and the longer prompts of a chat's later turns. Returns (capacity, the ladder's runs)."""
+    ladder: list[dict[str, Any]] = []
+    rate = 0.8 * bare
+    while True:
+        r = await one_run(tmp, "round_robin", rate, seconds, warmup_s=seconds / 3, workload=workload)
+        ladder.append(r)
+        first, second = r["ttft_p50_halves"]
+        stable = not r["failed"] and first is not None and second is not None and second <= GROWTH * first
+        print(f"ladder: round robin at {rate:.2f} req/s, TTFT p50 {first} -> {second} s: "
+              f"{'stable' if stable else 'growing'}", flush=True)
+        if not stable:
+            break
+        rate += 0.1 * bare
+    stable_rates = [r["rate"] for r in ladder[:-1]]
+    return (stable_rates[-1] if stable_rates else ladder[0]["rate"]), ladder
+
+
 async def part_a(tmp: Path, seconds: float, loads: tuple[float, ...] = LOADS, workload: str = "pressure",
                  capacity: float | None = None, hot: bool = True, homes: bool | None = None,
                  hot_seconds: float = HOT_SECONDS) -> dict[str, Any]:
@@ -214,10 +242,9 @@ async def part_a(tmp: Path, seconds: float, loads: tuple[float, ...] = LOADS, wo
     kv_blocks, wl_kw = _workload(workload)
     mean_p = mean_prompt_tokens(Workload(seed=99, **wl_kw))
     bare = 3 * PREFILL_TPS / mean_p  # what the nodes' prefill serves with no cache at all, req/s
+    ladder: list[dict[str, Any]] = []
     if capacity is None:
-        calib = await one_run(tmp, "round_robin", bare, seconds, warmup_s=seconds / 3, workload=workload)
-        capacity = bare / (1 - calib["hit"])  # round robin's, with the hit rate it gets at that load
-        print(f"round robin's hit rate at {bare:.1f} req/s {calib['hit']:.2f}", flush=True)
+        capacity, ladder = await measure_capacity(tmp, seconds, workload, bare)
     print(f"mean prompt {mean_p:.0f} tokens; round robin's capacity {capacity:.1f} req/s", flush=True)
     runs = []
     for load in loads:
@@ -237,7 +264,7 @@ async def part_a(tmp: Path, seconds: float, loads: tuple[float, ...] = LOADS, wo
         hot_run["seconds"] = hot_seconds
         print("hot", hot_run, flush=True)
     return {"workload": workload, "kv_blocks": kv_blocks, "mean_p": mean_p, "capacity": capacity,
-            "seconds": seconds, "runs": runs, "hot": hot_run}
+            "seconds": seconds, "runs": runs, "hot": hot_run, "ladder": ladder}
 
 
 def merge_a(parts: list[dict[str, Any]]) -> dict[str, Any]:
@@ -247,6 +274,7 @@ def merge_a(parts: list[dict[str, Any]]) -> dict[str, Any]:
     out = dict(parts[0])
     out["runs"] = sorted((r for p in parts for r in p["runs"]), key=lambda r: r["load"])
     out["hot"] = next((p["hot"] for p in reversed(parts) if p["hot"]), None)
+    out["ladder"] = next((p["ladder"] for p in parts if p.get("ladder")), [])
     out["commands"] = [c for p in parts for c in p["commands"]]
     out["minutes"] = sum(p["minutes"] for p in parts)
     return out
@@ -256,7 +284,7 @@ def report_a(data: dict[str, Any]) -> list[str]:
     runs, hot, loads = data["runs"], data["hot"], sorted({r["load"] for r in data["runs"]})
     rows = [[f"{r['load']:.0%}", r["placement"], f"{r['rate']:.1f}", f"{r['ok']}/{r['requests']}",
              f"{r['hit']:.2f}", f"{r['oracle']:.2f}", report.num(r["ttft_p50"], 3), report.num(r["ttft_p90"], 3),
-             report.num(r["queue_max_over_mean"], 2)] for r in runs]
+             report.num(r["queue_max_over_mean"], 2), _growth(r)] for r in runs]
     by = {(r["load"], r["placement"]): r for r in runs}
     hits = [(by[(ld, "score")]["hit"], by[(ld, "round_robin")]["hit"], by[(ld, "score")]["oracle"],
              by[(ld, "single")]["hit"]) for ld in loads]
@@ -273,7 +301,7 @@ def report_a(data: dict[str, Any]) -> list[str]:
                   "docs/cluster.md \"Balanced homes\"): " + ", ".join(f"{r['load']:.0%} {r.get('homes_bound', 0):.0%}"
                                                                     for r in scored) + ".", ""]
     lines += report.table(["load", "placement", "req/s", "ok", "hit rate", "shared cache", "TTFT p50 s",
-                           "TTFT p90 s", "queue max/mean"], rows)
+                           "TTFT p90 s", "queue max/mean", "TTFT p50 growth"], rows)
     off = [[f"{ld:.0%}", *(f"{by[(ld, 'score')]['offline'][k]:.2f}" for k in ("round_robin", "affinity", "single"))]
            for ld in loads]
     lines += ["", "The offline oracle (`bench/lib/prefix_oracle.py`: the same kind of chats, no nodes, LRUs of the "
@@ -298,20 +326,38 @@ def report_a(data: dict[str, Any]) -> list[str]:
     return lines + report.verdict_lines(verdicts)
 
 
+def _growth(r: dict[str, Any]) -> str:
+    """TTFT p50 in the second half of the run's window over the first half's (a growing queue)."""
+    first, second = r.get("ttft_p50_halves") or (None, None)
+    return f"{second / first:.2f}x" if first and second is not None else "-"
+
+
 def describe_a(data: dict[str, Any]) -> list[str]:
     wl = WORKLOADS[data["workload"]]
-    return [f"Workload `{data['workload']}`: {wl['n_systems']} system prompts of {wl['system_words']} words, "
-            f"Zipf s = {wl['zipf_s']}; chats of 4-7 turns. Fake engines: prefill {PREFILL_TPS:.0f} uncached "
-            f"tokens/s per node, {data['kv_blocks']} blocks of 16 tokens of KV each; mean prompt "
-            f"{data['mean_p']:.0f} tokens; round robin's capacity {data['capacity']:.1f} req/s (3 nodes' prefill "
-            "over its uncached tokens, its hit rate measured at the load the nodes' prefill serves without a "
-            f"cache); {data['seconds']:.0f} s of arrivals per run, the first third warming the caches. Each request "
-            "enters at a random node. `single`: one node with the three nodes' KV cache, prefill rate and seats "
-            "together (the single shared cache, measured); `shared cache`: the hit rate of the same prompts "
-            "through one LRU of the three caches' size (a bound: it ignores the KV that running sequences pin, "
-            "which past capacity evicts cached prefixes on every node). On 3 nodes with LRU caches the ratio to "
-            "round robin has a ceiling near 3: round robin's node holds about C/W of a working set W, a prompt's "
-            "owner min(1, 3C/W) of it; the offline oracle below shows how near this workload comes."]
+    return [" ".join([
+        f"Workload `{data['workload']}`: {wl['n_systems']} system prompts of {wl['system_words']} words,",
+        f"Zipf s = {wl['zipf_s']}; chats of 4-7 turns. Fake engines: prefill {PREFILL_TPS:.0f} uncached",
+        f"tokens/s per node, {data['kv_blocks']} blocks of 16 tokens of KV each; mean prompt",
+        f"{data['mean_p']:.0f} tokens; round robin's capacity {data['capacity']:.2f} req/s, {capacity_note(data)};",
+        f"{data['seconds']:.0f} s of arrivals per run, the first third warming the caches and not counted;",
+        "`TTFT p50 growth`: its p50 in the second half of the counted window over the first half's (a queue",
+        "that keeps growing reads well over 1). Every run of a load sends the same chats (drawn before it",
+        "starts), each request entering at its drawn node. `single`: one node with the three nodes' KV",
+        "cache, prefill rate and seats together (the single shared cache, measured); `shared cache`: the",
+        "hit rate of the same prompts through one LRU of the three caches' size (a bound: it ignores the KV",
+        "that running sequences pin, which past capacity evicts cached prefixes on every node). On 3 nodes",
+        "with LRU caches the ratio to round robin has a ceiling near 3: round robin's node holds about C/W",
+        "of a working set W, a prompt's owner min(1, 3C/W) of it; the offline oracle below shows how near",
+        "this workload comes."])]
+
+
+def capacity_note(data: dict[str, Any]) -> str:
+    ladder = data.get("ladder") or []
+    if not ladder:
+        return "given (`--capacity`, from the ladder of an earlier run)"
+    rungs = ", ".join(f"{r['rate']:.2f} req/s {_growth(r)}" for r in ladder)
+    return (f"measured: the highest rate of a ladder of round robin runs whose TTFT p50 grew under {GROWTH}x "
+            f"over the run ({rungs})")
 
 
 QUOTA_KEY = "sk-bench-cluster-quota"
@@ -377,7 +423,7 @@ def a_section(data: dict[str, Any]) -> tuple[str, list[str]]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--parts", default="a,d")
-    ap.add_argument("--seconds", type=float, default=40.0, help="arrivals per load level (a)")
+    ap.add_argument("--seconds", type=float, default=SECONDS, help="arrivals per run (a)")
     ap.add_argument("--quota-seconds", type=float, default=90.0)
     ap.add_argument("--loads", default=",".join(map(str, LOADS)), help="fractions of round robin's capacity (a)")
     ap.add_argument("--workload", choices=sorted(WORKLOADS), default="pressure", help="(a): bench/lib/cluster.py")
