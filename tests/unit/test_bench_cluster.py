@@ -1,0 +1,58 @@
+"""bench/cluster.py (a)'s load: the same chats in every run of a seed, and the capacity ladder's stop rule."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import bench.cluster as bc
+from bench.lib.cluster import WORKLOADS, Workload
+
+
+def _wl(seed: int = 5) -> Workload:
+    kw = dict(WORKLOADS["pressure"])
+    kw.pop("kv_blocks")
+    return Workload(seed=seed, **kw)
+
+
+def test_sessions_are_drawn_up_front_and_repeat_for_a_seed() -> None:
+    a = _wl().sessions(2.0, 60.0, 3, seed=1)
+    b = _wl().sessions(2.0, 60.0, 3, seed=1)
+    assert [(s.at, s.chat.system, s.chat.turns, s.questions, s.ingress) for s in a] == \
+        [(s.at, s.chat.system, s.chat.turns, s.questions, s.ingress) for s in b]
+    assert all(0 < x.at < y.at < 60.0 for x, y in itertools.pairwise(a))
+    assert all(len(s.questions) == len(s.ingress) == s.chat.turns and set(s.ingress) <= {0, 1, 2} for s in a)
+    assert 80 <= len(a) <= 160  # Poisson, 2 sessions a second over 60 s
+    other = _wl().sessions(2.0, 60.0, 3, seed=2)
+    assert [s.at for s in other] != [s.at for s in a]
+
+
+def test_a_session_turn_carries_its_drawn_question() -> None:
+    wl = _wl()
+    s = wl.sessions(1.0, 10.0, 3, seed=1)[0]
+    body = wl.next_turn(s.chat, s.questions[0])
+    assert body["messages"][0]["role"] == "system" and body["messages"][-1]["content"] == s.questions[0]
+
+
+@pytest.mark.parametrize(("halves", "capacity", "rungs"), [
+    ([(1.0, 1.1), (1.2, 1.5), (1.8, 4.9)], 0.9, 3),  # the third rung grows: the second is the capacity
+    ([(2.0, 9.0)], 0.8, 1),  # the first rung already grows: it is all the ladder can say
+])
+def test_capacity_ladder_stops_at_the_first_growing_queue(monkeypatch: pytest.MonkeyPatch,
+                                                          halves: list[tuple[float, float]], capacity: float,
+                                                          rungs: int) -> None:
+    seen: list[float] = []
+
+    async def one_run(tmp: Path, placement: str, rate: float, seconds: float, **kw: Any) -> dict[str, Any]:
+        assert placement == "round_robin"
+        seen.append(rate)
+        return {"rate": rate, "failed": 0, "ttft_p50_halves": list(halves[len(seen) - 1])}
+
+    monkeypatch.setattr(bc, "one_run", one_run)
+    got, ladder = asyncio.run(bc.measure_capacity(Path("."), 120.0, "pressure", 1.0))
+    assert got == pytest.approx(capacity) and len(ladder) == rungs
+    assert seen == pytest.approx([0.8 + 0.1 * i for i in range(rungs)])
