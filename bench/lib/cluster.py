@@ -201,13 +201,14 @@ class Workload:
         session's system prompt, questions and the ingress of every turn. Drawn while the run
         went, from generators the running sessions shared, each run of the same seed got other
         chats and another number of them (614 to 811 requests in five 120 s runs at one rate)."""
-        rng = random.Random(seed)
+        rng, pick = random.Random(seed), random.Random(f"{seed}-ingress")
         out: list[Session] = []
         t = rng.expovariate(per_s)
         while t < seconds:
             chat = self.new_chat()
+            # one draw a turn whatever the node count: `single`'s one node gets the same sessions
             out.append(Session(t, chat, [self.question() for _ in range(chat.turns)],
-                               [rng.randrange(nodes) for _ in range(chat.turns)]))
+                               [int(pick.random() * nodes) for _ in range(chat.turns)]))
             t += rng.expovariate(per_s)
         return out
 

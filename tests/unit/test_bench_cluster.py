@@ -27,6 +27,9 @@ def test_sessions_are_drawn_up_front_and_repeat_for_a_seed() -> None:
     assert all(0 < x.at < y.at < 60.0 for x, y in itertools.pairwise(a))
     assert all(len(s.questions) == len(s.ingress) == s.chat.turns and set(s.ingress) <= {0, 1, 2} for s in a)
     assert 80 <= len(a) <= 160  # Poisson, 2 sessions a second over 60 s
+    one = _wl().sessions(2.0, 60.0, 1, seed=1)  # `single`: one node, the same chats
+    assert [(s.at, s.questions) for s in one] == [(s.at, s.questions) for s in a]
+    assert {i for s in one for i in s.ingress} == {0}
     other = _wl().sessions(2.0, 60.0, 3, seed=2)
     assert [s.at for s in other] != [s.at for s in a]
 
