@@ -209,6 +209,7 @@ def _workload(name: str) -> tuple[int, dict[str, Any]]:
 
 
 GROWTH = 1.5  # a queue that grows: TTFT p50 in the second half of a run's window over the first's
+LADDER_TOP = 3.0  # the ladder stops here (x the no-cache rate) if no rung grew
 
 
 async def measure_capacity(tmp: Path, seconds: float, workload: str, bare: float) -> tuple[float, list[dict[str, Any]]]:
@@ -219,8 +220,9 @@ async def measure_capacity(tmp: Path, seconds: float, workload: str, bare: float
     already grew TTFT p50 from 1.8 s to 4.9 s within a 120 s run: it left out the decode steps
     and the longer prompts of a chat's later turns. Returns (capacity, the ladder's runs)."""
     ladder: list[dict[str, Any]] = []
+    stable_rates: list[float] = []
     rate = 0.8 * bare
-    while True:
+    while rate <= LADDER_TOP * bare:  # a cluster that never queues (a broken bench) ends the ladder too
         r = await one_run(tmp, "round_robin", rate, seconds, warmup_s=seconds / 3, workload=workload)
         ladder.append(r)
         first, second = r["ttft_p50_halves"]
@@ -229,8 +231,8 @@ async def measure_capacity(tmp: Path, seconds: float, workload: str, bare: float
               f"{'stable' if stable else 'growing'}", flush=True)
         if not stable:
             break
+        stable_rates.append(rate)
         rate += 0.1 * bare
-    stable_rates = [r["rate"] for r in ladder[:-1]]
     return (stable_rates[-1] if stable_rates else ladder[0]["rate"]), ladder
 
 
