@@ -47,7 +47,8 @@ def status(api: Api, as_json: bool) -> None:
     click.echo(f"homes: {h.get('homed', 0)} prefixes have balanced homes, per node {h.get('per_node', {})} "
                f"({h.get('prefixes', 0)} routed here, traffic heard from {h.get('peers', 0)} peers); "
                f"{'bound' if h.get('bound') else 'not bound'}, queued prefill {h.get('congestion_s', 0.0):.2f} s "
-               f"(smoothed; homes bind over {BIND_ON_S} s)")
+               + ("(smoothed; homes bind at every load)" if h.get("bind", "always") == "always"
+                  else f"(smoothed; homes bind over {BIND_ON_S} s)"))
 
 
 def _row(name: str, state: str, age: float | None, v: dict[str, Any] | None, seq: int) -> str:

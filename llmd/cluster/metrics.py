@@ -39,7 +39,8 @@ class ClusterCollector:
                     "stale or replayed, by channel.", labels=["channel", "reason"])
         blocks = g("llmd:cluster_prefix_blocks", "Prefix blocks in this node's cache summary.")
         queued = g("llmd:cluster_queued_prefill_seconds", "The nodes' mean queued prefill as this ingress "
-                   f"smooths it, in seconds of their prefill: balanced homes bind over {BIND_ON_S} s.")
+                   f"smooths it, in seconds of their prefill: with homes_bind = \"congested\", balanced "
+                   f"homes bind over {BIND_ON_S} s.")
         bound = g("llmd:cluster_homes_bound", "1 while this ingress keeps repeated prefixes on their balanced homes.")
         fams: list[Metric] = [members, fwd, lost, failover, placed, gossip, dropped, blocks, queued, bound]
         if not live:
@@ -61,5 +62,5 @@ class ClusterCollector:
                 dropped.add_metric([channel, reason], n)
         blocks.add_metric([], len(cl.prefixes))
         queued.add_metric([], cl.congestion.level)
-        bound.add_metric([], 1.0 if cl.congestion.bound else 0.0)
+        bound.add_metric([], 1.0 if cl.homes_bound else 0.0)
         return fams

@@ -338,10 +338,16 @@ class ClusterNode:
             self.homes.observe(key, prompt.num_tokens)
             serving = [t.candidate for t in out if not (t.candidate.load.draining or t.candidate.load.standby)]
             shares = self.homes.homes(key, {c.node: c.load.kv_capacity_tokens for c in serving})
-            if not (serving and self.congestion.update(queued_prefill_s(serving))):
+            congested = bool(serving) and self.congestion.update(queued_prefill_s(serving))
+            if self.config.homes_bind == "congested" and not congested:
                 shares = {}  # below capacity the score places it (`Congestion`): the homes are kept ready
         return [Target(replace(t.candidate, home_rank=ranks[t.candidate.node],
                                home_share=shares.get(t.candidate.node, 0.0)), t.url) for t in out]
+
+    @property
+    def homes_bound(self) -> bool:
+        """Whether this ingress keeps repeated prefixes on their balanced homes now."""
+        return self.config.balanced_homes and (self.config.homes_bind == "always" or self.congestion.bound)
 
     def tokenizer_of(self, model: str, version: str) -> str | None:
         """What renders `version`'s prompts, as a live peer serving it says (None: none says)."""
@@ -383,7 +389,7 @@ class ClusterNode:
             "forwarded": self.forwarder.forwarded, "lost": self.forwarder.lost,
             "failovers": self.router.failovers, "placed": dict(self.router.placed),
             "homes": {**self.homes.status(), "congestion_s": round(self.congestion.level, 3),
-                      "bound": self.congestion.bound},
+                      "bound": self.homes_bound, "bind": self.config.homes_bind},
         }
 
 

@@ -48,11 +48,14 @@ class ClusterConfig(_Strict):
     # How a node is chosen: "score" (the lowest estimated time to first token from queue, cache
     # and prefill rate, weighted by occupancy) or "round_robin" (the peer bench/cluster.py runs beside it).
     placement: Literal["score", "round_robin"] = "score"
-    # With "score": once the cluster has queued prefill for a while (smoothed over ~5 s), send
-    # each repeated prompt prefix to its balanced homes and keep it there (llmd/policy/homes.py;
-    # docs/cluster.md, "Balanced homes"); below that the score alone places it. Nodes gossip
-    # their busiest prefixes' traffic (~200 bytes every 4 s). False: never bind homes.
+    # With "score": send each repeated prompt prefix to its balanced homes and keep it there
+    # (llmd/policy/homes.py; docs/cluster.md, "Balanced homes"). Nodes gossip their busiest
+    # prefixes' traffic (~200 bytes every 4 s). False: never bind homes (the score alone places).
     balanced_homes: bool = True
+    # When homes bind: "always", or "congested" (only once the cluster has queued prefill for a
+    # while, smoothed over ~5 s; below that the score alone places prompts, and each node's
+    # cache then evicts the chats' histories under prompts it was dealt unevenly: bench (a14)).
+    homes_bind: Literal["always", "congested"] = "always"
     # SWIM: probe one member per interval; no ack within the timeout: ask `indirect_probes`
     # others to probe it; still nothing: suspect; not refuted within suspicion_s: dead.
     probe_interval_s: Annotated[float, Field(gt=0)] = 0.5

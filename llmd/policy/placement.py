@@ -187,8 +187,10 @@ def place(cands: Sequence[Candidate], prompt_tokens: int, expected_output: int,
     hand it to whichever node frees a block first, off its cache; and on a saturated cluster a
     miss is a full prefill added to a queue that every later request waits behind.
 
-    A prompt no node caches half of goes to a balanced home (`home_share`) within the slack, at
-    any load: where every ingress sends it again. Past capacity (queues, not only KV, full), one
+    While balanced homes bind (the ingress gives `home_share` only then; `[cluster] homes_bind`),
+    the candidates narrow to the prompt's homes unless they are far slower (`_at_homes`), and a
+    prompt no node caches half of goes to a balanced home within the slack: where every ingress
+    sends it again, each node caching the few prompts it is home to. Past capacity (queues, not only KV, full), one
     without balanced homes goes to its first home (`home_rank`) within the same slack (every
     ingress orders a prefix's homes alike: its traffic meets on one node, spilling to the same
     second, not copied onto whichever was least loaded); below capacity the score places it:
@@ -208,7 +210,7 @@ def place(cands: Sequence[Candidate], prompt_tokens: int, expected_output: int,
     default = _default_tps(fitting, floor_tps)
     ttft = {c.node: (max(0, c.load.waiting_prefill_tokens) + max(0, reserved[c.node]) + u)
             / prefill_rate(c, default) + (0.0 if c.local else hop_s) for c, u in zip(fitting, unc, strict=True)}
-    if any(c.home_share > 0 for c in fitting) and busy(fitting, prompt_tokens, reserved):
+    if any(c.home_share > 0 for c in fitting):  # the ingress gives shares only while homes bind
         fitting, unc = _at_homes(fitting, unc, ttft, prompt_tokens, default, saturated_slack)
     roomy = [c for c, u in zip(fitting, unc, strict=True) if c.load.kv_free_tokens - reserved[c.node] >= u + need]
     queued = saturated(fitting, prompt_tokens, reserved)
@@ -235,7 +237,7 @@ def place(cands: Sequence[Candidate], prompt_tokens: int, expected_output: int,
 
 def _at_homes(fitting: list[Candidate], unc: list[int], ttft: dict[str, float], prompt_tokens: int,
               default_tps: float, slack: float) -> tuple[list[Candidate], list[int]]:
-    """The candidates narrowed to the prompt's balanced homes (`home_share`), once the cluster is `busy`: a
+    """The candidates narrowed to the prompt's balanced homes (`home_share`), while homes bind: a
     repeated prefix kept on its homes is held once in the cluster. A home is left only when it
     is far slower than the best node: its TTFT over `slack` times the best's plus HOME_PREFILLS
     full prefills of this prompt there. A miss elsewhere costs one full prefill and evicts
@@ -250,13 +252,6 @@ def _at_homes(fitting: list[Candidate], unc: list[int], ttft: dict[str, float], 
     if not kept:
         return fitting, unc
     return [c for c, _ in kept], [u for _, u in kept]
-
-
-def busy(cands: Sequence[Candidate], prompt_tokens: int, reserved: dict[str, int]) -> bool:
-    """The nodes have, on average, at least a full prefill of this prompt queued ahead: the
-    cluster as a whole is past what its prefill serves (`saturated` asks it of every node)."""
-    ahead = sum(max(0, c.load.waiting_prefill_tokens) + max(0, reserved.get(c.node, 0)) for c in cands)
-    return bool(cands) and prompt_tokens > 0 and ahead >= prompt_tokens * len(cands)
 
 
 def saturated(cands: Sequence[Candidate], prompt_tokens: int, reserved: dict[str, int]) -> bool:

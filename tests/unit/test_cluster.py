@@ -193,8 +193,8 @@ async def test_llmd_cluster_status_and_drain_from_the_command_line(make_server: 
     assert out.exit_code == 0, out.output
     lines = out.output.splitlines()
     assert any(line.startswith("n1") and "alive" in line and "fake@" in line for line in lines), out.output
-    assert any(line.startswith("homes: ") and "traffic heard from" in line and "not bound" in line
-               for line in lines), out.output
+    assert any(line.startswith("homes: ") and "traffic heard from" in line and "; bound," in line
+               and "every load" in line for line in lines), out.output
     out = await asyncio.to_thread(run, main, ["cluster", "--url", b.url, "--api-key", ADMIN, "drain"])
     assert out.exit_code == 0 and b.node.cluster.draining, out.output
     out = await asyncio.to_thread(run, main, ["cluster", "--url", b.url, "--api-key", KEY, "status"])
@@ -203,7 +203,8 @@ async def test_llmd_cluster_status_and_drain_from_the_command_line(make_server: 
 
 async def test_balanced_homes_when_on_learn_the_repeated_prefixes_the_cluster_routes(make_server: Any,
                                                                                      tmp_path: Path) -> None:
-    a, b, _ = await start_cluster(make_server, tmp_path, extra="balanced_homes = true")
+    # homes_bind = "congested": the gate (the default binds homes at every load)
+    a, b, _ = await start_cluster(make_server, tmp_path, extra='balanced_homes = true\nhomes_bind = "congested"')
     system = "You answer questions about the manual. " + "manual " * 300  # several 64-token summary blocks
     for turn in range(3):
         await _client(a).chat.completions.create(
@@ -218,7 +219,8 @@ async def test_balanced_homes_when_on_learn_the_repeated_prefixes_the_cluster_ro
     homes = a.node.cluster.status()["homes"]
     assert homes["prefixes"] == 1 and homes["homed"] == 1, homes
     assert sum(homes["per_node"].values()) >= 1, homes
-    assert homes["bound"] is False and homes["congestion_s"] < 0.25, homes  # idle: the score places prompts
+    assert homes["bound"] is False and homes["congestion_s"] < 0.25, homes  # idle: the gate lets the score place
+    assert homes["bind"] == "congested", homes
     # b routed none of them: it learns a's traffic over gossip, and homes the prefix where a
     # does after seeing it once itself (under MIN_REQUESTS: its own count would not home it)
     assert await async_wait_until(lambda: b.node.cluster.status()["homes"]["peers"] >= 1, timeout=10)

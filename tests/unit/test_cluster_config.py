@@ -42,6 +42,10 @@ def test_seeds_timing_and_unknown_keys_are_named(tmp_path: Path, monkeypatch: py
         _load(tmp_path, 'balanced_homes = "sometimes"')
     assert _load(tmp_path, "balanced_homes = true").cluster.balanced_homes  # type: ignore[attr-defined]
     assert not _load(tmp_path, "balanced_homes = false").cluster.balanced_homes  # type: ignore[attr-defined]
+    assert _load(tmp_path, "").cluster.homes_bind == "always"  # type: ignore[attr-defined]
+    assert _load(tmp_path, 'homes_bind = "congested"').cluster.homes_bind == "congested"  # type: ignore[attr-defined]
+    with pytest.raises(ConfigError, match=r"config.toml: invalid configuration\n  cluster.homes_bind: .*'always'"):
+        _load(tmp_path, 'homes_bind = "sometimes"')
     with pytest.raises(ConfigError, match=r"cluster.gosip_port: unknown key"):
         _load(tmp_path, "gosip_port = 1")
 

@@ -39,5 +39,5 @@ async def test_a_node_exposes_what_llm_d_reads_and_the_cluster_series(make_serve
     assert m["llmd:gossip_bytes_total"][0].value > 0
     placed = {s.labels["node"]: s.value for s in m["llmd:cluster_placed_total"]}
     assert placed == {"n0": 1.0}  # b drains: a ran it itself
-    assert m["llmd:cluster_homes_bound"][0].value == 0  # an idle cluster: the score places prompts
+    assert m["llmd:cluster_homes_bound"][0].value == 1  # homes_bind = "always" (the default): idle too
     assert 0 <= m["llmd:cluster_queued_prefill_seconds"][0].value < 0.25

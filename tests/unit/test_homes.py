@@ -8,8 +8,17 @@ import random
 from collections import Counter
 from dataclasses import replace
 
-from llmd.policy.homes import BIND_OFF_S, BIND_ON_S, CONGESTION_TAU_S, EXPORT_KEYS, PEER_TTL_S, Congestion, HomeTable
-from llmd.policy.placement import Candidate, Reservations, VersionLoad, busy, home_ranks, place, queued_prefill_s
+from llmd.policy.homes import (
+    BIND_OFF_S,
+    BIND_ON_S,
+    CONGESTION_TAU_S,
+    EPSILON,
+    EXPORT_KEYS,
+    PEER_TTL_S,
+    Congestion,
+    HomeTable,
+)
+from llmd.policy.placement import Candidate, Reservations, VersionLoad, home_ranks, place, queued_prefill_s
 
 NODES = {"n0": 6400, "n1": 6400, "n2": 6400}
 
@@ -62,7 +71,7 @@ def test_rendezvous_alone_is_uneven_and_the_table_bounds_each_nodes_traffic() ->
     got = traffic(table, keys)
     homed = sum(got.values())
     assert homed > 0.99  # every key fits (500-token prefixes)
-    assert max(got.values()) <= 1.15 / 3 * homed * 1.05  # (1 + ε) x the mean, within the decay's noise
+    assert max(got.values()) <= (1.1 + EPSILON) / 3 * homed * 1.05  # (1 + ε) x the mean, within the decay's noise
 
 
 def test_homed_prefixes_fit_a_share_of_each_nodes_kv_and_the_rest_have_no_home() -> None:
@@ -82,7 +91,7 @@ def test_a_hot_prefix_is_split_over_its_next_homes() -> None:
     feed(table, clock, keys, 3000, tokens=300)
     hot = table.homes(1, NODES)
     assert len(hot) >= 2 and abs(sum(hot.values()) - 1) < 1e-9
-    assert max(traffic(table, keys).values()) <= 1.15 / 3 * 1.05
+    assert max(traffic(table, keys).values()) <= (1.1 + EPSILON) / 3 * 1.05
 
 
 def test_a_hot_prefix_is_split_before_the_small_ones_fill_the_kv_and_no_node_goes_over_its_bound() -> None:
@@ -98,7 +107,7 @@ def test_a_hot_prefix_is_split_before_the_small_ones_fill_the_kv_and_no_node_goe
         feed(table, clock, keys, 400, tokens=1600, seed=seed)
         hot = table.homes(next(iter(keys)), NODES)
         assert len(hot) == 2, seed
-        assert max(traffic(table, keys).values()) <= 1.15 / 3 * 1.1, seed  # within the decay's noise
+        assert max(traffic(table, keys).values()) <= (1.1 + EPSILON) / 3 * 1.1, seed  # within the decay's noise
 
 
 def test_a_prefix_seen_once_has_no_home_and_old_traffic_fades() -> None:
@@ -221,20 +230,30 @@ def test_past_capacity_a_homed_prompt_goes_home_even_when_another_node_is_less_l
     assert got == Counter({"home": 50})
 
 
-def test_below_capacity_homes_do_not_bind_and_the_cache_holder_keeps_the_prompt() -> None:
-    # 3,000 tokens queued in all: under one full prefill of this prompt a node on average
+def test_a_copy_keeps_the_prompt_when_its_home_is_slower_by_more_than_the_prefill_it_saves() -> None:
+    # home: 3,000 tokens queued and the prompt to prefill (0.5 s); the copy: nothing to prefill.
+    # Over 3x the best plus one prefill of it: the copy keeps it
     got = choose([cand("home", share=1.0, waiting=3000), cand("idle"), cand("copy", cached=2000)])
     assert got == Counter({"copy": 50})
-    assert not busy([cand("a", waiting=3000), cand("b"), cand("c", waiting=2999)], 2000, {})
-    assert busy([cand("a", waiting=3000), cand("b"), cand("c", waiting=2000)], 2000, {"b": 1000})
 
 
-def test_below_capacity_a_prompt_no_node_caches_goes_to_its_balanced_home_unless_it_is_much_slower() -> None:
-    # not busy (1,000 tokens queued in all); home 0.3 s against 0.2 s idle: within the slack
+def test_while_homes_bind_a_prompt_goes_home_at_any_load_unless_it_is_far_slower() -> None:
+    """The ingress gives shares only while homes bind (`homes_bind`; "always" by default): then a
+    home is kept through a short queue, at light load too. The score alone would send the prompt
+    to the idlest node and copy it there, and in bench (a) at 70 % load such copies left one node
+    homing six 96-block prompts in 400 blocks: every chat's history there was evicted within the
+    3 s its user read the answer (0.85 of hit rate against 0.90 with homes bound)."""
+    # home 0.3 s against 0.2 s idle
     got = choose([cand("home", share=1.0, waiting=1000), cand("idle"), cand("idle2")])
     assert got == Counter({"home": 50})
-    # home 0.45 s against 0.2 s: over 2x the best, the score places it
+    # home 0.45 s against 0.2 s: over 2x the best, still within 3x plus one prefill of the prompt
     got = choose([cand("home", share=1.0, waiting=2500), cand("idle"), cand("idle2")])
+    assert got == Counter({"home": 50})
+    # home 1.2 s against 0.2 s: left, the score places it
+    got = choose([cand("home", share=1.0, waiting=10_000), cand("idle"), cand("idle2")])
+    assert got["home"] == 0
+    # no shares (homes not bound): the score places it, on the idle nodes
+    got = choose([cand("home", waiting=1000), cand("idle"), cand("idle2")])
     assert got["home"] == 0
 
 
