@@ -59,3 +59,19 @@ def test_capacity_ladder_stops_at_the_first_growing_queue(monkeypatch: pytest.Mo
     got, ladder = asyncio.run(bc.measure_capacity(Path("."), 120.0, "pressure", 1.0))
     assert got == pytest.approx(capacity) and len(ladder) == rungs
     assert seen == pytest.approx([0.8 + 0.1 * i for i in range(rungs)])
+
+
+def test_misses_are_sorted_into_system_prompt_moved_and_evicted_history() -> None:
+    from bench.cluster_misses import summary
+
+    def row(chat: str, turn: int, node: str, prompt: int, cached: int, t: float) -> dict[str, Any]:
+        return {"chat": chat, "t": t, "system": 0, "turn": turn, "node": node, "prompt": prompt, "cached": cached,
+                "ttft": 0.1, "ok": True}
+
+    rows = [row("a", 1, "n0", 1600, 1536, 0.0), row("a", 2, "n0", 1800, 1536, 3.4),  # same node, history gone
+            row("b", 1, "n0", 1600, 1536, 1.0), row("b", 2, "n1", 1800, 1536, 4.5),  # moved to n1
+            row("c", 1, "n1", 1600, 0, 2.0), row("c", 2, "n1", 1800, 1776, 5.5)]  # a cold system prompt, then a hit
+    out = "\n".join(summary(rows, 0.0))
+    assert "system-prompt misses 1 (1 of them first turns)" in out
+    assert "history misses 2: moved 1, evicted 1 (3.4-3.4 s after" in out
+    assert "0: n0 3, n1 3" in out
