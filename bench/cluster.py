@@ -299,7 +299,8 @@ def report_a(data: dict[str, Any]) -> list[str]:
     lines = [*describe_a(data), ""]
     scored = [by[(ld, "score")] for ld in loads]
     if any("homes_bound" in r for r in scored):
-        lines += ["Balanced homes bound (`score`; the share of 0.25 s samples, over the nodes, with the gate on; "
+        lines += ["Balanced homes bound (`score`; the share of 0.25 s samples, over the nodes, with homes bound: "
+                  "always unless `homes_bind = \"congested\"`; "
                   "docs/cluster.md \"Balanced homes\"): " + ", ".join(f"{r['load']:.0%} {r.get('homes_bound', 0):.0%}"
                                                                     for r in scored) + ".", ""]
     lines += report.table(["load", "placement", "req/s", "ok", "hit rate", "shared cache", "TTFT p50 s",
