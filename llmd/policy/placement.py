@@ -187,10 +187,9 @@ def place(cands: Sequence[Candidate], prompt_tokens: int, expected_output: int,
     hand it to whichever node frees a block first, off its cache; and on a saturated cluster a
     miss is a full prefill added to a queue that every later request waits behind.
 
-    While balanced homes bind (the ingress gives `home_share` only then; `[cluster] homes_bind`),
-    the candidates narrow to the prompt's homes unless they are far slower (`_at_homes`), and a
-    prompt no node caches half of goes to a balanced home within the slack: where every ingress
-    sends it again, each node caching the few prompts it is home to. Past capacity (queues, not only KV, full), one
+    While balanced homes bind (`home_share` given; `[cluster] homes_bind`), the candidates narrow
+    to the prompt's homes unless far slower (`_at_homes`), and a prompt no node caches half of goes
+    to a balanced home within the slack. Past capacity (queues, not only KV, full), one
     without balanced homes goes to its first home (`home_rank`) within the same slack (every
     ingress orders a prefix's homes alike: its traffic meets on one node, spilling to the same
     second, not copied onto whichever was least loaded); below capacity the score places it:
