@@ -14,7 +14,8 @@ the first node in its rendezvous order whose recent traffic stays under (1 + ε)
 cluster's and whose homed prefixes still fit in a share of its KV. A prefix with more traffic
 than one node's bound is split over its next homes (a hot system prompt is served from two),
 and placed before the others, while the nodes still have KV room for it.
-A prefix that fits nowhere, or is seen once, has no home here: the score places it.
+A prefix with no KV_SHARE room left anywhere is homed on the node with the most KV left (`_spill`).
+A prefix seen once, or over every node's traffic bound, has no home here: the score places it.
 
 Traffic is the cluster's: each ingress's EXPORT_KEYS busiest prefixes, decayed, its own and
 what each peer last sent (`export` and `merge`, carried by gossip). Ingresses that counted only
@@ -171,6 +172,10 @@ class HomeTable:
             shares = _place(w, size, home_ranks(key, kv_tokens), cap, load, room)
             if shares:
                 out[key] = {n: s / w for n, s in shares.items()}
+        for key in sorted(k for k in weight if k not in out):  # left over: none had room under KV_SHARE
+            node = _spill(weight[key][0], weight[key][1], cap, load, room, kv_tokens, self.kv_share)
+            if node is not None:
+                out[key] = {node: 1.0}
         return out
 
     def _totals(self, now: float) -> dict[int, Shared]:
@@ -243,6 +248,22 @@ def from_level(q: int) -> float:
 
 def on_grid(x: float) -> float:
     return from_level(level(x))
+
+
+def _spill(w: float, size: int, cap: float, load: dict[str, float], room: dict[str, float],
+           kv_tokens: Mapping[str, int], kv_share: float) -> str | None:
+    """A home for a prefix no node had KV_SHARE room for: the node with room (its whole KV now)
+    for the most copies of it, the least traffic on ties, under the traffic bound. Left to the score, such a
+    prefix stayed wherever it first ran, its cache holder keeping it; in bench (a14)'s two
+    poorest runs at 100 % that was the busiest node, whose chats' histories it then evicted."""
+    whole = {n: kv - (kv_share * kv - room[n]) for n, kv in kv_tokens.items()}  # its KV less what is homed
+    ok = [n for n in sorted(kv_tokens) if whole[n] >= size and load[n] + w <= cap]
+    if not ok:
+        return None
+    node = min(ok, key=lambda n: (-(whole[n] // size), load[n]))  # room counted in copies of it
+    load[node] += w
+    room[node] -= size
+    return node
 
 
 def _place(w: float, size: int, ranks: Mapping[str, int], cap: float, load: dict[str, float],
