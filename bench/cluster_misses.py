@@ -6,7 +6,7 @@ turn ran on another node) or "evicted" (it ran on the same node, whose cache dro
 It also prints which nodes ran each system prompt. Diagnostic: nothing is written to the docs.
 
   .venv/bin/python bench/cluster_misses.py --rate 3.15 [--placement score|round_robin|single]
-      [--seconds 120] [--save rows.json] [--cluster-extra 'homes_bind = "congested"']
+      [--seconds 120] [--save rows.json] [--cluster-extra 'homes_bind = "congested"'] [--hot 0.5]
 """
 
 from __future__ import annotations
@@ -30,7 +30,8 @@ from bench.lib.streams import Stream
 HISTORY_MISS = 200  # uncached tokens past the system prompt that make a turn a history miss (a turn adds ~120)
 
 
-async def run(placement: str, rate: float, seconds: float, cluster_extra: str, seed: int = 1) -> list[dict[str, Any]]:
+async def run(placement: str, rate: float, seconds: float, cluster_extra: str, seed: int = 1,
+              hot: float | None = None) -> list[dict[str, Any]]:
     """One run as bench (a)'s `one_run` makes it; a row per request."""
     kv_blocks, wl_kw = bench_a._workload("pressure")
     n, scale = (1, 3) if placement == "single" else (3, 1)
@@ -40,7 +41,7 @@ async def run(placement: str, rate: float, seconds: float, cluster_extra: str, s
                                         cluster_extra=cluster_extra)
         log: list[tuple[dict[str, Any], Stream]] = []
         try:
-            await bench_a.chats(nodes, Workload(seed=seed, **wl_kw), rate / 5.5, seconds, seed, log)
+            await bench_a.chats(nodes, Workload(seed=seed, hot=hot, **wl_kw), rate / 5.5, seconds, seed, log)
         finally:
             await asyncio.to_thread(stop_nodes, nodes)
     t0 = log[0][1].t_send if log else 0.0
@@ -89,8 +90,9 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=bench_a.SECONDS)
     ap.add_argument("--cluster-extra", default="", help="more [cluster] lines for every node")
     ap.add_argument("--save", type=Path, help="write the rows here (JSON)")
+    ap.add_argument("--hot", type=float, help="this share of the chats on one system prompt (bench (a)'s hot run: 0.5)")
     a = ap.parse_args()
-    rows = asyncio.run(run(a.placement, a.rate, a.seconds, a.cluster_extra))
+    rows = asyncio.run(run(a.placement, a.rate, a.seconds, a.cluster_extra, hot=a.hot))
     if a.save:
         a.save.write_text(json.dumps(rows))
     print(f"{a.placement} at {a.rate} req/s, {a.seconds:.0f} s, the first third not counted")
