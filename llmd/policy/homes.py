@@ -14,7 +14,8 @@ the first node in its rendezvous order whose recent traffic stays under (1 + ε)
 cluster's and whose homed prefixes still fit in a share of its KV. A prefix with more traffic
 than one node's bound is split over its next homes (a hot system prompt is served from two),
 and placed before the others, while the nodes still have KV room for it.
-A prefix with no KV_SHARE room left anywhere is homed on the node with the most KV left (`_spill`).
+A prefix with no KV_SHARE room left anywhere is homed where its whole KV has room for it and
+traffic is least (`_spill`).
 A prefix seen once, or over every node's traffic bound, has no home here: the score places it.
 
 Traffic is the cluster's: each ingress's EXPORT_KEYS busiest prefixes, decayed, its own and
@@ -252,10 +253,11 @@ def on_grid(x: float) -> float:
 
 def _spill(w: float, size: int, cap: float, load: dict[str, float], room: dict[str, float],
            kv_tokens: Mapping[str, int], kv_share: float) -> str | None:
-    """A home for a prefix no node had KV_SHARE room for: the node with room (its whole KV now)
-    for the most copies of it, the least traffic on ties, under the traffic bound. Left to the score, such a
-    prefix stayed wherever it first ran, its cache holder keeping it; in bench (a14)'s two
-    poorest runs at 100 % that was the busiest node, whose chats' histories it then evicted."""
+    """A home for a prefix no node had KV_SHARE room for: the node whose whole KV has room for
+    the most copies of it, the least traffic on ties, under the traffic bound. Left to the
+    score, such a prefix stayed wherever it first ran, its cache holder keeping it; in bench
+    (a14)'s two poorest runs at 100 % that was the busiest node, whose chats' histories it
+    then evicted."""
     whole = {n: kv - (kv_share * kv - room[n]) for n, kv in kv_tokens.items()}  # its KV less what is homed
     ok = [n for n in sorted(kv_tokens) if whole[n] >= size and load[n] + w <= cap]
     if not ok:
