@@ -173,7 +173,7 @@ class HomeTable:
             shares = _place(w, size, home_ranks(key, kv_tokens), cap, load, room)
             if shares:
                 out[key] = {n: s / w for n, s in shares.items()}
-        for key in sorted(k for k in weight if k not in out):  # left over: none had room under KV_SHARE
+        for key in sorted(k for k in weight if k not in out):  # no KV_SHARE room, or every node with it at its bound
             node = _spill(weight[key][0], weight[key][1], cap, load, room, kv_tokens, self.kv_share)
             if node is not None:
                 out[key] = {node: 1.0}
