@@ -51,7 +51,7 @@ def main() -> None:
              f"Workload `pressure` as in (a), but half the chats on one system prompt; our placement (`score`); "
              f"round robin's capacity {args.capacity} req/s as (a) measured it; {args.seconds:.0f} s of arrivals, "
              "the first third not counted; queues: each node's requests waiting (llmd's queue and the engine's), "
-             "sampled every 0.25 s, averaged.", "",
+             "sampled every 0.25 s, averaged over the counted window.", "",
              *report.table(["load", "ok", "hit rate", "TTFT p90 s", "mean queue per node", "max/mean"], rows), "",
              *report.verdict_lines([(f"no failures ({failed}), max queue <= 1.5x mean at every load (worst "
                                      f"{worst:.2f})", failed == 0 and worst <= 1.5)])]
