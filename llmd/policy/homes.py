@@ -170,7 +170,7 @@ class HomeTable:
         # taken by small prefixes and piled onto one node (half the traffic: 0.52 of it on one).
         for key in sorted(weight, key=lambda k: (weight[k][0] <= cap, k)):
             w, size = weight[key]
-            shares = _place(w, size, home_ranks(key, kv_tokens), cap, load, room)
+            shares = _place(w, size, home_ranks(key, kv_tokens), cap, load, room, total / len(kv_tokens))
             if shares:
                 out[key] = {n: s / w for n, s in shares.items()}
         for key in sorted(k for k in weight if k not in out):  # no KV_SHARE room, or every node with it at its bound
@@ -269,11 +269,15 @@ def _spill(w: float, size: int, cap: float, load: dict[str, float], room: dict[s
 
 
 def _place(w: float, size: int, ranks: Mapping[str, int], cap: float, load: dict[str, float],
-           room: dict[str, float]) -> dict[str, float]:
+           room: dict[str, float], mean: float) -> dict[str, float]:
     """One prefix's traffic `w` on the first nodes (rendezvous `ranks`) with traffic and KV room:
     whole on one when one can take it, else split in order (a prefix bigger than a node's
-    bound). Updates `load` and `room`. Traffic that no node with KV room can take under its bound
-    gets no home (the score places it): pushed over a bound, it piled a hot prefix on one node."""
+    bound), each home filled to the `mean` first and to the bound only if the rest fits nowhere
+    else: the bound's slack is there for whole prefixes, and a split one can be cut anywhere.
+    Filled to the bound, a hot prefix with half the traffic put 1.25x the mean on its first home,
+    whose queue read 2.2-2.8x the nodes' mean at 70 % load in three runs (bench (a16)). Updates
+    `load` and `room`. Traffic that no node with KV room can take under its bound gets no home
+    (the score places it): pushed over a bound, it piled a hot prefix on one node."""
     order = sorted(ranks, key=ranks.__getitem__)
     fits = [n for n in order if room[n] >= size]
     whole = next((n for n in fits if load[n] + w <= cap), None)
@@ -283,16 +287,18 @@ def _place(w: float, size: int, ranks: Mapping[str, int], cap: float, load: dict
         return {whole: w}
     shares: dict[str, float] = {}
     left = w
-    for n in fits:
-        take = min(left, cap - load[n])
-        if take <= 0:
-            continue
-        shares[n] = take
-        load[n] += take
-        room[n] -= size
-        left -= take
-        if left <= 1e-9 * w:
-            return shares
+    for bound in (mean, cap):
+        for n in fits:
+            take = min(left, bound - load[n])
+            if take <= 0:
+                continue
+            if n not in shares:
+                room[n] -= size
+            shares[n] = shares.get(n, 0.0) + take
+            load[n] += take
+            left -= take
+            if left <= 1e-9 * w:
+                return shares
     if not fits or left > 1e-6 * w:  # every node with room is at its bound: no home for the rest
         return shares
     if left > 0:  # a rounding edge: the rest on the least loaded that fits
