@@ -75,3 +75,25 @@ def test_misses_are_sorted_into_system_prompt_moved_and_evicted_history() -> Non
     assert "system-prompt misses 1 (1 of them first turns)" in out
     assert "history misses 2: moved 1, evicted 1 (3.4-3.4 s after" in out
     assert "0: n0 3, n1 3" in out
+
+
+def test_queues_are_averaged_over_the_counted_window_only() -> None:
+    """The warm-up's cold caches queue on whichever node gets the first prompts; a run's hit rate
+    and TTFT leave them out, and so must its queues."""
+    samples = {"n0": [(0.5, 9), (1.0, 1), (2.0, 0), (3.5, 7)], "n1": [(0.5, 0), (1.5, 1)], "n2": [(4.0, 3)]}
+    assert bc.window_means(samples, 1.0, 3.0) == {"n0": 0.5, "n1": 1.0}  # n2 has no sample in it
+
+
+def test_the_hot_runs_verdict_reads_every_seed_and_an_old_single_run_still_reports() -> None:
+    hot = {"ok": 10, "requests": 10, "failed": 0, "hit": 0.8, "queues": {"n0": 0.1, "n1": 0.1, "n2": 0.1},
+           "queue_max_over_mean": 1.0, "seconds": 120}
+    runs = [{"load": 0.7, "placement": p, "rate": 3.1, "ok": 10, "requests": 10, "hit": h, "oracle": 0.9,
+             "ttft_p50": 0.1, "ttft_p90": t, "queue_max_over_mean": 1.0, "ttft_p50_halves": [0.1, 0.1],
+             "offline": {"round_robin": 0.3, "affinity": 0.9, "single": 0.9}}
+            for p, h, t in (("round_robin", 0.3, 1.0), ("score", 0.9, 0.2), ("single", 0.9, 0.1))]
+    data = {"workload": "pressure", "kv_blocks": 400, "mean_p": 1800.0, "capacity": 4.5, "seconds": 120.0,
+            "runs": runs, "ladder": [], "hot": [dict(hot, seed=1), dict(hot, seed=2, queue_max_over_mean=1.6)]}
+    last = bc.report_a(data)[-1]
+    assert "worst 1.60, mean 1.30" in last and last.endswith("MISS")
+    data["hot"] = dict(hot)  # a save from before the seeds
+    assert bc.report_a(data)[-1].endswith("PASS")
