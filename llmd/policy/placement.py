@@ -209,7 +209,7 @@ def place(cands: Sequence[Candidate], prompt_tokens: int, expected_output: int,
             / prefill_rate(c, default) + (0.0 if c.local else hop_s) for c, u in zip(fitting, unc, strict=True)}
     if any(c.home_share > 0 for c in fitting):  # the ingress gives shares only while homes bind
         fitting, unc = _at_homes(fitting, unc, ttft, prompt_tokens, default, saturated_slack)
-        if sum(c.home_share > 0 for c in fitting) > 1 and not any(c.sticky for c in fitting):
+        if len(fitting) > 1 and all(c.home_share > 0 and not c.sticky for c in fitting):  # homes kept
             return _split(fitting, unc, ttft, prompt_tokens, default, reservations, rng)  # a new chat
     roomy = [c for c, u in zip(fitting, unc, strict=True) if c.load.kv_free_tokens - reserved[c.node] >= u + need]
     queued = saturated(fitting, prompt_tokens, reserved)
@@ -263,9 +263,9 @@ def _split(homes: list[Candidate], unc: list[int], ttft: dict[str, float], promp
     162 of its 162 requests in one 70 % run, where that home's share was 83 % (bench (a15))."""
     best_unc = min(unc)
     as_if = {c.node: ttft[c.node] - (u - best_unc) / prefill_rate(c, default_tps)
-             for c, u in zip(homes, unc, strict=True) if c.home_share > 0}
+             for c, u in zip(homes, unc, strict=True)}
     top = min(as_if.values())
-    near = [c for c in homes if c.node in as_if and as_if[c.node] <= top + NEAR_BEST_MAX_S]
+    near = [c for c in homes if as_if[c.node] <= top + NEAR_BEST_MAX_S]
     choice = rng.choices(near, weights=[c.home_share for c in near])[0]
     reservations.add(choice.node, uncached(choice, prompt_tokens))
     return choice

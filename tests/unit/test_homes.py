@@ -314,6 +314,10 @@ def test_a_split_prefixs_new_chats_go_to_its_homes_by_share_whichever_holds_it_u
     # a later turn whose chat ran on the holder stays there (sticky)
     got = choose([replace(homes[0], sticky=True), *homes[1:]])
     assert got == Counter({"a": 50})
+    # both homes far slower than the idle node (3.2 s against 0.2 s): left, as a whole home is
+    got = choose([cand("a", share=2 / 3, cached=2000, waiting=30_000), cand("b", share=1 / 3, waiting=30_000),
+                  cand("c")])
+    assert got == Counter({"c": 50})
 
 
 def test_status_counts_prefixes_homes_and_each_nodes_share() -> None:
