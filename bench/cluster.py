@@ -451,7 +451,7 @@ def main() -> None:
     ap.add_argument("--parts", default="a,d")
     ap.add_argument("--seconds", type=float, default=SECONDS, help="arrivals per run (a)")
     ap.add_argument("--quota-seconds", type=float, default=90.0)
-    ap.add_argument("--loads", default=",".join(map(str, LOADS)), help="fractions of round robin's capacity (a)")
+    ap.add_argument("--loads", default=",".join(map(str, LOADS)), help="fractions of round robin's capacity (a); \"\" for the hot-prefix runs alone")
     ap.add_argument("--workload", choices=sorted(WORKLOADS), default="pressure", help="(a): bench/lib/cluster.py")
     ap.add_argument("--capacity", type=float, help="(a): round robin's capacity in req/s (skips measuring it)")
     ap.add_argument("--no-hot", action="store_true", help="(a): skip the hot-prefix run")
@@ -476,7 +476,7 @@ def main() -> None:
         tmp = Path(d)
         if "a" in parts:
             t = time.monotonic()
-            data = asyncio.run(part_a(tmp, args.seconds, tuple(float(x) for x in args.loads.split(",")),
+            data = asyncio.run(part_a(tmp, args.seconds, tuple(float(x) for x in args.loads.split(",") if x),
                                       args.workload, args.capacity, not args.no_hot,
                                       None if args.homes is None else args.homes == "on",
                                       args.hot_seconds))
