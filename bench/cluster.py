@@ -451,7 +451,8 @@ def main() -> None:
     ap.add_argument("--parts", default="a,d")
     ap.add_argument("--seconds", type=float, default=SECONDS, help="arrivals per run (a)")
     ap.add_argument("--quota-seconds", type=float, default=90.0)
-    ap.add_argument("--loads", default=",".join(map(str, LOADS)), help="fractions of round robin's capacity (a); \"\" for the hot-prefix runs alone")
+    ap.add_argument("--loads", default=",".join(map(str, LOADS)),
+                    help="fractions of round robin's capacity (a); \"\" for the hot-prefix runs alone")
     ap.add_argument("--workload", choices=sorted(WORKLOADS), default="pressure", help="(a): bench/lib/cluster.py")
     ap.add_argument("--capacity", type=float, help="(a): round robin's capacity in req/s (skips measuring it)")
     ap.add_argument("--no-hot", action="store_true", help="(a): skip the hot-prefix run")
