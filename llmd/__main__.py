@@ -1,4 +1,4 @@
-from llmd.cli import main
+from llmd.launch import main
 
 if __name__ == "__main__":
     main()

@@ -98,6 +98,23 @@ def math_cmd(as_json: bool, **opts: Any) -> None:
         click.echo(sheet.render(), nl=False)
 
 
+@plan.command("compile")
+def compile_cmd() -> None:
+    """Build the simulator's modules with mypyc now (`llmd plan sim` does on first use), for
+    example while building an image; prints where. LLMD_HOME decides the store."""
+    from llmd.plan.compiled import NO_COMPILER, CompileError, build, has_compiler, key
+
+    k = key()
+    if k is None or not has_compiler():
+        raise click.ClickException("cannot compile here: " + ("no mypyc (it comes with mypy)" if k is None
+                                                              else NO_COMPILER))
+    try:
+        out = build(k, log=lambda line: click.echo(line, err=True))
+    except CompileError as e:
+        raise click.ClickException(str(e)) from None
+    click.echo(str(out))
+
+
 def _register() -> None:
     from llmd.plan.sim.cli import sim_cmd
 
