@@ -104,8 +104,8 @@ def build_runtime(cfg: ModelConfig, backend: Backend, tenants: list[TenantConfig
     # The ITL controller's clock is wall time, as its samples' (gaps) time stamps are.
     # The step-time model reads the engine's steps, time-stamped by their own (wall) clock.
     stats = backend.stats
-    detector = SaturationDetector(seats, sc.kv_high, sc.target_itl_ms, sc.target_itl_margin,
-                                  clock=time.time, itl_samples=lambda: gaps,
+    detector = SaturationDetector(seats, kv_high=sc.kv_high, target_itl_ms=sc.target_itl_ms,
+                                  itl_margin=sc.target_itl_margin, clock=time.time, itl_samples=lambda: gaps,
                                   steps=(lambda: stats.history) if sc.itl_step_model else None)
     batch_seats = sc.batch_seats_with_interactive
     throughput = ThroughputEstimate(sc.prior_tokens_per_s, clock=time.monotonic)

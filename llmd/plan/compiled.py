@@ -10,8 +10,9 @@ beside the sources, they would shadow the sources for the server too, and go sta
 edit. Without a C compiler or mypyc, or with LLMD_PLAN_COMPILED=0, the planner runs the same
 modules as Python.
 
-llmd/policy/saturation.py stays Python: mypyc 2.4 cannot write the signature of a method with a
-float default before a keyword-only argument (its `clock`), and fails the whole build.
+A constructor here puts its keyword-only `clock` before any float default: mypyc 2.4 cannot
+write the signature of a method with a float default before a keyword-only argument without
+one, and fails the whole build (llmd/policy/saturation.py's were so).
 """
 
 from __future__ import annotations
@@ -38,7 +39,8 @@ MODULES = (
     "llmd.stepmodel", "llmd.stepplan",
     "llmd.policy.admission", "llmd.policy.classes", "llmd.policy.degradation", "llmd.policy.fairness",
     "llmd.policy.homes", "llmd.policy.placement", "llmd.policy.preemption", "llmd.policy.queue",
-    "llmd.policy.scheduler", "llmd.policy.signals", "llmd.policy.steptime", "llmd.policy.warmpool",
+    "llmd.policy.saturation", "llmd.policy.scheduler", "llmd.policy.signals", "llmd.policy.steptime",
+    "llmd.policy.warmpool",
     "llmd.plan.sim.degrade", "llmd.plan.sim.engine", "llmd.plan.sim.fleet", "llmd.plan.sim.hist",
     "llmd.plan.sim.metrics", "llmd.plan.sim.prefix_cache", "llmd.plan.sim.replica", "llmd.plan.sim.request",
     "llmd.plan.sim.scaling", "llmd.plan.sim.trace",

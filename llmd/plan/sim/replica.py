@@ -67,7 +67,8 @@ class Replica:
         else:
             queue = ModelQueue(FAIRNESS["fcfs"], lambda t: ordering.get(t, "fifo"))
         seats = sc.max_running or spec.max_num_seqs
-        detector = SaturationDetector(seats, sc.kv_high, sc.target_itl_ms, sc.target_itl_margin, clock=self.clock,
+        detector = SaturationDetector(seats, kv_high=sc.kv_high, target_itl_ms=sc.target_itl_ms,
+                                      itl_margin=sc.target_itl_margin, clock=self.clock,
                                       itl_samples=lambda: self.gaps,
                                       steps=(lambda: self.engine.history) if sc.itl_step_model else None)
         if isinstance(detector.itl, StepModelITL) and not self.exact:
