@@ -10,9 +10,9 @@ beside the sources, they would shadow the sources for the server too, and go sta
 edit. Without a C compiler or mypyc, or with LLMD_PLAN_COMPILED=0, the planner runs the same
 modules as Python.
 
-A constructor here puts its keyword-only `clock` before any float default: mypyc 2.4 cannot
-write the signature of a method with a float default before a keyword-only argument without
-one, and fails the whole build (llmd/policy/saturation.py's were so).
+A compiled class's method puts a keyword-only argument without a default (its `clock`) before
+every argument with one: where a float default is among them, mypyc 2.4 cannot write the
+method's signature and fails the whole build (llmd/policy/saturation.py's constructors did).
 """
 
 from __future__ import annotations

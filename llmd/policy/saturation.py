@@ -71,7 +71,7 @@ class ITLController:
     prefills, not from the batch, fewer seats only cost throughput (and preemptions).
     """
 
-    def __init__(self, target_ms: float, max_seats: int, min_seats: int = 1, *, clock: Clock, window_s: float = 6.0,
+    def __init__(self, target_ms: float, max_seats: int, *, clock: Clock, min_seats: int = 1, window_s: float = 6.0,
                  interval_s: float = 0.5, decrease: float = 0.9, margin: float = 0.88, hold_s: float = 10.0,
                  samples: Callable[[], Iterable[tuple[float, float]]] | None = None) -> None:
         self.samples = samples  # (wall time, gap) per token; default: the engine's own ITL
@@ -174,12 +174,12 @@ class StepModelITL(ITLController):
     it added sat on the fit's edge and the next refit took it back (bench/plan.py (c), 80 %).
     Until the model has seen enough steps (a cold start), plain AIMD on the limit."""
 
-    def __init__(self, target_ms: float, max_seats: int, min_seats: int = 1, *, clock: Clock,
-                 steps: Callable[[], Sequence[StepSample]], window_s: float = 6.0, interval_s: float = 0.5,
+    def __init__(self, target_ms: float, max_seats: int, *, clock: Clock, steps: Callable[[], Sequence[StepSample]],
+                 min_seats: int = 1, window_s: float = 6.0, interval_s: float = 0.5,
                  margin: float = 0.88, hold_s: float = 10.0, model: StepTimeModel | None = None, lag_s: float = 2.0,
                  samples: Callable[[], Iterable[tuple[float, float]]] | None = None, increase: float = 1.25) -> None:
-        super().__init__(target_ms, max_seats, min_seats, window_s=window_s, interval_s=interval_s, margin=margin,
-                         hold_s=hold_s, clock=clock, samples=samples)
+        super().__init__(target_ms, max_seats, min_seats=min_seats, window_s=window_s, interval_s=interval_s,
+                         margin=margin, hold_s=hold_s, clock=clock, samples=samples)
         self.steps = steps
         self.model = model if model is not None else StepTimeModel()
         self.engine_aim: float | None = None  # the p95 step time seats are sized for; None: cold start

@@ -59,7 +59,7 @@ class Engine:
 
 
 def controller(e: Engine, target_ms: float = 60.0, max_seats: int = 64, min_seats: int = 1) -> StepModelITL:
-    return StepModelITL(target_ms, max_seats, min_seats, margin=1.0, clock=e.clock,
+    return StepModelITL(target_ms, max_seats, min_seats=min_seats, margin=1.0, clock=e.clock,
                         steps=lambda: e.stats.history, samples=lambda: e.gaps)
 
 
