@@ -145,3 +145,16 @@ def test_llmd_plan_compile_prints_the_build_or_says_why_it_cannot(tmp_path: Path
     monkeypatch.setattr(compiled, "has_compiler", lambda: False)
     r = CliRunner().invoke(main, ["plan", "compile"])
     assert r.exit_code == 1 and "cannot compile here" in r.output
+
+
+def test_llmd_plan_sim_required_compiled_without_a_compiler_exits_2_and_auto_runs_python(tmp_path: Path) -> None:
+    env = {**os.environ, "LLMD_HOME": str(tmp_path), "PATH": str(tmp_path / "no-bin")}  # no cc on PATH
+    args = [sys.executable, "-m", "llmd", "plan", "sim", "--rate", "2", "--duration", "10", "--out",
+            str(tmp_path / "r.json")]
+    required = subprocess.run(args, cwd=ROOT, env={**env, compiled.ENV: "1"}, capture_output=True, text=True,
+                              check=False)
+    assert required.returncode == 2 and "LLMD_PLAN_COMPILED=1" in required.stderr, required.stderr
+    assert "Traceback" not in required.stderr and not (tmp_path / "r.json").exists()
+    auto = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, check=False)
+    assert auto.returncode == 0 and "running the simulator as Python" in auto.stderr, auto.stderr
+    assert (tmp_path / "r.json").exists()
