@@ -36,16 +36,13 @@ Pure: samples in (with their own time stamps), numbers out; no clock, no engine.
 from __future__ import annotations
 
 import math
+from bisect import bisect_left
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
-from itertools import chain
 from typing import Protocol
 
-import numpy as np
-
 _Sample = tuple[float, int, int, float]  # (t, running, prefill tokens, duration s)
-_TWENTIETHS = np.arange(1, 21)  # the prefill quantiles kept: k/20
 
 
 class StepSample(Protocol):
@@ -185,11 +182,25 @@ def _solve3(m: list[list[float]]) -> list[float] | None:
     return [x0, x1, x2]
 
 
-def _normal(x: np.ndarray, w: np.ndarray) -> list[list[float]]:
-    """The weighted normal equations over the rows (1, running, prefill) of `x`, its 4th row the
-    durations: one product gives both sides, row i = [M_i0, M_i1, M_i2 | v_i]."""
-    both: list[list[float]] = ((x[:3] * w) @ x.T).tolist()
-    return both
+def _normal(run: list[float], pre: list[float], dur: list[float], w: list[float]) -> list[list[float]]:
+    """The weighted normal equations over the rows (1, running, prefill) against the durations,
+    row i = [M_i0, M_i1, M_i2 | v_i], in one pass. The refit is loops, not numpy: compiled
+    (llmd/plan/compiled.py) they run at C's speed, where numpy's per-call cost over the
+    simulator's 64-step windows was a third of a seed-scale simulation. As Python, over llmd's
+    own 512-step window, a refit costs about 1.8 ms every 0.5 s (numpy's: 0.2 ms)."""
+    s0 = s1 = s2 = s11 = s12 = s22 = v0 = v1 = v2 = 0.0
+    for wi, r, p, d in zip(w, run, pre, dur, strict=True):
+        wr, wp = wi * r, wi * p
+        s0 += wi
+        s1 += wr
+        s2 += wp
+        s11 += wr * r
+        s12 += wr * p
+        s22 += wp * p
+        v0 += wi * d
+        v1 += wr * d
+        v2 += wp * d
+    return [[s0, s1, s2, v0], [s1, s11, s12, v1], [s2, s12, s22, v2]]
 
 
 def _least_squares(mv: list[list[float]], prior: tuple[float, float]) -> list[float] | None:
@@ -271,73 +282,79 @@ class StepTimeModel:
         return self.fit
 
     def _fit(self) -> StepFit | None:
-        n = len(self.window)  # fromiter: twice np.array's speed
-        x = np.fromiter(chain.from_iterable(self.window), np.float64, 4 * n).reshape(n, 4).T.copy()
-        t = x[0].copy()
-        x[0] = 1.0  # rows: 1, running, prefill, duration
-        decay = 0.5 ** ((t[-1] - t) / self.half_life_s)
-        total = float(decay.sum())
+        t = [e[0] for e in self.window]
+        run = [float(e[1]) for e in self.window]
+        pre = [float(e[2]) for e in self.window]
+        dur = [e[3] for e in self.window]
+        last, half_life = t[-1], self.half_life_s
+        decay = [0.5 ** ((last - ti) / half_life) for ti in t]
+        total = sum(decay)
         w, w_sum = decay, total
         coef: list[float] | None = None
         for _ in range(self.irls_rounds):
             if coef is not None:  # the Huber weights of the previous round's fit (the last round's go unused)
-                w = _huber(x, coef, decay)
-                w_sum = float(w.sum())
-            coef = _least_squares(_normal(x, w), (self.a_prior, self.prior_weight * w_sum))
+                w = _huber(run, pre, dur, coef, decay)
+                w_sum = sum(w)
+            coef = _least_squares(_normal(run, pre, dur, w), (self.a_prior, self.prior_weight * w_sum))
             if coef is None:
                 return None
         assert coef is not None
         a, b, c = coef
-        mean_running = float((decay * x[1]).sum()) / total
-        if float((decay * (x[1] - mean_running) ** 2).sum()) / total >= 4.0:  # batch sizes varied: a, b apart
+        mean_running = sum([d * r for d, r in zip(decay, run, strict=True)]) / total
+        spread = sum([d * (r - mean_running) ** 2 for d, r in zip(decay, run, strict=True)]) / total
+        if spread >= 4.0:  # batch sizes varied: a, b apart
             self.a_prior, self.identified = a, True
         elif not self.identified:
             return None  # one batch size, and no intercept seen yet: a and b are anyone's guess
-        sizes, share = _prefills(x[2], decay, total, mean_running)
-        speed, noise = self._recent(a, b, c, t, x)
+        sizes, share = _prefills(pre, decay, total, mean_running)
+        speed, noise = self._recent(a, b, c, t, run, pre, dur)
         return StepFit(a, b, c, speed, noise, len(t), sizes, share)
 
-    def _recent(self, a: float, b: float, c: float, t: np.ndarray, x: np.ndarray) -> tuple[float, float]:
+    def _recent(self, a: float, b: float, c: float, t: list[float], run: list[float], pre: list[float],
+                dur: list[float]) -> tuple[float, float]:
         """Speed and noise over the steps of the last `recent_s` (at least `recent_min` steps)."""
-        start = min(int(np.searchsorted(t, t[-1] - self.recent_s, side="left")), max(0, len(t) - self.recent_min))
-        fitted = a + b * x[1, start:] + c * x[2, start:]
-        ok = fitted > 0
-        ratios = np.sort(x[3, start:][ok] / fitted[ok])
-        speed = _median(ratios) if len(ratios) else 1.0
-        spread = np.abs(ratios / speed - 1.0)
-        spread.sort()
+        start = min(bisect_left(t, t[-1] - self.recent_s), max(0, len(t) - self.recent_min))
+        ratios: list[float] = []
+        for i in range(start, len(t)):
+            fitted = a + b * run[i] + c * pre[i]
+            if fitted > 0:
+                ratios.append(dur[i] / fitted)
+        ratios.sort()
+        speed = _median(ratios) if ratios else 1.0
+        spread = sorted([abs(x / speed - 1.0) for x in ratios])
         return speed, 1.4826 * _median(spread)
 
 
-def _median(sorted_values: np.ndarray) -> float:
-    """`quantile(sorted_values, 0.5)` for an array."""
+def _median(sorted_values: list[float]) -> float:
+    """`quantile(sorted_values, 0.5)`."""
     n = len(sorted_values)
-    return float(sorted_values[min(n - 1, max(0, math.ceil(0.5 * n) - 1))]) if n else 0.0
+    return sorted_values[min(n - 1, max(0, math.ceil(0.5 * n) - 1))] if n else 0.0
 
 
-def _huber(x: np.ndarray, coef: list[float], decay: np.ndarray) -> np.ndarray:
+def _huber(run: list[float], pre: list[float], dur: list[float], coef: list[float], decay: list[float]) -> list[float]:
     """Huber weights (k = 1.345 robust sigmas, sigma from the median absolute residual) times decay."""
-    res = np.abs(x[3] - np.array(coef) @ x[:3])
-    ordered = res.copy()
-    ordered.sort()
-    scale = 1.4826 * _median(ordered)
+    a, b, c = coef
+    res = [abs(d - (a + b * r + c * p)) for r, p, d in zip(run, pre, dur, strict=True)]
+    scale = 1.4826 * _median(sorted(res))
     if scale <= 0:
         return decay
     k = 1.345 * scale
-    weights: np.ndarray = decay * (k / np.maximum(res, k))  # k/k = 1 within k
-    return weights
+    return [dc * (k / max(x, k)) for dc, x in zip(decay, res, strict=True)]  # k/k = 1 within k
 
 
-def _prefills(prefill: np.ndarray, w: np.ndarray, total: float, mean_running: float) -> tuple[tuple[float, ...], float]:
+def _prefills(prefill: list[float], w: list[float], total: float,
+              mean_running: float) -> tuple[tuple[float, ...], float]:
     """(the weighted quantiles 1/20 .. 20/20 of the steps' prefills, the weighted share of steps
     with one per running sequence); `total` is w's sum, `mean_running` the weighted batch size."""
-    has = prefill > 0
-    if not has.any() or total <= 0:
+    steps = sorted([(p, wi) for p, wi in zip(prefill, w, strict=True) if p > 0])  # by size, ties by weight
+    if not steps or total <= 0:
         return (), 0.0
-    p, pw = prefill[has], w[has]
-    order = np.lexsort((pw, p))  # by size, ties by weight
-    p, acc = p[order], np.cumsum(pw[order])
-    mass = float(acc[-1])
-    at = np.searchsorted(acc, mass * _TWENTIETHS / 20 - 1e-12, side="left")  # first reaching k/20
-    sizes = tuple(p[np.minimum(at, len(p) - 1)].tolist())
+    acc: list[float] = []
+    mass = 0.0
+    for _, wi in steps:
+        mass += wi
+        acc.append(mass)
+    last = len(steps) - 1
+    # the first reaching k/20 of the weight, k = 1 .. 20
+    sizes = tuple(steps[min(bisect_left(acc, mass * k / 20 - 1e-12), last)][0] for k in range(1, 21))
     return sizes, mass / total / mean_running if mean_running > 0 else 0.0

@@ -1,7 +1,9 @@
-"""The refit's fast path gives the very floats of the straightforward one it replaced (the
-simulator's reports are compared byte for byte): a copy of that one is kept here as the
-reference, and both fit the same windows of noisy steps, prefills, stalls and degenerate
-batches."""
+"""The refit, written as loops over the window (no numpy: its per-call cost was most of a refit,
+and compiled with mypyc the loops run at C's speed), fits as numpy's vectorised form did: a
+copy of that one is kept here as the reference, and both fit the same windows of noisy steps,
+prefills, stalls and degenerate batches. The sums run in another order, so the floats agree to
+rounding, not bit for bit; the simulator's compiled and Python runs, which share the loops,
+agree byte for byte (test_plan_compiled)."""
 
 from __future__ import annotations
 
@@ -64,7 +66,7 @@ def ref_median(s: np.ndarray) -> float:
 
 
 def ref_fit(model: StepTimeModel) -> StepFit | None:
-    """StepTimeModel._fit as it was: every IRLS round's weights, a fresh normal-equation split."""
+    """StepTimeModel._fit as it was, in numpy: every IRLS round's weights, a fresh normal-equation split."""
     n = len(model.window)
     x = np.array(list(model.window), np.float64).reshape(n, 4).T.copy()
     t = x[0].copy()
@@ -124,8 +126,17 @@ def windows(seed: int) -> list[list[tuple[float, int, int, float]]]:
     return out
 
 
+def same_fit(got: StepFit | None, want: StepFit | None) -> bool:
+    if got is None or want is None:
+        return got is want
+    close = [pytest.approx(w, rel=1e-9, abs=1e-12) == g for g, w in  # seconds: to a picosecond
+             ((got.a, want.a), (got.b, want.b), (got.c, want.c), (got.speed, want.speed), (got.noise, want.noise),
+              (got.prefill_share_per_seq, want.prefill_share_per_seq))]
+    return all(close) and got.samples == want.samples and got.prefill_sizes == want.prefill_sizes
+
+
 @pytest.mark.parametrize("seed", range(5))
-def test_the_refit_gives_the_reference_fits_float_for_float(seed: int) -> None:
+def test_the_refit_gives_the_reference_fits_to_rounding(seed: int) -> None:
     fitted = 0
     for steps in windows(seed):
         fast, ref = StepTimeModel(window=64), StepTimeModel(window=64)
@@ -133,8 +144,8 @@ def test_the_refit_gives_the_reference_fits_float_for_float(seed: int) -> None:
             m.window.extend(steps)
         for half in (0, 1):  # a second fit starts from the first's intercept
             got, want = fast._fit(), ref_fit(ref)
-            assert got == want
-            assert (fast.a_prior, fast.identified) == (ref.a_prior, ref.identified)
+            assert same_fit(got, want), (got, want)
+            assert fast.identified == ref.identified and pytest.approx(ref.a_prior, rel=1e-9, abs=1e-12) == fast.a_prior
             fitted += got is not None
             for m in (fast, ref):
                 m.window.extend([(s[0] + 1000.0 * (half + 1), *s[1:]) for s in steps[: len(steps) // 2]])
