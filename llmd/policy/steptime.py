@@ -287,14 +287,16 @@ class StepTimeModel:
         run: list[float] = []
         pre: list[float] = []
         dur: list[float] = []
-        for ti, ri, pi, di in self.window:  # one pass; index loops below (compiled, they are C loops)
+        for ti, ri, pi, di in list(self.window):  # one pass over a list (compiled: a C loop, as the index loops below)
             t.append(ti)
             run.append(float(ri))
             pre.append(float(pi))
             dur.append(di)
         n, last, half_life = len(t), t[-1], self.half_life_s
-        decay = [0.5 ** ((last - ti) / half_life) for ti in t]
-        total = sum(decay)
+        decay = [math.pow(0.5, (last - ti) / half_life) for ti in t]  # C's pow, as 0.5 ** x: the same floats
+        total = 0.0
+        for d in decay:
+            total += d
         w, w_sum = decay, total
         coef: list[float] | None = None
         for _ in range(self.irls_rounds):
