@@ -313,7 +313,8 @@ class StepTimeModel:
             mean_running += decay[i] * run[i]
         mean_running /= total
         for i in range(n):
-            spread += decay[i] * (run[i] - mean_running) ** 2
+            dev = run[i] - mean_running
+            spread += decay[i] * (dev * dev)  # as ** 2 (both the correctly rounded square), without the generic power
         if spread / total >= 4.0:  # batch sizes varied: a, b apart
             self.a_prior, self.identified = a, True
         elif not self.identified:

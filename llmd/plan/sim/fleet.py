@@ -72,6 +72,7 @@ class Fleet:
         self.replicas = [Replica(i, spec.engine, spec.scheduling, self.tenants, step, clock, self.rec,
                                  spec.control_interval_s, spec.exact_controller)
                          for i in range(spec.replicas)]
+        self.by_name = {r.name: r for r in self.replicas}  # the router answers with a node's name
         self.loads: list[VersionLoad] = [self._load(r) for r in self.replicas]
         self._cands: dict[tuple[int, int], Candidate] = {}  # (replica, cached tokens) -> its candidate
         self.vtc = spec.scheduling.fairness == "vtc"
@@ -219,7 +220,7 @@ class Fleet:
         choice = self.router.choose(cands, r.prompt + r.generated, r.output - r.generated)
         if choice is None:
             return None
-        rep = self.replicas[int(choice.node[1:])]
+        rep = self.by_name[choice.node]
         r.reserved = max(0, r.prompt + r.generated - choice.cached_tokens)
         if r.prefix >= 0:
             self.home[r.prefix] = rep.idx

@@ -11,7 +11,6 @@ DECADES = 9  # 0.1 ms .. 100,000 s
 NBINS = PER_DECADE * DECADES
 _SCALE = PER_DECADE / math.log(10.0)
 _LOG_LO = math.log(LO_S)
-_log = math.log
 
 
 def bin_of(x: float) -> int:
@@ -36,7 +35,7 @@ class Hist:
         self.total = 0.0  # sum of x·w, for the mean
 
     def add(self, x: float, w: float = 1.0) -> None:
-        i = 0 if x <= LO_S else int((_log(x) - _LOG_LO) * _SCALE)
+        i = 0 if x <= LO_S else int((math.log(x) - _LOG_LO) * _SCALE)  # math.log: compiled, a C call
         self.bins[i if i < NBINS else NBINS - 1] += w
         self.n += w
         self.total += x * w
