@@ -1,5 +1,5 @@
 """`llmd plan sim` and `llmd plan search` on llmd's own modules compiled with mypyc: the same
-results byte for byte, about twice as fast (bench/plan.py (b)).
+results byte for byte, about 2.5 times as fast (bench/plan.py (b)).
 
 The simulator runs llmd's policy modules (llmd/policy/) in its loop, and at seed scale their
 Python is most of its time. mypyc, mypy's compiler (it builds mypy and black), turns typed
