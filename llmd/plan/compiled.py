@@ -35,6 +35,7 @@ from types import ModuleType
 from llmd.store import home
 
 ENV = "LLMD_PLAN_COMPILED"  # "0": Python; "1": compiled or an error; unset ("auto"): compiled where it can be
+MODES = ("auto", "0", "1")
 MODULES = (
     "llmd.stepmodel", "llmd.stepplan",
     "llmd.policy.admission", "llmd.policy.classes", "llmd.policy.degradation", "llmd.policy.fairness",
@@ -152,8 +153,10 @@ def activate(out: Path) -> bool:
 def use(log: Callable[[str], None] = print) -> bool:
     """What the planner's commands run on, per LLMD_PLAN_COMPILED: True when the compiled modules
     are loaded. "auto" (unset) builds them where it can and falls back to Python with a line
-    saying why; "1" raises CompileError instead; "0" keeps Python."""
-    mode = os.environ.get(ENV, "auto")
+    saying why; "1" raises CompileError instead; "0" keeps Python; any other value is an error."""
+    mode = os.environ.get(ENV) or "auto"
+    if mode not in MODES:
+        raise CompileError(f"{ENV}={mode!r}: it takes {', '.join(MODES)} (unset: auto)")
     if mode == "0":
         return False
     k = key()
@@ -167,5 +170,5 @@ def use(log: Callable[[str], None] = print) -> bool:
     except (CompileError, OSError) as e:
         if mode == "1":
             raise CompileError(f"{ENV}=1: {e}") from None
-        log(f"llmd plan: running the simulator as Python ({e}); it is about twice as slow")
+        log(f"llmd plan: running the simulator as Python ({e}); it is two to three times as slow")
         return False

@@ -62,13 +62,16 @@ def test_use_keeps_python_and_says_why_unless_compiled_is_required(monkeypatch: 
     monkeypatch.setattr(compiled, "has_compiler", lambda: False)
     monkeypatch.delenv(compiled.ENV, raising=False)
     assert use(lines.append) is False
-    assert lines and "no C compiler" in lines[0] and "twice as slow" in lines[0]
+    assert lines and "no C compiler" in lines[0] and "three times as slow" in lines[0]
     monkeypatch.setenv(compiled.ENV, "1")
     with pytest.raises(CompileError, match="no C compiler"):
         use(lines.append)
     monkeypatch.setenv(compiled.ENV, "0")
     lines.clear()
     assert use(lines.append) is False and not lines
+    monkeypatch.setenv(compiled.ENV, "yes")  # a typo is an error, not a silent default
+    with pytest.raises(CompileError, match="LLMD_PLAN_COMPILED='yes': it takes auto, 0, 1"):
+        use(lines.append)
 
 
 def test_a_finished_build_is_reused_without_compiling(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
