@@ -102,12 +102,12 @@ def math_cmd(as_json: bool, **opts: Any) -> None:
 def compile_cmd() -> None:
     """Build the simulator's modules with mypyc now (`llmd plan sim` does on first use), for
     example while building an image; prints where. LLMD_HOME decides the store."""
-    from llmd.plan.compiled import NO_COMPILER, CompileError, build, has_compiler, key
+    from llmd.plan.compiled import CompileError, build, key, unavailable
 
     k = key()
-    if k is None or not has_compiler():
-        raise click.ClickException("cannot compile here: " + ("no mypyc (it comes with mypy)" if k is None
-                                                              else NO_COMPILER))
+    why = unavailable(k)
+    if k is None or why is not None:
+        raise click.ClickException(f"cannot compile here: {why}")
     try:
         out = build(k, log=lambda line: click.echo(line, err=True))
     except CompileError as e:

@@ -97,6 +97,13 @@ def has_compiler() -> bool:
     return shutil.which(cc) is not None and (Path(sysconfig.get_paths()["include"]) / "Python.h").exists()
 
 
+def unavailable(k: str | None) -> str | None:
+    """Why nothing can be compiled here (None: it can), for the build's key `k` (`key()`)."""
+    if k is None:
+        return "no mypyc (it comes with mypy)"
+    return None if has_compiler() else NO_COMPILER
+
+
 def build(k: str, log: Callable[[str], None] = print, root: Path | None = None) -> Path:
     """Compile MODULES (under `root`, default llmd's own) into build_dir(k), once: a second
     process waits for the first's build and uses it."""
@@ -160,10 +167,10 @@ def use(log: Callable[[str], None] = print) -> bool:
     if mode == "0":
         return False
     k = key()
-    why = "no mypyc (it comes with mypy)" if k is None else None if has_compiler() else NO_COMPILER
     try:
+        why = unavailable(k)
         if k is None or why is not None:
-            raise CompileError(why or "")
+            raise CompileError(why)
         if activate(build(k, log)):
             return True
         raise CompileError("the simulator's modules were imported before they could be loaded compiled")
