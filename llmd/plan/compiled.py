@@ -38,7 +38,8 @@ ENV = "LLMD_PLAN_COMPILED"  # "0": Python; "1": compiled or an error; unset ("au
 MODES = ("auto", "0", "1")
 MODULES = (
     "llmd.stepmodel", "llmd.stepplan",
-    "llmd.policy.admission", "llmd.policy.classes", "llmd.policy.degradation", "llmd.policy.fairness",
+    "llmd.policy.admission", "llmd.policy.classes", "llmd.policy.degradation", "llmd.policy.draws",
+    "llmd.policy.fairness",
     "llmd.policy.homes", "llmd.policy.placement", "llmd.policy.preemption", "llmd.policy.queue",
     "llmd.policy.saturation", "llmd.policy.scheduler", "llmd.policy.signals", "llmd.policy.steptime",
     "llmd.policy.warmpool",

@@ -25,6 +25,8 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
+from llmd.policy import draws
+
 HOP_S = 0.005  # forwarding to a peer: a loopback/LAN round trip and a proxy, not free
 GAMMA = 1.0  # weight of KV occupancy by running sequences in the score
 NEAR_BEST = 0.1  # candidates within 10 % of the best score are equally good ...
@@ -229,7 +231,7 @@ def place(cands: Sequence[Candidate], prompt_tokens: int, expected_output: int,
         score = {c.node: ttft[c.node] * (1 + gamma * occupancy(c.load)) for c in pool}
         best = min(score.values())
         band = min(best * near_best, NEAR_BEST_MAX_S)
-        choice = rng.choice([c for c in pool if score[c.node] <= best + band])
+        choice = draws.choice(rng, [c for c in pool if score[c.node] <= best + band])
     reservations.add(choice.node, uncached(choice, prompt_tokens))
     return choice
 

@@ -25,6 +25,7 @@ from llmd.plan.sim.request import Req
 from llmd.plan.sim.scaling import Scaler
 from llmd.plan.sim.spec import SimSpec
 from llmd.plan.sim.trace import CLASSES, Trace
+from llmd.policy import draws
 from llmd.policy.admission import AdmissionController, Ticket
 from llmd.policy.placement import Candidate, Reservations, ScoreRouting, VersionLoad
 from llmd.policy.queue import QueuedRequest
@@ -203,7 +204,7 @@ class Fleet:
         if not active:
             return None
         d = self.spec.route_candidates
-        picks = self.rng.sample(active, d) if len(active) > d else list(active)
+        picks = draws.sample(self.rng, active, d) if len(active) > d else list(active)
         home = self.home.get(r.prefix) if r.prefix >= 0 else None
         if home is not None and home not in picks and self.replicas[home].state == "active":
             picks.append(home)
