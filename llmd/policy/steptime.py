@@ -38,7 +38,7 @@ from __future__ import annotations
 import math
 from bisect import bisect_left
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -182,15 +182,29 @@ def _solve3(m: list[list[float]]) -> list[float] | None:
     return [x0, x1, x2]
 
 
-def _normal(run: list[float], pre: list[float], dur: list[float], w: list[float]) -> list[list[float]]:
+def _normal(run: list[float], pre: list[float], dur: list[float], decay: list[float],
+            coef: list[float] | None) -> tuple[list[list[float]], float]:
     """The weighted normal equations over the rows (1, running, prefill) against the durations,
-    row i = [M_i0, M_i1, M_i2 | v_i], in one pass. The refit is loops, not numpy: compiled
+    row i = [M_i0, M_i1, M_i2 | v_i], and the weights' sum, in one pass. The weights are the
+    decay, times Huber's (k = 1.345 robust sigmas, sigma from the median absolute residual) of
+    the fit `coef` where one is given. The refit is loops, not numpy: compiled
     (llmd/plan/compiled.py) they run at C's speed, where numpy's per-call cost over the
     simulator's 64-step windows was a third of a seed-scale simulation. As Python, over llmd's
     own 512-step window, a refit costs about 1.8 ms every 0.5 s (numpy's: 0.2 ms)."""
-    s0 = s1 = s2 = s11 = s12 = s22 = v0 = v1 = v2 = 0.0
-    for i in range(len(w)):
-        wi, r, p, d = w[i], run[i], pre[i], dur[i]
+    a, b, c = coef if coef is not None else (0.0, 0.0, 0.0)
+    k = 0.0  # no Huber weights
+    if coef is not None:
+        res = [abs(dur[i] - (a + b * run[i] + c * pre[i])) for i in range(len(dur))]
+        res.sort()
+        k = 1.345 * (1.4826 * _median(res))
+    s0 = s1 = s2 = s11 = s12 = s22 = v0 = v1 = v2 = w_sum = 0.0
+    for i in range(len(decay)):
+        r, p, d = run[i], pre[i], dur[i]
+        wi = decay[i]
+        if k > 0:
+            x = abs(d - (a + b * r + c * p))  # the residual as the median saw it
+            wi = wi * (k / (x if x > k else k))  # k/k = 1 within k
+        w_sum += wi
         wr, wp = wi * r, wi * p
         s0 += wi
         s1 += wr
@@ -201,7 +215,7 @@ def _normal(run: list[float], pre: list[float], dur: list[float], w: list[float]
         v0 += wi * d
         v1 += wr * d
         v2 += wp * d
-    return [[s0, s1, s2, v0], [s1, s11, s12, v1], [s2, s12, s22, v2]]
+    return [[s0, s1, s2, v0], [s1, s11, s12, v1], [s2, s12, s22, v2]], w_sum
 
 
 def _least_squares(mv: list[list[float]], prior: tuple[float, float]) -> list[float] | None:
@@ -237,12 +251,42 @@ def _least_squares(mv: list[list[float]], prior: tuple[float, float]) -> list[fl
     return None
 
 
+class StepWindow:
+    """The last `maxlen` steps, kept as columns (time, running, prefill tokens, duration) of
+    floats: a refit reads each column as one list copy, with no per-step unpacking or
+    conversion (compiled, that was a fifth of the refit). Appends and iterates as (t, running,
+    prefill tokens, duration) tuples."""
+
+    def __init__(self, maxlen: int) -> None:
+        self.t: deque[float] = deque(maxlen=maxlen)
+        self.running: deque[float] = deque(maxlen=maxlen)
+        self.prefill: deque[float] = deque(maxlen=maxlen)
+        self.duration: deque[float] = deque(maxlen=maxlen)
+
+    def __len__(self) -> int:
+        return len(self.t)
+
+    def __iter__(self) -> Iterator[_Sample]:
+        for t, r, p, d in zip(self.t, self.running, self.prefill, self.duration, strict=True):
+            yield t, int(r), int(p), d
+
+    def append(self, s: _Sample) -> None:
+        self.t.append(s[0])
+        self.running.append(float(s[1]))
+        self.prefill.append(float(s[2]))
+        self.duration.append(s[3])
+
+    def extend(self, steps: Iterable[_Sample]) -> None:
+        for s in steps:
+            self.append(s)
+
+
 class StepTimeModel:
     """The last `window` steps and the fit over them; `refresh` refits, `fit` only reads."""
 
     def __init__(self, window: int = 512, min_steps: int = 6, recent_s: float = 3.0, recent_min: int = 24,
                  half_life_s: float = 30.0, prior_weight: float = 0.01, irls_rounds: int = 4) -> None:
-        self.window: deque[_Sample] = deque(maxlen=window)
+        self.window = StepWindow(window)
         self.min_steps = min_steps
         self.recent_s = recent_s
         self.recent_min = recent_min
@@ -283,27 +327,18 @@ class StepTimeModel:
         return self.fit
 
     def _fit(self) -> StepFit | None:
-        t: list[float] = []
-        run: list[float] = []
-        pre: list[float] = []
-        dur: list[float] = []
-        for ti, ri, pi, di in list(self.window):  # one pass over a list (compiled: a C loop, as the index loops below)
-            t.append(ti)
-            run.append(float(ri))
-            pre.append(float(pi))
-            dur.append(di)
+        win = self.window
+        t, run, pre, dur = list(win.t), list(win.running), list(win.prefill), list(win.duration)
         n, last, half_life = len(t), t[-1], self.half_life_s
         decay = [math.pow(0.5, (last - ti) / half_life) for ti in t]  # C's pow, as 0.5 ** x: the same floats
         total = 0.0
         for d in decay:
             total += d
-        w, w_sum = decay, total
         coef: list[float] | None = None
         for _ in range(self.irls_rounds):
-            if coef is not None:  # the Huber weights of the previous round's fit (the last round's go unused)
-                w = _huber(run, pre, dur, coef, decay)
-                w_sum = sum(w)
-            coef = _least_squares(_normal(run, pre, dur, w), (self.a_prior, self.prior_weight * w_sum))
+            # rounds after the first weigh by the previous round's fit (Huber); the last round's go unused
+            mv, w_sum = _normal(run, pre, dur, decay, coef)
+            coef = _least_squares(mv, (self.a_prior, self.prior_weight * w_sum))
             if coef is None:
                 return None
         assert coef is not None
@@ -342,24 +377,6 @@ def _median(sorted_values: list[float]) -> float:
     """`quantile(sorted_values, 0.5)`."""
     n = len(sorted_values)
     return sorted_values[min(n - 1, max(0, math.ceil(0.5 * n) - 1))] if n else 0.0
-
-
-def _huber(run: list[float], pre: list[float], dur: list[float], coef: list[float], decay: list[float]) -> list[float]:
-    """Huber weights (k = 1.345 robust sigmas, sigma from the median absolute residual) times decay."""
-    a, b, c = coef
-    n = len(run)
-    res = [0.0] * n
-    for i in range(n):
-        res[i] = abs(dur[i] - (a + b * run[i] + c * pre[i]))
-    scale = 1.4826 * _median(sorted(res))
-    if scale <= 0:
-        return decay
-    k = 1.345 * scale
-    weights = [0.0] * n
-    for i in range(n):
-        x = res[i]
-        weights[i] = decay[i] * (k / (x if x > k else k))  # k/k = 1 within k
-    return weights
 
 
 def _prefills(prefill: list[float], w: list[float], total: float,
