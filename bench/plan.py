@@ -9,7 +9,8 @@
       measured points are kept in bench/data/plan-e2e.json; `--measure` re-measures them, which
       takes the real engine for minutes per point: run it under the box lock).
 
-  .venv/bin/python bench/plan.py [--parts a,b,c] [--speed-s 600] [--control-s S] [--measure PART ...]
+  .venv/bin/python bench/plan.py [--parts a,b,c] [--speed-s 600] [--control-s S] [--speed-against DIR]
+                                 [--measure PART ...]
 """
 
 from __future__ import annotations
@@ -35,11 +36,13 @@ def part_a() -> list[str]:
             calibration_section()]
 
 
-def part_b(speed_s: float, control_s: float | None = None) -> list[str]:
-    from bench.lib.plan_speed import section
+def part_b(speed_s: float, control_s: float | None = None, against: Path | None = None) -> list[str]:
+    from bench.lib import plan_speed
 
     t0 = time.perf_counter()
-    body = section(speed_s, control_s).split("\n", 2)[2]  # drop its own heading
+    body = plan_speed.section(speed_s, control_s).split("\n", 2)[2]  # drop its own heading
+    if against is not None:
+        body += "\n" + plan_speed.against(against, speed_s)
     scale = (f" An hour is extrapolated as {3600 / speed_s:.0f}× this run's wall time"
              " (the simulator's cost per simulated second is steady once the fleet is warm)."
              if speed_s < 3600 else "")
@@ -70,6 +73,9 @@ def main() -> None:
     p.add_argument("--speed-s", type=float, default=600.0, help="simulated seconds for (b); 3600 = the hour")
     p.add_argument("--control-s", type=float, default=None,
                    help="(b): SimSpec.control_interval_s, the ITL controller's interval (default: llmd's 0.5 s, exact)")
+    p.add_argument("--speed-against", type=Path, default=None,
+                   help="(b): also time, alternating with this checkout, the compiled simulator of another "
+                        "checkout (a worktree of an older commit)")
     p.add_argument("--measure", nargs="*", default=[], help="bench/lib/plan_e2e.py parts to re-measure for (c)")
     a = p.parse_args()
     parts = set(a.parts.split(","))
@@ -77,7 +83,7 @@ def main() -> None:
     if "a" in parts:
         subs["(a)"] = part_a()
     if "b" in parts:
-        subs["(b)"] = part_b(a.speed_s, a.control_s)
+        subs["(b)"] = part_b(a.speed_s, a.control_s, a.speed_against)
     if "c" in parts:
         subs["(c)"] = part_c(tuple(a.measure))
     for lines in subs.values():

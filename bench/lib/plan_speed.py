@@ -85,12 +85,14 @@ print(json.dumps(m))
 """
 
 
-def measure_as(mode: str, duration_s: float, control_s: float | None = None) -> dict[str, Any]:
-    """`measure` in a child with LLMD_PLAN_COMPILED=`mode` ("1": compiled, "0": Python)."""
-    root = Path(__file__).resolve().parents[2]
+def measure_as(mode: str, duration_s: float, control_s: float | None = None,
+               root: Path | None = None) -> dict[str, Any]:
+    """`measure` in a child with LLMD_PLAN_COMPILED=`mode` ("1": compiled, "0": Python), on the
+    checkout at `root` (default: this one; another: an older commit's worktree, to compare)."""
+    root = root or Path(__file__).resolve().parents[2]
+    env = {**os.environ, "LLMD_PLAN_COMPILED": mode, "PYTHONPATH": str(root)}
     r = subprocess.run([sys.executable, "-c", _CHILD, str(duration_s), "-" if control_s is None else str(control_s)],
-                       check=False, cwd=root, env={**os.environ, "LLMD_PLAN_COMPILED": mode}, capture_output=True,
-                       text=True)
+                       check=False, cwd=root, env=env, capture_output=True, text=True)
     if r.returncode != 0:
         raise SystemExit(f"the {mode!r} run failed:\n{r.stderr[-2000:]}")
     out: dict[str, Any] = json.loads(r.stdout.strip().splitlines()[-1])
@@ -177,3 +179,33 @@ def section(duration_s: float = 3600.0, control_s: float | None = None) -> str:
 
 if __name__ == "__main__":
     print(section(float(sys.argv[1]) if len(sys.argv) > 1 else 3600.0))
+
+
+def against(other: Path, duration_s: float, rounds: int = 3) -> str:
+    """The compiled simulator here against the one in checkout `other`, alternating, `rounds`
+    each: the box's speed moves by a third within an hour, so versions are compared only as
+    runs interleaved in one session (the digests say whether they simulate the same thing)."""
+    here = Path(__file__).resolve().parents[2]
+    runs: dict[Path, list[dict[str, Any]]] = {other: [], here: []}
+    for _ in range(rounds):
+        for root in (other, here):
+            runs[root].append(measure_as("1", duration_s, root=root))
+
+    def rev(root: Path) -> str:
+        r = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
+                           check=False)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                               capture_output=True, text=True, check=False).stdout.strip()
+        return (r.stdout.strip() or str(root)) + (" + uncommitted changes" if dirty else "")
+
+    rows = []
+    for root, ms in runs.items():
+        walls = sorted(m["wall_s"] for m in ms)
+        each = " / ".join(f"{m['wall_s']:.1f}" for m in ms)
+        rows.append(f"| {rev(root)} | {each} | {walls[len(walls) // 2]:.1f} s "
+                    f"| {walls[len(walls) // 2] * 3600 / duration_s:.0f} s | {ms[0]['digest']} |")
+    old_w = sorted(m["wall_s"] for m in runs[other])[rounds // 2]
+    new_w = sorted(m["wall_s"] for m in runs[here])[rounds // 2]
+    return (f"Compiled, {duration_s:.0f} s simulated, the two checkouts alternating ({rounds} runs each):\n\n"
+            "| llmd at | wall per run (in order) | median | an hour | digest |\n| --- | --- | --- | --- | --- |\n"
+            + "\n".join(rows) + f"\n\n{rev(here)} runs {old_w / new_w:.2f}x as fast as {rev(other)}.\n")
