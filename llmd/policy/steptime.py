@@ -190,7 +190,7 @@ def _normal(run: list[float], pre: list[float], dur: list[float], decay: list[fl
     the fit `coef` where one is given. The refit is loops, not numpy: compiled
     (llmd/plan/compiled.py) they run at C's speed, where numpy's per-call cost over the
     simulator's 64-step windows was a third of a seed-scale simulation. As Python, over llmd's
-    own 512-step window, a refit costs about 1.8 ms every 0.5 s (numpy's: 0.2 ms)."""
+    own 512-step window, a refit costs about 1 ms every 0.5 s (numpy's: 0.2 ms; bench/plan.py (b))."""
     a, b, c = coef if coef is not None else (0.0, 0.0, 0.0)
     k = 0.0  # no Huber weights
     if coef is not None:
