@@ -107,17 +107,13 @@ class ITLController:
         self._on_interval(now)
         edge = now - self.lag  # later samples are left to a step model, which reacts first
         since = edge - self._settled_at
-        itl = list(self.samples()) if self.samples is not None else signals.itl
-        lo = max(edge - self.window_s, self._settled_at)
-        full = [x for t, x in itl if lo <= t <= edge]
+        full, short = self._windows(self.samples() if self.samples is not None else signals.itl, edge)
         if len(full) < 8:
             return
         self.last_p95 = p95(full)
         # Only a binding limit is to blame: while sequences ramp up (running well below it)
         # the stalls are prefills, and a cut would only be undone.
         binding = not self._cut and running >= 0.9 * self.limit
-        lo = max(edge - self.window_s / 2, self._settled_at)
-        short = [x for t, x in itl if lo <= t <= edge]
         if binding and since >= self.window_s / 2 and len(short) >= 8 and p95(short) > 1.25 * self.target:
             self._cut_or_undo(now, p95(short))  # far over: half a window is evidence enough
         elif self.last_p95 > self.target:
@@ -126,6 +122,20 @@ class ITLController:
         else:
             self._before = None
             self._maybe_grow(now, running)
+
+    def _windows(self, itl: Iterable[tuple[float, float]], edge: float) -> tuple[list[float], list[float]]:
+        """The gaps of the whole window and of its later half (since the last settling, up to
+        `edge`), in one pass over the samples."""
+        lo = max(edge - self.window_s, self._settled_at)
+        lo_short = max(edge - self.window_s / 2, self._settled_at)
+        full: list[float] = []
+        short: list[float] = []
+        for t, x in itl:
+            if lo <= t <= edge:
+                full.append(x)
+                if t >= lo_short:
+                    short.append(x)
+        return full, short
 
     def _on_interval(self, now: float) -> None:
         """Called once per interval before the samples are judged (a subclass's model step)."""
