@@ -189,6 +189,12 @@ async def one_run(tmp: Path, placement: str, req_per_s: float, seconds: float, h
     t_end = log[0][1].t_send + seconds if log else 0.0  # the last session starts before this
     means = window_means(queues, t_warm, t_end)
     window = [s for _, s in log if t_warm <= s.t_send < t_end]
+    per_node: dict[str, list[int]] = {}  # node: [requests, of them on the first system prompt (the hot one)]
+    for b, s in log:
+        if t_warm <= s.t_send < t_end and s.node:
+            c = per_node.setdefault(s.node, [0, 0])
+            c[0] += 1
+            c[1] += b["messages"][0]["content"] == wl.systems[0]
     halves = [[s.ttft for s in window if s.ttft is not None and (s.t_send >= (t_warm + t_end) / 2) == late]
               for late in (False, True)]
     return {"placement": placement, "rate": req_per_s, "requests": len(log), "ok": len(done),
@@ -199,7 +205,7 @@ async def one_run(tmp: Path, placement: str, req_per_s: float, seconds: float, h
             "ttft_p50": stats.pct(ttfts, 50) if ttfts else None, "ttft_p90": stats.pct(ttfts, 90) if ttfts else None,
             "queue_max_over_mean": (max(means.values()) / stats.mean(means.values()))
             if means and stats.mean(means.values()) > 0 else None, "queues": means,
-            "homes_bound": sum(bound) / len(bound) if bound else 0.0,
+            "homes_bound": sum(bound) / len(bound) if bound else 0.0, "per_node": per_node,
             # steady state: the requests sent per second while sessions still start, and TTFT p50
             # in each half of that window (a queue that keeps growing: the second far over the first)
             "sent_per_s": len(window) / (t_end - t_warm) if t_end > t_warm else None,
@@ -335,13 +341,16 @@ def report_a(data: dict[str, Any]) -> list[str]:
     if hots:
         rows = [[str(h.get("seed", 1)), f"{h['ok']}/{h['requests']}", f"{h['hit']:.2f}",
                  ", ".join(f"{k} {v:.2f}" for k, v in sorted(h["queues"].items())),
-                 report.num(h["queue_max_over_mean"], 2), f"{h.get('homes_bound', 0):.0%}"] for h in hots]
+                 report.num(h["queue_max_over_mean"], 2), f"{h.get('homes_bound', 0):.0%}",
+                 ", ".join(f"{k} {n} ({hot_n})" for k, (n, hot_n) in sorted(h["per_node"].items()))
+                 if "per_node" in h else "-"] for h in hots]
         ratios = [h["queue_max_over_mean"] or 0.0 for h in hots]
         lines += [f"Hot prefix (half the traffic on one system prompt) at 70 %, {hots[0].get('seconds', 40):.0f} s "
                   "of arrivals, one run per seed of chats; queues: each node's requests waiting, sampled every "
                   "0.25 s and averaged over the counted window (from the end of the first third to the last "
                   "chat's start):", "",
-                  *report.table(["seed", "ok", "hit rate", "mean queue per node", "max/mean", "homes bound"], rows),
+                  *report.table(["seed", "ok", "hit rate", "mean queue per node", "max/mean", "homes bound",
+                                 "requests per node in the window (on the hot prompt)"], rows),
                   ""]
         failed = sum(int(h["failed"]) for h in hots)
         verdicts.append((f"a hot prefix with half the traffic: no failures ({failed}), max queue <= 1.5x mean in "
