@@ -351,12 +351,24 @@ def report_a(data: dict[str, Any]) -> list[str]:
                   "chat's start):", "",
                   *report.table(["seed", "ok", "hit rate", "mean queue per node", "max/mean", "homes bound",
                                  "requests per node in the window (on the hot prompt)"], rows),
-                  ""]
+                  "", *_floor(by, at70), ""]
         failed = sum(int(h["failed"]) for h in hots)
         verdicts.append((f"a hot prefix with half the traffic: no failures ({failed}), max queue <= 1.5x mean in "
                          f"every run (worst {max(ratios):.2f}, mean {sum(ratios) / len(ratios):.2f})",
                          failed == 0 and max(ratios) <= 1.5))
     return lines + report.verdict_lines(verdicts)
+
+
+def _floor(by: dict[tuple[float, str], dict[str, Any]], load: float) -> list[str]:
+    """The same max/mean without a hot prompt, from the sweep's runs at the hot runs' load: what
+    the ratio reads on queues this short when no prompt dominates (round robin: no affinity)."""
+    got = [(p, by[(load, p)]) for p in ("score", "round_robin") if (load, p) in by]
+    if not got:
+        return []
+    return ["Without a hot prompt (the sweep's runs above at " + f"{load:.0%}" + "): " + "; ".join(
+        f"{p} max/mean {report.num(r['queue_max_over_mean'], 2)} on mean queues "
+        + ", ".join(f"{v:.2f}" for _, v in sorted(r.get("queues", {}).items())) for p, r in got)
+        + ". A ratio over queues of a tenth of a request reads which node a few bursts hit."]
 
 
 def _growth(r: dict[str, Any]) -> str:

@@ -89,16 +89,19 @@ def test_the_hot_runs_verdict_reads_every_seed_and_an_old_single_run_still_repor
            "queue_max_over_mean": 1.0, "seconds": 120}
     runs = [{"load": 0.7, "placement": p, "rate": 3.1, "ok": 10, "requests": 10, "hit": h, "oracle": 0.9,
              "ttft_p50": 0.1, "ttft_p90": t, "queue_max_over_mean": 1.0, "ttft_p50_halves": [0.1, 0.1],
-             "offline": {"round_robin": 0.3, "affinity": 0.9, "single": 0.9}}
+             "offline": {"round_robin": 0.3, "affinity": 0.9, "single": 0.9}, "queues": {"n0": 0.1, "n1": 0.3}}
             for p, h, t in (("round_robin", 0.3, 1.0), ("score", 0.9, 0.2), ("single", 0.9, 0.1))]
     data = {"workload": "pressure", "kv_blocks": 400, "mean_p": 1800.0, "capacity": 4.5, "seconds": 120.0,
             "runs": runs, "ladder": [],
-            "hot": [dict(hot, seed=1, per_node={"n1": [4, 0], "n0": [6, 5]}), dict(hot, seed=2, queue_max_over_mean=1.6)]}
+            "hot": [dict(hot, seed=1, per_node={"n1": [4, 0], "n0": [6, 5]}),
+                    dict(hot, seed=2, queue_max_over_mean=1.6)]}
     lines = bc.report_a(data)
     last = lines[-1]
     assert "worst 1.60, mean 1.30" in last and last.endswith("MISS")
     seed1 = next(line for line in lines if line.startswith("| 1 |"))
     assert seed1.endswith("| n0 6 (5), n1 4 (0) |")  # where the hot prompt ran: the diagnosis, from the bench
     assert next(line for line in lines if line.startswith("| 2 |")).endswith("| - |")  # a save from before
+    floor = next(line for line in lines if line.startswith("Without a hot prompt"))
+    assert "score max/mean 1.00 on mean queues 0.10, 0.30; round_robin max/mean 1.00" in floor  # the sweep's 70 %
     data["hot"] = dict(hot)  # a save from before the seeds
     assert bc.report_a(data)[-1].endswith("PASS")
