@@ -12,6 +12,7 @@ from __future__ import annotations
 import datetime as dt
 import math
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -74,7 +75,7 @@ def write_section(doc: Path, section: str | Sequence[str]) -> None:
 def write_subsections(doc: Path, title: str, intro: Sequence[str], subs: dict[str, list[str]]) -> None:
     """Within the `## ` section `title`: set its intro, and replace the `### ` subsections whose
     heading starts with each key of `subs` ("### (a)" for key "(a)"), keeping the others
-    (subsections are kept in key order)."""
+    (subsections are kept in key order, numbers by value: "(a2)" before "(a10)")."""
     head, parts = _split(_read(doc), "## ")
     old = next((p for p in parts if p[0].strip() == title), None)
     kept: dict[str, list[str]] = {}
@@ -83,13 +84,19 @@ def write_subsections(doc: Path, title: str, intro: Sequence[str], subs: dict[st
             kept[sub[0][4:].split(" ", 1)[0]] = sub
     kept.update(subs)
     body = [title, "", *intro, ""]
-    for key in sorted(kept):
+    for key in sorted(kept, key=_natural):
         body += [*_trim(kept[key]), ""]
     if old is None:
         parts.append(body)
     else:
         parts[parts.index(old)] = body
     _write(doc, _join(head, parts))
+
+
+def _natural(key: str) -> list[tuple[int, int | str]]:
+    """A subsection key's sort key: its digit runs as numbers after any text, so "(a10)" follows
+    "(a9)" and "(a)" comes first."""
+    return [(1, int(t)) if t.isdigit() else (0, t) for t in re.findall(r"\d+|\D", key)]
 
 
 # -- markdown pieces --------------------------------------------------------------
