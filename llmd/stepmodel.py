@@ -26,7 +26,7 @@ import json
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import Final, Protocol
 
 Pricer = Callable[[int, int, int, int, float, int], float]
 
@@ -35,7 +35,7 @@ class PlanError(Exception):
     """Input the planner cannot use (a file, a GPU name, an option); its CLI prints it in one line."""
 
 
-BASIS = ("c_step", "c_seq", "c_tok", "c_kv", "c_attn", "c_ctx")
+BASIS: Final = ("c_step", "c_seq", "c_tok", "c_kv", "c_attn", "c_ctx")
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,11 +16,11 @@ import math
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Final, Literal, Protocol
 
 from llmd.policy.signals import Clock
 
-_EPS = 1e-9  # float slack so "exactly enough after 10 s" is enough
+_EPS: Final = 1e-9  # float slack so "exactly enough after 10 s" is enough
 
 Reason = Literal["request_too_large", "concurrency", "queue_full", "deadline_unreachable",
                  "requests_per_minute", "tokens_per_minute"]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Final
 
 from llmd.policy.fairness import FairnessPolicy
 from llmd.policy.queue import ORDERINGS, QueuedRequest, RequestQueue
@@ -22,11 +23,12 @@ class PriorityClass:
     engine_priority: int  # vLLM's priority: lower runs first when the engine itself must choose
 
 
-INTERACTIVE, BATCH = "interactive", "batch"  # the scheduler's seat and preemption rules name these two
-PRIORITY_CLASSES = (PriorityClass(INTERACTIVE, rank=0, engine_priority=0),
-                    PriorityClass(BATCH, rank=1, engine_priority=1))
-CLASSES = tuple(c.name for c in sorted(PRIORITY_CLASSES, key=lambda c: c.rank))  # highest priority first
-ENGINE_PRIORITY = {c.name: c.engine_priority for c in PRIORITY_CLASSES}
+INTERACTIVE: Final = "interactive"  # the scheduler's seat and preemption rules name these two
+BATCH: Final = "batch"
+PRIORITY_CLASSES: Final = (PriorityClass(INTERACTIVE, rank=0, engine_priority=0),
+                           PriorityClass(BATCH, rank=1, engine_priority=1))
+CLASSES: Final = tuple(c.name for c in sorted(PRIORITY_CLASSES, key=lambda c: c.rank))  # highest priority first
+ENGINE_PRIORITY: Final = {c.name: c.engine_priority for c in PRIORITY_CLASSES}
 
 
 class ClassQueue:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
+from typing import Final
 
 from llmd.policy.queue import QueuedRequest
 
@@ -88,4 +89,4 @@ class VTCFairness(FairnessPolicy):
         return dict(self.counters)
 
 
-FAIRNESS = {"vtc": VTCFairness, "fcfs": FCFSFairness}
+FAIRNESS: Final = {"vtc": VTCFairness, "fcfs": FCFSFairness}

@@ -33,26 +33,27 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Final
 
 from llmd.policy.placement import home_ranks
 
-HALF_LIFE_S = 60.0  # how long a prefix's traffic is remembered (decayed by half)
-EPSILON = 0.25  # a node's traffic bound: (1 + ε) x the mean; tighter, prefixes were split or left homeless
+HALF_LIFE_S: Final = 60.0  # how long a prefix's traffic is remembered (decayed by half)
+EPSILON: Final = 0.25  # a node's traffic bound: (1 + ε) x the mean; tighter, prefixes were split or left homeless
 # and the leftovers piled onto the least loaded node's cache (0.83 of hit rate at 30 % load against 0.89)
-KV_SHARE = 0.75  # homed prefixes take at most this share of a node's KV: the rest holds the chats'
+KV_SHARE: Final = 0.75  # homed prefixes take at most this share of a node's KV: the rest holds the chats'
 # histories and running sequences (at 1.0 a node homed 4 of bench (a)'s 96-block prompts in 400 blocks
 # and evicted each chat's history within the 3 s its user read the answer)
-MIN_REQUESTS = 2.0  # a prefix seen fewer times (decayed) than this is not repeated traffic
-REFRESH_S = 1.0  # the assignment is recomputed at most this often (or when the nodes change)
-MAX_KEYS = 512  # prefixes remembered; the least used are dropped beyond this
-PEER_TTL_S = 10.0  # a peer's traffic unheard of for this long is left out (it stopped sending)
-EXPORT_KEYS = 16  # the busiest prefixes a node tells its peers about
-LEVELS_PER_DOUBLING = 8  # exported figures sit on a log grid, one byte each on the wire (±4.4 %)
-_LEVEL_ZERO = 32  # level of 1.0: the grid spans 2**-3.9 .. 2**27.9
-CONGESTION_TAU_S = 5.0  # the cluster's queued prefill is smoothed over about this long
-BIND_ON_S = 0.5  # homes_bind = "congested": homes bind once the nodes' smoothed queued prefill averages
+MIN_REQUESTS: Final = 2.0  # a prefix seen fewer times (decayed) than this is not repeated traffic
+REFRESH_S: Final = 1.0  # the assignment is recomputed at most this often (or when the nodes change)
+MAX_KEYS: Final = 512  # prefixes remembered; the least used are dropped beyond this
+PEER_TTL_S: Final = 10.0  # a peer's traffic unheard of for this long is left out (it stopped sending)
+EXPORT_KEYS: Final = 16  # the busiest prefixes a node tells its peers about
+LEVELS_PER_DOUBLING: Final = 8  # exported figures sit on a log grid, one byte each on the wire (±4.4 %)
+_LEVEL_ZERO: Final = 32  # level of 1.0: the grid spans 2**-3.9 .. 2**27.9
+CONGESTION_TAU_S: Final = 5.0  # the cluster's queued prefill is smoothed over about this long
+BIND_ON_S: Final = 0.5  # homes_bind = "congested": homes bind once the nodes' smoothed queued prefill averages
 # this many seconds ...
-BIND_OFF_S = 0.25  # ... and stop binding once it is back under this (hysteresis: no flapping on bursts)
+BIND_OFF_S: Final = 0.25  # ... and stop binding once it is back under this (hysteresis: no flapping on bursts)
 
 
 @dataclass(frozen=True)

@@ -24,21 +24,23 @@ import random
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import Final
 
 from llmd.policy import draws
 
-HOP_S = 0.005  # forwarding to a peer: a loopback/LAN round trip and a proxy, not free
-GAMMA = 1.0  # weight of KV occupancy by running sequences in the score
-NEAR_BEST = 0.1  # candidates within 10 % of the best score are equally good ...
-NEAR_BEST_MAX_S = 0.05  # ... but never more than 50 ms apart: under deep queues 10 % of the score
+HOP_S: Final = 0.005  # forwarding to a peer: a loopback/LAN round trip and a proxy, not free
+GAMMA: Final = 1.0  # weight of KV occupancy by running sequences in the score
+NEAR_BEST: Final = 0.1  # candidates within 10 % of the best score are equally good ...
+NEAR_BEST_MAX_S: Final = 0.05  # ... but never more than 50 ms apart: under deep queues 10 % of the score
 # outweighs what a cached prefix saves, and a wide band would scatter prompts off their cache
-STICKY_SLACK = 0.5  # a conversation stays on its node unless that node's TTFT is over 1.5x the best
-AFFINITY_SLACK = 1.0  # a node holding most of the prompt in cache keeps it up to 2x the best TTFT (`_cache_holders`)
-SATURATED_AFFINITY_SLACK = 2.0  # past capacity (`saturated`) it keeps it up to 3x: a miss there costs everyone
-AFFINITY_MIN_MATCH = 0.5  # "most": at least half the prompt's tokens (SGLang's match threshold)
-FLOOR_TPS = 100.0  # a prefill rate nobody knows yet: slow, but never a division by zero
-HOME_PREFILLS = 1  # a balanced home (`home_share`) is left when over 3x the best TTFT + this many full prefills
-HOME_BLOCKS = 8  # a prompt's home is drawn from the hash of its first 8 summary blocks (512 tokens)
+STICKY_SLACK: Final = 0.5  # a conversation stays on its node unless that node's TTFT is over 1.5x the best
+AFFINITY_SLACK: Final = 1.0  # a node holding most of the prompt in cache keeps it up to 2x the best TTFT
+# (`_cache_holders`)
+SATURATED_AFFINITY_SLACK: Final = 2.0  # past capacity (`saturated`) it keeps it up to 3x: a miss there costs everyone
+AFFINITY_MIN_MATCH: Final = 0.5  # "most": at least half the prompt's tokens (SGLang's match threshold)
+FLOOR_TPS: Final = 100.0  # a prefill rate nobody knows yet: slow, but never a division by zero
+HOME_PREFILLS: Final = 1  # a balanced home (`home_share`) is left when over 3x the best TTFT + this many full prefills
+HOME_BLOCKS: Final = 8  # a prompt's home is drawn from the hash of its first 8 summary blocks (512 tokens)
 
 
 @dataclass(frozen=True)

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Final, Literal, Protocol
 
-CALM_FRACTION = 0.5  # calm = under half of every bound
+CALM_FRACTION: Final = 0.5  # calm = under half of every bound
 Action = Literal["promote", "demote"]
 
 

@@ -11,13 +11,14 @@ own queue. `fallback` needs a second model, which the simulator does not have: i
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Final
 
 from llmd.config.parts import DegradationConfig
 from llmd.policy.classes import INTERACTIVE
 from llmd.policy.degradation import Degrader
 from llmd.policy.scheduler import SchedulerCore
 
-SHED_REASON = "overloaded_use_batch"  # llmd's error code for the refusal (a 503)
+SHED_REASON: Final = "overloaded_use_batch"  # llmd's error code for the refusal (a 503)
 
 
 class Degradation:

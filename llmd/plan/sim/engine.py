@@ -15,7 +15,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections import deque
-from typing import NamedTuple
+from typing import Final, NamedTuple
 
 from llmd.plan.sim.metrics import Recorder
 from llmd.plan.sim.prefix_cache import PrefixLRU
@@ -25,8 +25,8 @@ from llmd.plan.sim.trace import CLASSES
 from llmd.stepmodel import StepTime, pricer
 from llmd.stepplan import chunk_attention, prefill_chunks
 
-HISTORY = 64  # steps kept for the ITL controller's step-time model
-INTERACTIVE_K = CLASSES.index("interactive")  # a request's class index (Req.klass; its key's parity)
+HISTORY: Final = 64  # steps kept for the ITL controller's step-time model
+INTERACTIVE_K: Final = CLASSES.index("interactive")  # a request's class index (Req.klass; its key's parity)
 
 
 class StepRec(NamedTuple):

@@ -15,6 +15,7 @@ import math
 import random
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import Final
 
 from llmd.config import TenantConfig
 from llmd.plan.sim.degrade import SHED_REASON, Degradation
@@ -31,8 +32,13 @@ from llmd.policy.placement import Candidate, Reservations, ScoreRouting, Version
 from llmd.policy.queue import QueuedRequest
 from llmd.stepmodel import StepTime
 
-BOUNDARY, GOSSIP, CONTROL, MINUTE, FAIL, READY = range(6)
-ROW_BLOCK = 4096  # trace rows converted to Python numbers at a time
+BOUNDARY: Final = 0
+GOSSIP: Final = 1
+CONTROL: Final = 2
+MINUTE: Final = 3
+FAIL: Final = 4
+READY: Final = 5
+ROW_BLOCK: Final = 4096  # trace rows converted to Python numbers at a time
 
 
 @contextmanager

@@ -4,13 +4,14 @@ bin's width (about 2.3 %), and the same bins on every run, so reports are determ
 from __future__ import annotations
 
 import math
+from typing import Final
 
-LO_S = 1e-4  # the first bin's lower edge; anything faster counts there
-PER_DECADE = 100
-DECADES = 9  # 0.1 ms .. 100,000 s
-NBINS = PER_DECADE * DECADES
-_SCALE = PER_DECADE / math.log(10.0)
-_LOG_LO = math.log(LO_S)
+LO_S: Final = 1e-4  # the first bin's lower edge; anything faster counts there
+PER_DECADE: Final = 100
+DECADES: Final = 9  # 0.1 ms .. 100,000 s
+NBINS: Final = PER_DECADE * DECADES
+_SCALE: Final = PER_DECADE / math.log(10.0)
+_LOG_LO: Final = math.log(LO_S)
 
 
 def bin_of(x: float) -> int:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
+from typing import Final
 
 from llmd.config import TenantConfig
 from llmd.config.parts import SchedulingConfig
@@ -26,11 +27,12 @@ from llmd.policy.scheduler import Decision, SchedulerCore
 from llmd.policy.steptime import StepTimeModel
 from llmd.stepmodel import StepShape, StepTime
 
-TICK_EVERY_S = 0.5  # the ITL controller's interval: a replica ticks at least this often while busy
-IDLE_TICK_S = 0.01  # llmd.scheduler.Scheduler.TICK_S: how often it ticks while requests wait and nothing runs
-GAP_SAMPLES = 96  # the gaps the ITL controller reads (the real gateway keeps 16,384: a cost here)
-STEP_WINDOW = HISTORY  # steps the step-time model fits over (llmd keeps 512: refits cost per replica here)
-LLMD_GAPS, LLMD_HISTORY = 16384, 2048  # llmd/runtime.py's gaps, EngineStats.history: SimSpec.exact_controller
+TICK_EVERY_S: Final = 0.5  # the ITL controller's interval: a replica ticks at least this often while busy
+IDLE_TICK_S: Final = 0.01  # llmd.scheduler.Scheduler.TICK_S: how often it ticks while requests wait and nothing runs
+GAP_SAMPLES: Final = 96  # the gaps the ITL controller reads (the real gateway keeps 16,384: a cost here)
+STEP_WINDOW: Final = HISTORY  # steps the step-time model fits over (llmd keeps 512: refits cost per replica here)
+LLMD_GAPS: Final = 16384  # llmd/runtime.py's gaps, EngineStats.history: SimSpec.exact_controller
+LLMD_HISTORY: Final = 2048
 
 
 class Replica:

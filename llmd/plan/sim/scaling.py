@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable
-from typing import Protocol
+from typing import Final, Protocol
 
 from llmd.plan.sim.metrics import Recorder
 from llmd.plan.sim.replica import Replica
@@ -19,8 +19,10 @@ from llmd.plan.sim.request import Req
 from llmd.plan.sim.spec import SimSpec
 from llmd.policy.warmpool import ClusterLoad, WarmPoolPolicy
 
-CONTROL, FAIL, READY = 2, 4, 5  # fleet.py's event kinds
-BILLED = ("active", "draining", "warm", "starting", "waking", "failed")
+CONTROL: Final = 2  # fleet.py's event kinds
+FAIL: Final = 4
+READY: Final = 5
+BILLED: Final = ("active", "draining", "warm", "starting", "waking", "failed")
 
 
 class Fleet(Protocol):

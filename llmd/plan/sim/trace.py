@@ -9,14 +9,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Final
 
 import numpy as np
 import numpy.typing as npt
 
 from llmd.plan.errors import PlanError
 
-CLASSES = ("interactive", "batch")  # class index -> llmd.policy.classes name
-COLUMNS = ("t", "tenant", "klass", "prompt_tokens", "output_tokens", "prefix", "prefix_tokens")
+CLASSES: Final = ("interactive", "batch")  # class index -> llmd.policy.classes name
+COLUMNS: Final = ("t", "tenant", "klass", "prompt_tokens", "output_tokens", "prefix", "prefix_tokens")
 
 
 @dataclass(frozen=True)
