@@ -90,8 +90,11 @@ class BatchOverCap:
     still delays interactive tokens. Waiting interactive requests inherit the seats."""
 
     def choose(self, r: PreemptionRound) -> None:
-        batch = _newest_batch(r.live)
-        chosen = batch[:max(0, len(batch) - r.seats.batch_cap(r.limit))]
+        held = sum(1 for t in r.live if t.klass == BATCH)
+        over = held - r.seats.batch_cap(r.limit)  # asked every tick: the cap notes interactive traffic
+        if over <= 0:
+            return  # the usual tick: nothing over the cap, nothing to sort
+        chosen = _newest_batch(r.live)[:over]
         r.victims += chosen
         r.heirs += [r.interactive_heir()] * min(len(chosen), r.waiting_interactive)
 
@@ -118,7 +121,9 @@ class BatchForInteractive:
         if not r.blocked():
             return
         need = r.waiting_interactive - r.pending - len(r.heirs)
-        victims = _newest_batch(r.untaken())[:max(0, need)]
+        if need <= 0:
+            return
+        victims = _newest_batch(r.untaken())[:need]
         r.victims += victims
         r.heirs += [r.interactive_heir()] * len(victims)
 
