@@ -10,7 +10,7 @@
       takes the real engine for minutes per point: run it under the box lock).
 
   .venv/bin/python bench/plan.py [--parts a,b,c] [--speed-s 600] [--control-s S] [--speed-against DIR]
-                                 [--measure PART ...]
+                                 [--speed-rounds N] [--measure PART ...]
 """
 
 from __future__ import annotations
@@ -36,13 +36,14 @@ def part_a() -> list[str]:
             calibration_section()]
 
 
-def part_b(speed_s: float, control_s: float | None = None, against: Path | None = None) -> list[str]:
+def part_b(speed_s: float, control_s: float | None = None, against: Path | None = None,
+           rounds: int = 3) -> list[str]:
     from bench.lib import plan_speed
 
     t0 = time.perf_counter()
     body = plan_speed.section(speed_s, control_s).split("\n", 2)[2]  # drop its own heading
     if against is not None:
-        body += "\n" + plan_speed.against(against, speed_s)
+        body += "\n" + plan_speed.against(against, speed_s, rounds)
     scale = (f" An hour is extrapolated as {3600 / speed_s:.0f}× this run's wall time"
              " (the simulator's cost per simulated second is steady once the fleet is warm)."
              if speed_s < 3600 else "")
@@ -76,6 +77,7 @@ def main() -> None:
     p.add_argument("--speed-against", type=Path, default=None,
                    help="(b): also time, alternating with this checkout, the compiled simulator of another "
                         "checkout (a worktree of an older commit)")
+    p.add_argument("--speed-rounds", type=int, default=3, help="(b): runs of each checkout with --speed-against")
     p.add_argument("--measure", nargs="*", default=[], help="bench/lib/plan_e2e.py parts to re-measure for (c)")
     a = p.parse_args()
     parts = set(a.parts.split(","))
@@ -83,7 +85,7 @@ def main() -> None:
     if "a" in parts:
         subs["(a)"] = part_a()
     if "b" in parts:
-        subs["(b)"] = part_b(a.speed_s, a.control_s, a.speed_against)
+        subs["(b)"] = part_b(a.speed_s, a.control_s, a.speed_against, a.speed_rounds)
     if "c" in parts:
         subs["(c)"] = part_c(tuple(a.measure))
     for lines in subs.values():
