@@ -41,7 +41,7 @@ def part_b(speed_s: float, control_s: float | None = None, against: Path | None 
     from bench.lib import plan_speed
 
     t0 = time.perf_counter()
-    body = plan_speed.section(speed_s, control_s).split("\n", 2)[2]  # drop its own heading
+    body = plan_speed.section(speed_s, control_s, rounds).split("\n", 2)[2]  # drop its own heading
     if against is not None:
         body += "\n" + plan_speed.against(against, speed_s, rounds)
     scale = (f" An hour is extrapolated as {3600 / speed_s:.0f}× this run's wall time"
@@ -77,7 +77,8 @@ def main() -> None:
     p.add_argument("--speed-against", type=Path, default=None,
                    help="(b): also time, alternating with this checkout, the compiled simulator of another "
                         "checkout (a worktree of an older commit)")
-    p.add_argument("--speed-rounds", type=int, default=3, help="(b): runs of each checkout with --speed-against")
+    p.add_argument("--speed-rounds", type=int, default=3,
+                   help="(b): compiled runs timed (the median reported), and of each checkout with --speed-against")
     p.add_argument("--measure", nargs="*", default=[], help="bench/lib/plan_e2e.py parts to re-measure for (c)")
     a = p.parse_args()
     parts = set(a.parts.split(","))

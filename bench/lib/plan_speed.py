@@ -131,17 +131,20 @@ def server_refit_ms(repeats: int = 50) -> dict[str, Any]:
     return out
 
 
-def section(duration_s: float = 3600.0, control_s: float | None = None) -> str:
+def section(duration_s: float = 3600.0, control_s: float | None = None, rounds: int = 3) -> str:
     """The markdown section: the seed-scale traffic, timed as `llmd plan sim` runs it (compiled,
-    llmd/plan/compiled.py) and as Python beside it; the two digests must agree (determinism)."""
-    c = measure_as("1", duration_s, control_s)
+    llmd/plan/compiled.py; `rounds` runs, the median reported: one run on this shared box read
+    13.7 s and the next 19.8 s) and as Python beside it; the digests must agree (determinism)."""
+    cs = sorted((measure_as("1", duration_s, control_s) for _ in range(rounds)), key=lambda m: m["wall_s"])
+    c = cs[len(cs) // 2]
     p = measure_as("0", duration_s, control_s)
     refit = server_refit_ms()
     hour = 3600 / duration_s
+    spread = f"median of {rounds} runs: " + " / ".join(f"{m['wall_s']:.1f}" for m in cs) + "; " if rounds > 1 else ""
 
     def wall(m: dict[str, Any]) -> str:
         ok = "meets" if m["wall_s"] <= 60 / hour else "misses"
-        return f"{m['wall_s']:.1f} s ({ok} the ≤ 60 s/hour bar)"
+        return f"{m['wall_s']:.1f} s ({spread if m is c else ''}{ok} the ≤ 60 s/hour bar)"
 
     def events(m: dict[str, Any]) -> str:
         return f"{m['events']:,} ({m['events_per_s']:,.0f}/s)"
@@ -164,7 +167,8 @@ def section(duration_s: float = 3600.0, control_s: float | None = None) -> str:
     head = [("requests", f"{c['requests']:,}"), ("replicas", str(c["replicas"])), ("simulated", f"{c['sim_s']:.0f} s"),
             ("ITL controller interval", "llmd's own, 0.5 s (exact)" if control_s is None
              else f"{control_s:g} s (SimSpec.control_interval_s: an approximation)")]
-    same = "the same report, byte for byte" if c["digest"] == p["digest"] else "DIFFERENT reports (a bug)"
+    same = ("the same report, byte for byte" if len({m["digest"] for m in [*cs, p]}) == 1
+            else "DIFFERENT reports (a bug)")
     return ("## `llmd plan sim`: speed\n\nSeed-scale traffic (280 req/s, 1,000 + 300 tokens, two tenants, 20 % "
             "batch, shared prefixes) on 80 replicas, every policy on (VTC, ITL target with its step model, "
             "routing with reservations, warm pool and autoscaling, failures at a 10 h MTBF).\n\n"
