@@ -270,15 +270,18 @@ class StepWindow:
         for t, r, p, d in zip(self.t, self.running, self.prefill, self.duration, strict=True):
             yield t, int(r), int(p), d
 
+    def add(self, t: float, running: int, prefill_tokens: int, duration: float) -> None:
+        self.t.append(t)
+        self.running.append(float(running))
+        self.prefill.append(float(prefill_tokens))
+        self.duration.append(duration)
+
     def append(self, s: _Sample) -> None:
-        self.t.append(s[0])
-        self.running.append(float(s[1]))
-        self.prefill.append(float(s[2]))
-        self.duration.append(s[3])
+        self.add(s[0], s[1], s[2], s[3])
 
     def extend(self, steps: Iterable[_Sample]) -> None:
         for s in steps:
-            self.append(s)
+            self.add(s[0], s[1], s[2], s[3])
 
 
 class StepTimeModel:
@@ -304,7 +307,7 @@ class StepTimeModel:
             return
         self._last_t = t
         if duration > 0 and running > 0:
-            self.window.append((t, running, prefill_tokens, duration))
+            self.window.add(t, running, prefill_tokens, duration)  # per engine step: no tuple to unpack
             self._fresh += 1
 
     def ingest(self, steps: Sequence[StepSample]) -> int:

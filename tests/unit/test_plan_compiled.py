@@ -4,6 +4,7 @@ byte for byte as Python, and Python (with a line saying why) wherever it cannot 
 
 from __future__ import annotations
 
+import ast
 import importlib.metadata
 import json
 import os
@@ -165,8 +166,6 @@ def test_llmd_plan_sim_required_compiled_without_a_compiler_exits_2_and_auto_run
 
 def _late_required_keywords(source: str) -> list[str]:
     """Functions whose required keyword-only argument comes after an argument with a default."""
-    import ast
-
     bad = []
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
