@@ -96,14 +96,20 @@ class TokenBucket:
         self._level = min(self._level, self.capacity)
 
 
-@dataclass(frozen=True)
+@dataclass(init=False, unsafe_hash=True)
 class Ticket:
     """An admitted request's reservation; hand it to `settle` once, when the request ends.
-    `serial` tells two tickets of the same size apart, so a second settle is recognised."""
+    `serial` tells two tickets of the same size apart, so a second settle is recognised.
+    Immutable; the __init__ written out (placement.VersionLoad says why)."""
 
-    tenant: str
-    reserved: int
-    serial: int
+    tenant: Final[str]
+    reserved: Final[int]
+    serial: Final[int]
+
+    def __init__(self, tenant: str, reserved: int, serial: int) -> None:
+        self.tenant = tenant
+        self.reserved = reserved
+        self.serial = serial
 
 
 @dataclass(frozen=True)

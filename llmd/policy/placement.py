@@ -43,36 +43,67 @@ HOME_PREFILLS: Final = 1  # a balanced home (`home_share`) is left when over 3x 
 HOME_BLOCKS: Final = 8  # a prompt's home is drawn from the hash of its first 8 summary blocks (512 tokens)
 
 
-@dataclass(frozen=True)
+@dataclass(init=False, unsafe_hash=True)
 class VersionLoad:
-    """One served version's load on one node, in tokens (what gossip carries)."""
+    """One served version's load on one node, in tokens (what gossip carries). Immutable: its
+    fields are Final. Its __init__ is written out, as are those of the policies' other records
+    built per request or tick: compiled (llmd/plan/compiled.py) it runs as C, where a dataclass's
+    generated one stays interpreted (frozen's at about 15x the cost)."""
 
-    model: str
-    version: str  # content hash (the store's version id)
-    kv_capacity_tokens: int
-    kv_free_tokens: int
-    running: int
-    running_tokens: int  # sequences and their tokens (prompt + output so far)
-    waiting_prefill_tokens: int  # the engine's waiting prompts plus llmd's queue
-    prefill_tps: float  # recent rates, tokens per second while busy; 0: unknown
-    decode_tps: float
-    draining: bool = False
-    standby: bool = False
-    tokenizer: str = ""  # what renders its prompts (llmd.store.tokenizer_id; "": not said)
+    model: Final[str]
+    version: Final[str]  # content hash (the store's version id)
+    kv_capacity_tokens: Final[int]
+    kv_free_tokens: Final[int]
+    running: Final[int]
+    running_tokens: Final[int]  # sequences and their tokens (prompt + output so far)
+    waiting_prefill_tokens: Final[int]  # the engine's waiting prompts plus llmd's queue
+    prefill_tps: Final[float]  # recent rates, tokens per second while busy; 0: unknown
+    decode_tps: Final[float]
+    draining: Final[bool]
+    standby: Final[bool]
+    tokenizer: Final[str]  # what renders its prompts (llmd.store.tokenizer_id; "": not said)
+
+    def __init__(self, model: str, version: str, kv_capacity_tokens: int, kv_free_tokens: int, running: int,
+                 running_tokens: int, waiting_prefill_tokens: int, prefill_tps: float, decode_tps: float,
+                 draining: bool = False, standby: bool = False, tokenizer: str = "") -> None:
+        self.model = model
+        self.version = version
+        self.kv_capacity_tokens = kv_capacity_tokens
+        self.kv_free_tokens = kv_free_tokens
+        self.running = running
+        self.running_tokens = running_tokens
+        self.waiting_prefill_tokens = waiting_prefill_tokens
+        self.prefill_tps = prefill_tps
+        self.decode_tps = decode_tps
+        self.draining = draining
+        self.standby = standby
+        self.tokenizer = tokenizer
 
 
-@dataclass(frozen=True)
+@dataclass(init=False, unsafe_hash=True)
 class Candidate:
-    """A node that serves the routed version, as this node last heard from it."""
+    """A node that serves the routed version, as this node last heard from it (immutable, as
+    VersionLoad)."""
 
-    node: str
-    load: VersionLoad
-    cached_tokens: int  # of this prompt, by the node's prefix summary
-    age_s: float  # how old the view is
-    local: bool
-    sticky: bool = False  # served this conversation's last turn
-    home_rank: int | None = None  # this node's place in the prompt's order of homes (`home_ranks`; 0: its home)
-    home_share: float = 0.0  # of the prompt's prefix traffic, this node's in the balanced home table (policy/homes.py)
+    node: Final[str]
+    load: Final[VersionLoad]
+    cached_tokens: Final[int]  # of this prompt, by the node's prefix summary
+    age_s: Final[float]  # how old the view is
+    local: Final[bool]
+    sticky: Final[bool]  # served this conversation's last turn
+    home_rank: Final[int | None]  # this node's place in the prompt's order of homes (`home_ranks`; 0: its home)
+    home_share: Final[float]  # of the prompt's prefix traffic, this node's in the balanced home table (policy/homes.py)
+
+    def __init__(self, node: str, load: VersionLoad, cached_tokens: int, age_s: float, local: bool,
+                 sticky: bool = False, home_rank: int | None = None, home_share: float = 0.0) -> None:
+        self.node = node
+        self.load = load
+        self.cached_tokens = cached_tokens
+        self.age_s = age_s
+        self.local = local
+        self.sticky = sticky
+        self.home_rank = home_rank
+        self.home_share = home_share
 
 
 class Reservations:
@@ -353,7 +384,10 @@ class ScoreRouting(RoutingPolicy):
     def __init__(self, reservations: Reservations, rng: random.Random, near_best: float = NEAR_BEST,
                  gamma: float = GAMMA, hop_s: float = HOP_S, sticky_slack: float = STICKY_SLACK) -> None:
         super().__init__(reservations, rng)
-        self.near_best, self.gamma, self.hop_s, self.sticky_slack = near_best, gamma, hop_s, sticky_slack
+        self.near_best = near_best
+        self.gamma = gamma
+        self.hop_s = hop_s
+        self.sticky_slack = sticky_slack
 
     def choose(self, cands: Sequence[Candidate], prompt_tokens: int, expected_output: int) -> Candidate | None:
         return place(cands, prompt_tokens, expected_output, self.reservations, self.rng, self.near_best,

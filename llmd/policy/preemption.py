@@ -18,7 +18,7 @@ to the request it was preempted for (its heir), without waiting for its abort.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 from llmd.policy.classes import BATCH, INTERACTIVE, ClassQueue, ModelQueue
@@ -49,9 +49,10 @@ class SeatView(Protocol):
         """A waiting request waits for seats or KV (not the engine's queue) with `running` seated."""
 
 
-@dataclass
+@dataclass(init=False)
 class PreemptionRound:
-    """One tick's preemption decision as the rules build it."""
+    """One tick's preemption decision as the rules build it (the __init__ written out:
+    llmd.policy.placement.VersionLoad says why)."""
 
     seats: SeatView
     running: int  # sequences holding seats, those already asked to yield included
@@ -59,8 +60,20 @@ class PreemptionRound:
     pending: int  # asked to yield in an earlier tick, not gone yet
     live: list[QueuedRequest]  # running, preemptible and not asked to yield, in dispatch order
     waiting_interactive: int
-    victims: list[QueuedRequest] = field(default_factory=list)
-    heirs: list[Heir] = field(default_factory=list)
+    victims: list[QueuedRequest]
+    heirs: list[Heir]
+
+    def __init__(self, seats: SeatView, running: int, limit: int, pending: int, live: list[QueuedRequest],
+                 waiting_interactive: int, victims: list[QueuedRequest] | None = None,
+                 heirs: list[Heir] | None = None) -> None:
+        self.seats = seats
+        self.running = running
+        self.limit = limit
+        self.pending = pending
+        self.live = live
+        self.waiting_interactive = waiting_interactive
+        self.victims = [] if victims is None else victims
+        self.heirs = [] if heirs is None else heirs
 
     def untaken(self) -> list[QueuedRequest]:
         """Live sequences no rule has chosen yet."""

@@ -9,16 +9,17 @@ import itertools
 from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 _seq = itertools.count()
 
 
-@dataclass(eq=False)
+@dataclass(init=False, eq=False)
 class QueuedRequest:
     """What the policies know about one request, from its arrival to its end: what it asks
     for, and where it stands (queued, running, asked to yield its seat). Nothing
-    engine-specific. It keeps its `seq` when a preempted request queues again."""
+    engine-specific. It keeps its `seq` when a preempted request queues again. (The __init__
+    is written out: llmd.policy.placement.VersionLoad says why.)"""
 
     request_id: str
     tenant: str
@@ -26,13 +27,28 @@ class QueuedRequest:
     input_tokens: int
     max_tokens: int
     deadline: float  # seconds on the scheduler's clock
-    seq: int = field(default_factory=lambda: next(_seq))
-    running: bool = False  # holds a seat: released to the engine and not yet finished
-    preempt_requested: bool = False  # chosen to yield its seat; cleared when it finishes
+    seq: int  # arrival order (default: the next of a process-wide count)
+    running: bool  # holds a seat: released to the engine and not yet finished
+    preempt_requested: bool  # chosen to yield its seat; cleared when it finishes
     # False when resuming from its output so far would change the output (a structured
     # output's grammar restarts at the prompt's end): such a sequence keeps its seat.
-    preemptible: bool = True
-    started: bool = False  # its first output token came: its prefill is done
+    preemptible: bool
+    started: bool  # its first output token came: its prefill is done
+
+    def __init__(self, request_id: str, tenant: str, klass: str, input_tokens: int, max_tokens: int,
+                 deadline: float, seq: int | None = None, running: bool = False, preempt_requested: bool = False,
+                 preemptible: bool = True, started: bool = False) -> None:
+        self.request_id = request_id
+        self.tenant = tenant
+        self.klass = klass
+        self.input_tokens = input_tokens
+        self.max_tokens = max_tokens
+        self.deadline = deadline
+        self.seq = next(_seq) if seq is None else seq
+        self.running = running
+        self.preempt_requested = preempt_requested
+        self.preemptible = preemptible
+        self.started = started
 
     @property
     def cost(self) -> int:

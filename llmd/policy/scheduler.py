@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Final
 
 from llmd.policy.classes import BATCH, INTERACTIVE, ModelQueue
 from llmd.policy.preemption import PreemptionRound, PreemptionRule, preemption_rules
@@ -20,14 +21,22 @@ from llmd.policy.saturation import Saturation, ThroughputEstimate
 from llmd.policy.signals import Clock, EngineSignals
 
 
-@dataclass(frozen=True)
+@dataclass(init=False, unsafe_hash=True)
 class Decision:
-    """What one tick decided, in the order it is to be applied."""
+    """What one tick decided, in the order it is to be applied (immutable; the __init__ written
+    out: placement.VersionLoad says why)."""
 
-    drop: tuple[QueuedRequest, ...] = ()  # out of the queue: the deadline can no longer be met
-    dispatch: tuple[QueuedRequest, ...] = ()  # seated: may start in the engine
-    preempt: tuple[QueuedRequest, ...] = ()  # asked to yield their seats: abort, re-queue, resume
-    heirs: tuple[QueuedRequest, ...] = ()  # seated at once in the seats of those preempted for them
+    drop: Final[tuple[QueuedRequest, ...]]  # out of the queue: the deadline can no longer be met
+    dispatch: Final[tuple[QueuedRequest, ...]]  # seated: may start in the engine
+    preempt: Final[tuple[QueuedRequest, ...]]  # asked to yield their seats: abort, re-queue, resume
+    heirs: Final[tuple[QueuedRequest, ...]]  # seated at once in the seats of those preempted for them
+
+    def __init__(self, drop: tuple[QueuedRequest, ...] = (), dispatch: tuple[QueuedRequest, ...] = (),
+                 preempt: tuple[QueuedRequest, ...] = (), heirs: tuple[QueuedRequest, ...] = ()) -> None:
+        self.drop = drop
+        self.dispatch = dispatch
+        self.preempt = preempt
+        self.heirs = heirs
 
 
 class SchedulerCore:

@@ -40,7 +40,7 @@ from bisect import bisect_left
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import ClassVar, Final, Protocol
 
 _Sample = tuple[float, int, int, float]  # (t, running, prefill tokens, duration s)
 
@@ -73,20 +73,32 @@ def quantile(sorted_values: Sequence[float], q: float) -> float:
     return sorted_values[i]
 
 
-@dataclass(frozen=True)
+@dataclass(init=False, unsafe_hash=True)
 class StepFit:
-    """One fit (coefficients in seconds), and what the recent steps say about now."""
+    """One fit (coefficients in seconds), and what the recent steps say about now. Immutable;
+    the __init__ written out (llmd.policy.placement.VersionLoad says why)."""
 
-    a: float  # per step, whatever the batch
-    b: float  # per sequence in the step
-    c: float  # per prefill token
-    speed: float  # recent steps' duration over the fit's prediction (median): 1.0 while the fit is current
-    noise: float  # recent steps' relative spread around speed·(a + b·running + c·prefill) (robust sigma)
-    samples: int  # steps the fit used
-    prefill_sizes: tuple[float, ...] = ()  # the window's prefills (steps with one): quantiles 1/20 .. 20/20
-    prefill_share_per_seq: float = 0.0  # the window's share of steps with a prefill, per running sequence
+    a: Final[float]  # per step, whatever the batch
+    b: Final[float]  # per sequence in the step
+    c: Final[float]  # per prefill token
+    speed: Final[float]  # recent steps' duration over the fit's prediction (median): 1.0 while the fit is current
+    noise: Final[float]  # recent steps' relative spread around speed·(a + b·running + c·prefill) (robust sigma)
+    samples: Final[int]  # steps the fit used
+    prefill_sizes: Final[tuple[float, ...]]  # the window's prefills (steps with one): quantiles 1/20 .. 20/20
+    prefill_share_per_seq: Final[float]  # the window's share of steps with a prefill, per running sequence
 
-    P95_SHARE = 0.05  # the slowest steps a p95 leaves out
+    def __init__(self, a: float, b: float, c: float, speed: float, noise: float, samples: int,
+                 prefill_sizes: tuple[float, ...] = (), prefill_share_per_seq: float = 0.0) -> None:
+        self.a = a
+        self.b = b
+        self.c = c
+        self.speed = speed
+        self.noise = noise
+        self.samples = samples
+        self.prefill_sizes = prefill_sizes
+        self.prefill_share_per_seq = prefill_share_per_seq
+
+    P95_SHARE: ClassVar[float] = 0.05  # the slowest steps a p95 leaves out
 
     def prefill_at(self, n: int) -> float:
         """Prompt tokens in a p95 step with `n` sequences: none while fewer than 1 step in 20
@@ -385,16 +397,22 @@ def _median(sorted_values: list[float]) -> float:
 def _prefills(prefill: list[float], w: list[float], total: float,
               mean_running: float) -> tuple[tuple[float, ...], float]:
     """(the weighted quantiles 1/20 .. 20/20 of the steps' prefills, the weighted share of steps
-    with one per running sequence); `total` is w's sum, `mean_running` the weighted batch size."""
-    steps = sorted([(p, wi) for p, wi in zip(prefill, w, strict=True) if p > 0])  # by size, ties by weight
-    if not steps or total <= 0:
+    with one per running sequence); `w` the window's decay (nondecreasing, oldest step first),
+    `total` its sum, `mean_running` the weighted batch size."""
+    # By size, ties oldest first (so by weight: the decay grows with time), sorted as one float
+    # each, size·n + index: exact for whole token counts, and it compares as (size, index) does
+    # (compiled, sorting floats is several times faster than sorting (size, weight) tuples).
+    n = len(prefill)
+    keys = [prefill[i] * n + i for i in range(n) if prefill[i] > 0]
+    if not keys or total <= 0:
         return (), 0.0
+    keys.sort()
     acc: list[float] = []
     mass = 0.0
-    for _, wi in steps:
-        mass += wi
+    for key in keys:
+        mass += w[int(key) % n]
         acc.append(mass)
-    last = len(steps) - 1
+    last = len(keys) - 1
     # the first reaching k/20 of the weight, k = 1 .. 20
-    sizes = tuple(steps[min(bisect_left(acc, mass * k / 20 - 1e-12), last)][0] for k in range(1, 21))
+    sizes = tuple(prefill[int(keys[min(bisect_left(acc, mass * k / 20 - 1e-12), last)]) % n] for k in range(1, 21))
     return sizes, mass / total / mean_running if mean_running > 0 else 0.0
