@@ -134,7 +134,9 @@ def _solve(m: list[list[float]]) -> list[float] | None:
     every half second; the entries below the diagonal are left as they are, never read again.)"""
     k = len(m)
     if k == 3:
-        return _solve3(m)
+        (a00, a01, a02, v0), (a10, a11, a12, v1), (a20, a21, a22, v2) = m
+        x3 = _solve3(a00, a01, a02, v0, a10, a11, a12, v1, a20, a21, a22, v2)
+        return None if x3 is None else list(x3)
     for col in range(k):
         piv, top = col, abs(m[col][col])  # the first row with the largest |pivot|
         for r in range(col + 1, k):
@@ -157,27 +159,27 @@ def _solve(m: list[list[float]]) -> list[float] | None:
     return x
 
 
-def _solve3(m: list[list[float]]) -> list[float] | None:
-    """`_solve` of three unknowns (the refit's usual case), unrolled: the same operations on the
-    same values in the same order, so the same floats (the back substitution's sums start from
-    0.0 as `sum` does), without the loops' overhead; `m` is left as it was."""
-    r0, r1, r2 = m
-    top, piv = abs(r0[0]), 0
-    if abs(r1[0]) > top:
-        top, piv = abs(r1[0]), 1
-    if abs(r2[0]) > top:
-        top, piv = abs(r2[0]), 2
+def _solve3(a00: float, a01: float, a02: float, v0: float, a10: float, a11: float, a12: float, v1: float,
+            a20: float, a21: float, a22: float, v2: float) -> tuple[float, float, float] | None:
+    """`_solve` of three unknowns (the refit's usual case), unrolled on the rows [a_i0 a_i1 a_i2 |
+    v_i]: the same operations on the same values in the same order, so the same floats (the back
+    substitution's sums start from 0.0 as `sum` does), without lists or loops."""
+    top, piv = abs(a00), 0
+    if abs(a10) > top:
+        top, piv = abs(a10), 1
+    if abs(a20) > top:
+        top, piv = abs(a20), 2
     if top < 1e-9:
         return None
     if piv == 1:
-        r0, r1 = r1, r0
+        a00, a01, a02, v0, a10, a11, a12, v1 = a10, a11, a12, v1, a00, a01, a02, v0
     elif piv == 2:
-        r0, r2 = r2, r0
-    p = r0[0]
-    f = r1[0] / p
-    b11, b12, b13 = r1[1] - f * r0[1], r1[2] - f * r0[2], r1[3] - f * r0[3]
-    f = r2[0] / p
-    b21, b22, b23 = r2[1] - f * r0[1], r2[2] - f * r0[2], r2[3] - f * r0[3]
+        a00, a01, a02, v0, a20, a21, a22, v2 = a20, a21, a22, v2, a00, a01, a02, v0
+    p = a00
+    f = a10 / p
+    b11, b12, b13 = a11 - f * a01, a12 - f * a02, v1 - f * v0
+    f = a20 / p
+    b21, b22, b23 = a21 - f * a01, a22 - f * a02, v2 - f * v0
     top = abs(b11)
     if abs(b21) > top:
         top = abs(b21)
@@ -190,8 +192,8 @@ def _solve3(m: list[list[float]]) -> list[float] | None:
         return None
     x2 = c23 / c22
     x1 = (b13 - (0.0 + b12 * x2)) / b11
-    x0 = (r0[3] - (0.0 + r0[1] * x1 + r0[2] * x2)) / p
-    return [x0, x1, x2]
+    x0 = (v0 - (0.0 + a01 * x1 + a02 * x2)) / p
+    return x0, x1, x2
 
 
 def _normal(run: list[float], pre: list[float], dur: list[float], decay: list[float],
@@ -234,22 +236,18 @@ def _least_squares(mv: list[list[float]], prior: tuple[float, float]) -> list[fl
     """Nonnegative (a, b, c) from the normal equations (rows [M_i | v_i]), the intercept pulled
     toward prior[0] with weight prior[1]: a negative coefficient is dropped (held at 0) and the
     rest refitted."""
-    cols = [i for i in range(3) if mv[i][i] > 0]
     pull, pull_to = prior[1], prior[1] * prior[0]
+    if (coef3 := _least_squares3(mv, pull, pull_to)) is not None:
+        return coef3
+    cols = [i for i in range(3) if mv[i][i] > 0]
     while cols:
         d = [math.sqrt(mv[i][i]) for i in cols]
         if cols[0] == 0:
             d[0] = math.sqrt(mv[0][0] + pull)
-        if len(cols) == 3:  # the usual case, unrolled (the pull on the intercept's diagonal and right-hand side)
-            (r0, r1, r2), (d0, d1, d2) = mv, d
-            aug = [[(r0[0] + pull) / (d0 * d0), r0[1] / (d0 * d1), r0[2] / (d0 * d2), (r0[3] + pull_to) / d0],
-                   [r1[0] / (d1 * d0), r1[1] / (d1 * d1), r1[2] / (d1 * d2), r1[3] / d1],
-                   [r2[0] / (d2 * d0), r2[1] / (d2 * d1), r2[2] / (d2 * d2), r2[3] / d2]]
-        else:
-            aug = [[row[j] / (di * dj) for j, dj in zip(cols, d, strict=True)] + [row[3] / di]
-                   for row, di in zip([mv[i] for i in cols], d, strict=True)]
-            if cols[0] == 0:  # the pull, on the intercept's diagonal and right-hand side
-                aug[0][0], aug[0][-1] = (mv[0][0] + pull) / (d[0] * d[0]), (mv[0][3] + pull_to) / d[0]
+        aug = [[row[j] / (di * dj) for j, dj in zip(cols, d, strict=True)] + [row[3] / di]
+               for row, di in zip([mv[i] for i in cols], d, strict=True)]
+        if cols[0] == 0:  # the pull, on the intercept's diagonal and right-hand side
+            aug[0][0], aug[0][-1] = (mv[0][0] + pull) / (d[0] * d[0]), (mv[0][3] + pull_to) / d[0]
         x = _solve(aug)
         if x is None:
             cols.pop()  # prefill, then running, whichever the data cannot separate
@@ -261,6 +259,24 @@ def _least_squares(mv: list[list[float]], prior: tuple[float, float]) -> list[fl
             return coef
         cols.remove(next(i for i in (2, 1, 0) if coef[i] < 0))  # a dropped one is 0.0: not negative
     return None
+
+
+def _least_squares3(mv: list[list[float]], pull: float, pull_to: float) -> list[float] | None:
+    """`_least_squares`' first round when all three columns have data and the solution is
+    nonnegative (the usual case), on locals: the same operations in the same order, so the same
+    floats; None otherwise, and `_least_squares` takes the general path (and repeats this round)."""
+    r0, r1, r2 = mv[0], mv[1], mv[2]
+    m00, m11, m22 = r0[0], r1[1], r2[2]
+    if not (m00 > 0 and m11 > 0 and m22 > 0):
+        return None
+    d0, d1, d2 = math.sqrt(m00 + pull), math.sqrt(m11), math.sqrt(m22)
+    x = _solve3((m00 + pull) / (d0 * d0), r0[1] / (d0 * d1), r0[2] / (d0 * d2), (r0[3] + pull_to) / d0,
+                r1[0] / (d1 * d0), m11 / (d1 * d1), r1[2] / (d1 * d2), r1[3] / d1,
+                r2[0] / (d2 * d0), r2[1] / (d2 * d1), m22 / (d2 * d2), r2[3] / d2)
+    if x is None:
+        return None
+    a, b, c = x[0] / d0, x[1] / d1, x[2] / d2
+    return [a, b, c] if a >= 0 and b >= 0 and c >= 0 else None
 
 
 class StepWindow:
