@@ -14,6 +14,12 @@ A compiled class's method puts a keyword-only argument without a default (its `c
 every argument with one: where a float default is among them, mypyc 2.4 cannot write the
 method's signature and fails the whole build (llmd/policy/saturation.py's constructors did);
 tests/unit/test_plan_compiled.py checks the rule on the sources, compiler or not.
+
+A record built once per request or tick (placement's VersionLoad and Candidate, the scheduler's
+Decision, QueuedRequest, ...) writes its __init__ out (`@dataclass(init=False)`, Final fields for
+the immutable ones): mypyc compiles a written __init__ to C, but a dataclass's generated one stays
+interpreted, at several times the cost (a frozen one's, calling object.__setattr__ per field, the
+most: 360 ns a record against 25 ns).
 """
 
 from __future__ import annotations

@@ -48,7 +48,7 @@ class VersionLoad:
     """One served version's load on one node, in tokens (what gossip carries). Immutable: its
     fields are Final. Its __init__ is written out, as are those of the policies' other records
     built per request or tick: compiled (llmd/plan/compiled.py) it runs as C, where a dataclass's
-    generated one stays interpreted (frozen's at about 15x the cost)."""
+    generated one stays interpreted (a frozen one's at about 15x the cost)."""
 
     model: Final[str]
     version: Final[str]  # content hash (the store's version id)
