@@ -49,7 +49,7 @@ MODULES = (
     "llmd.policy.fairness",
     "llmd.policy.homes", "llmd.policy.placement", "llmd.policy.preemption", "llmd.policy.queue",
     "llmd.policy.saturation", "llmd.policy.scheduler", "llmd.policy.signals", "llmd.policy.steptime",
-    "llmd.policy.warmpool",
+    "llmd.policy.warmpool", "llmd.policy.wls",
     "llmd.plan.sim.degrade", "llmd.plan.sim.engine", "llmd.plan.sim.fleet", "llmd.plan.sim.hist",
     "llmd.plan.sim.metrics", "llmd.plan.sim.prefix_cache", "llmd.plan.sim.replica", "llmd.plan.sim.request",
     "llmd.plan.sim.scaling", "llmd.plan.sim.trace",

@@ -14,7 +14,8 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from llmd.policy.steptime import StepFit, StepTimeModel, _least_squares, _solve
+from llmd.policy.steptime import StepFit, StepTimeModel
+from llmd.policy.wls import least_squares, solve
 
 
 def ref_solve(m: list[list[float]]) -> list[float] | None:
@@ -39,7 +40,7 @@ def ref_solve(m: list[list[float]]) -> list[float] | None:
     return x
 
 
-def ref_least_squares(m: list[list[float]], v: list[float], prior: tuple[float, float]) -> list[float] | None:
+def refleast_squares(m: list[list[float]], v: list[float], prior: tuple[float, float]) -> list[float] | None:
     cols = [i for i in range(3) if m[i][i] > 0]
     pull, pull_to = prior[1], prior[1] * prior[0]
     while cols:
@@ -75,7 +76,7 @@ def ref_fit(model: StepTimeModel) -> StepFit | None:
     w, coef = decay, None
     for _ in range(model.irls_rounds):
         both = ((x[:3] * w) @ x.T).tolist()
-        coef = ref_least_squares([r[:3] for r in both], [r[3] for r in both],
+        coef = refleast_squares([r[:3] for r in both], [r[3] for r in both],
                                  (model.a_prior, model.prior_weight * float(w.sum())))
         if coef is None:
             return None
@@ -157,10 +158,10 @@ def test_solve_matches_numpy() -> None:
     for _ in range(50):
         a = rng.normal(size=(3, 3)) + 3 * np.eye(3)
         v = rng.normal(size=3)
-        x = _solve([[*row, vi] for row, vi in zip(a.tolist(), v.tolist(), strict=True)])
+        x = solve([[*row, vi] for row, vi in zip(a.tolist(), v.tolist(), strict=True)])
         assert x is not None
         assert np.allclose(x, np.linalg.solve(a, v), rtol=1e-12, atol=1e-12)
-    assert _solve([[1.0, 2.0, 3.0], [2.0, 4.0, 6.0]]) is None  # singular
+    assert solve([[1.0, 2.0, 3.0], [2.0, 4.0, 6.0]]) is None  # singular
 
 
 def test_least_squares_drops_a_negative_coefficient_and_refits() -> None:
@@ -168,8 +169,8 @@ def test_least_squares_drops_a_negative_coefficient_and_refits() -> None:
     rows = [(1.0, r, p, 0.01 + 0.001 * r - 1e-6 * p) for r, p in ((1, 0), (4, 100), (8, 0), (16, 400), (2, 50))]
     x = np.array(rows).T
     both = (x[:3] @ x.T).tolist()
-    got = _least_squares(both, (0.0, 0.0))
-    want = ref_least_squares([r[:3] for r in both], [r[3] for r in both], (0.0, 0.0))
+    got = least_squares(both, (0.0, 0.0))
+    want = refleast_squares([r[:3] for r in both], [r[3] for r in both], (0.0, 0.0))
     assert got == want
     assert got is not None and got[2] == 0.0 and got[1] > 0
 
@@ -185,7 +186,7 @@ def test_the_unrolled_three_unknowns_solve_is_the_loops_float_for_float() -> Non
         if rng.random() < 0.2:
             a[:, rng.integers(3)] = 0.0
         m = a.tolist()
-        got, want = _solve([row[:] for row in m]), ref_solve([row[:] for row in m])
+        got, want = solve([row[:] for row in m]), ref_solve([row[:] for row in m])
         assert repr(got) == repr(want)  # signed zeros too
         cases += got is not None
     assert 1000 < cases < 3000  # both solvable and singular systems were met
