@@ -50,9 +50,9 @@ MODULES = (
     "llmd.policy.homes", "llmd.policy.placement", "llmd.policy.preemption", "llmd.policy.queue",
     "llmd.policy.saturation", "llmd.policy.scheduler", "llmd.policy.signals", "llmd.policy.steptime",
     "llmd.policy.warmpool", "llmd.policy.wls",
-    "llmd.plan.sim.degrade", "llmd.plan.sim.engine", "llmd.plan.sim.fleet", "llmd.plan.sim.hist",
-    "llmd.plan.sim.metrics", "llmd.plan.sim.prefix_cache", "llmd.plan.sim.replica", "llmd.plan.sim.request",
-    "llmd.plan.sim.scaling", "llmd.plan.sim.trace",
+    "llmd.plan.sim.degrade", "llmd.plan.sim.engine", "llmd.plan.sim.events", "llmd.plan.sim.fleet",
+    "llmd.plan.sim.hist", "llmd.plan.sim.metrics", "llmd.plan.sim.prefix_cache", "llmd.plan.sim.replica",
+    "llmd.plan.sim.request", "llmd.plan.sim.scaling", "llmd.plan.sim.trace",
 )
 NO_COMPILER = "no C compiler or no Python headers"
 DONE = "DONE"  # written last: a build without it is incomplete (killed mid-way) and is not used

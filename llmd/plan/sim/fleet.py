@@ -19,6 +19,7 @@ from typing import Final
 
 from llmd.config import TenantConfig
 from llmd.plan.sim.degrade import SHED_REASON, Degradation
+from llmd.plan.sim.events import BOUNDARY, GOSSIP, MINUTE
 from llmd.plan.sim.hist import Hist
 from llmd.plan.sim.metrics import Recorder
 from llmd.plan.sim.replica import IDLE_TICK_S, Replica
@@ -32,12 +33,6 @@ from llmd.policy.placement import Candidate, Reservations, ScoreRouting, Version
 from llmd.policy.queue import QueuedRequest
 from llmd.stepmodel import StepTime
 
-BOUNDARY: Final = 0
-GOSSIP: Final = 1
-CONTROL: Final = 2
-MINUTE: Final = 3
-FAIL: Final = 4
-READY: Final = 5
 ROW_BLOCK: Final = 4096  # trace rows converted to Python numbers at a time
 
 

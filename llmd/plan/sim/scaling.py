@@ -13,15 +13,13 @@ import random
 from collections.abc import Callable
 from typing import Final, Protocol
 
+from llmd.plan.sim.events import CONTROL, FAIL, READY
 from llmd.plan.sim.metrics import Recorder
 from llmd.plan.sim.replica import Replica
 from llmd.plan.sim.request import Req
 from llmd.plan.sim.spec import SimSpec
 from llmd.policy.warmpool import ClusterLoad, WarmPoolPolicy
 
-CONTROL: Final = 2  # fleet.py's event kinds
-FAIL: Final = 4
-READY: Final = 5
 BILLED: Final = ("active", "draining", "warm", "starting", "waking", "failed")
 
 
