@@ -30,7 +30,7 @@ from bench.lib.e2e_stats import ttft_split
 from bench.lib.plan_load import capacity, dump, load_point, mix_trace
 from bench.lib.plan_overhead import measure
 from bench.lib.plan_report import report
-from bench.lib.plan_sim import Scaled, fake_knobs, in_service_speed, simulated, step_time
+from bench.lib.plan_sim import InService, fake_knobs, in_service_prefill, in_service_speeds, simulated, step_time
 from bench.lib.replayer import Sent
 from llmd.plan.sim.trace import Trace
 from llmd.stepmodel import StepTime
@@ -145,10 +145,16 @@ async def _points(res: dict[str, Any], engine: str, a: argparse.Namespace) -> No
                       f"{p.client_cpu:.2f}, {p.measured.tokens_per_chunk:.2f} tokens/chunk", flush=True)
 
 
-def _speed(a: argparse.Namespace, engine: str, step: StepTime) -> float | None:
-    """The real engine's speed in service relative to `step`, from its capacity run's steps."""
-    path = _raw(a, f"capacity-{engine}-server")
-    return in_service_speed(json.loads(path.read_text())["steps"], step) if path.exists() else None
+def _in_service(a: argparse.Namespace, step: StepTime) -> InService | None:
+    """The real engine's steps in service relative to `step`, by running count and for steps
+    with prefill, from the steps of every real-engine capacity run kept (the shipped config's and
+    the no-ITL variant's: the same engine and box, at small and at large batches)."""
+    paths = [_raw(a, f"capacity-{engine}-server") for engine in ("real", "real-noitl")]
+    steps = [s for p in paths if p.exists() for s in json.loads(p.read_text())["steps"]]
+    knots = in_service_speeds(steps, step)
+    if not knots:
+        return None
+    return InService(step, knots, in_service_prefill(steps, InService(step, knots)))
 
 
 def _simulate(res: dict[str, Any], a: argparse.Namespace) -> None:
@@ -162,11 +168,12 @@ def _simulate(res: dict[str, Any], a: argparse.Namespace) -> None:
         real = a.real_step_model or (CALIBRATED if CALIBRATED.exists() else None)
         fake = row["engine"].startswith("fake")
         step = step_time(model if fake else real)
-        speed = None if fake else _speed(a, row["engine"], step)
+        ins = None if fake else _in_service(a, step)
         cfg = served(config_for(row["engine"], model))
         per: dict[int, list[float]] = {}
-        by = _sim_row(row, trace, step if speed is None else Scaled(step, speed), cfg, o, per)
-        row["sim"], row["sim_by_class"], row["sim_speed"] = by.pop("all", None), by or None, speed
+        by = _sim_row(row, trace, ins or step, cfg, o, per)
+        row["sim"], row["sim_by_class"] = by.pop("all", None), by or None
+        row["sim_speed"] = {"knots": [list(k) for k in ins.knots], "prefill_s": ins.prefill_s} if ins else None
         dump_file = _raw(a, f"{row['engine']}-{row['load']:g}-{row['rep']}")
         measured = json.loads(dump_file.read_text()) if dump_file.exists() else None
         row["paired"] = paired(measured, per, row) if measured else None
@@ -174,7 +181,7 @@ def _simulate(res: dict[str, Any], a: argparse.Namespace) -> None:
         server = json.loads(server_file.read_text()).get("requests") if server_file.exists() else None
         row["ttft_split"] = ttft_split(measured, server, per, row["warmup_s"], row["duration_s"]) \
             if measured and server else None
-        row["sim_raw_by_class"] = _sim_row(row, trace, step, cfg, o) if speed is not None else None
+        row["sim_raw_by_class"] = _sim_row(row, trace, step, cfg, o) if ins else None
 
 
 def _sim_row(row: dict[str, Any], trace: Trace, step: StepTime, cfg: dict[str, Any],

@@ -127,12 +127,14 @@ def _raw_verdicts(rows: list[dict[str, Any]], held_out: tuple[float, ...]) -> li
     """The real engine's points simulated on the calibrated step model alone, beside the judged
     ones (at the engine's speed in service, measured on the capacity run)."""
     raw = [{**r, "sim": None, "sim_by_class": r["sim_raw_by_class"]} for r in rows if r.get("sim_raw_by_class")]
-    speeds = sorted({f"{r['sim_speed']:.3f}" for r in rows if r.get("sim_speed")})
-    if not raw:
+    speed = next((r["sim_speed"] for r in rows if isinstance(r.get("sim_speed"), dict)), None)
+    if not raw or not speed:
         return []
-    head = (f"- The real engine ran {', '.join(speeds)}× the calibrated step model's time in service (decode-only "
-            "steps of the capacity run, median); the rows above price its steps at that speed. On the calibrated "
-            "model alone:")
+    knots = ", ".join(f"{y * 1000:+.1f} ms at {x:g}" for x, y in speed["knots"])
+    head = (f"- In service the real engine's steps took {knots} running over the calibrated step model's time "
+            "(decode-only steps of the real capacity runs, median by bins of 4 running; linear between them), and "
+            f"a step with prefill {speed['prefill_s'] * 1000:+.1f} ms more (the median over those runs' steps with "
+            "prefill); the rows above price its steps so. On the calibrated model alone:")
     empty = ("no simulated points", "no load points")  # engines without raw rows: said above already
     return [head, *("  " + v for v in _verdicts(raw, held_out) if not any(e in v for e in empty))]
 

@@ -2,14 +2,18 @@
 and one call that simulates a load point with llmd's shipped policies and the measured overheads.
 
 The real engine's steps are priced by the calibrated step model times the engine's speed in
-service (`in_service_speed`): `llmd plan calibrate` times the engine alone, while in service
-llmd's API process shares the box's two cores with it (tokenizing, filtering, streaming every
-token), which on a GPU box it would not. The speed is measured on the capacity run, never on
-the load points it is used for.
+service at the step's running count (`in_service_speeds`): `llmd plan calibrate` times the
+engine alone, while in service llmd's API process shares the box's two cores with it
+(tokenizing, filtering, streaming every token: work per running sequence), which on a GPU box it
+would not. So the extra time grows with the batch: on this box about -2 ms a step at 1-4
+running, +17 ms at 17 and +33 ms at 31 (against steps of 60-140 ms). It is measured on the capacity runs (both configs':
+the same engine on the same box, one at small batches and one at large), never on the load
+points it is used for.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import statistics
 from collections.abc import Sequence
@@ -44,14 +48,29 @@ class FakeKnobStep:
 
 
 @dataclass(frozen=True)
-class Scaled:
-    """A step function `factor` times slower (the calibrated model at the speed seen in service)."""
+class InService:
+    """The calibrated model at the speed seen in service: each step takes the extra time of its
+    running count, `knots` being (running count, seconds) sorted by count; between knots the
+    extra is interpolated linearly, beyond them it stays at the nearest knot's; a step with
+    prefill takes `prefill_s` more. Additive, not a factor: the API process's work per running
+    sequence takes the same time from a long prefill step as from a decode step."""
 
     inner: StepTime
-    factor: float
+    knots: tuple[tuple[float, float], ...]
+    prefill_s: float = 0.0
+
+    def extra(self, seqs: float) -> float:
+        ks = self.knots
+        if seqs <= ks[0][0]:
+            return ks[0][1]
+        for (x0, y0), (x1, y1) in itertools.pairwise(ks):
+            if seqs <= x1:
+                return y0 + (y1 - y0) * (seqs - x0) / (x1 - x0)
+        return ks[-1][1]
 
     def seconds(self, shape: StepShape) -> float:
-        return self.factor * self.inner.seconds(shape)
+        more = self.prefill_s if shape.prefill_tokens else 0.0
+        return max(0.0, self.inner.seconds(shape) + self.extra(shape.seqs) + more)
 
     @property
     def stamp(self) -> dict[str, str]:
@@ -63,13 +82,35 @@ MIX_CONTEXT = 192 + 32  # the mix's mean prompt plus half its mean output: a dec
 MIX_LONGEST = 700  # about the longest of a few dozen such sequences (prompt lognormal CV 0.5, capped at 1,024)
 
 
-def in_service_speed(steps: Sequence[Sequence[float]], step: StepTime, min_steps: int = 50) -> float | None:
-    """The median of measured / predicted time over the decode-only steps of a run (rows
-    [t, running, prefill tokens, duration] as bench.lib.plan_load keeps them), each priced at the
-    mix's mean context; None with fewer than `min_steps` of them."""
-    ratios = [d / step.seconds(StepShape(int(n), context_tokens=int(n) * MIX_CONTEXT, longest_context=MIX_LONGEST))
-              for _, n, p, d in steps if p == 0 and n > 0 and d > 0]
-    return statistics.median(ratios) if len(ratios) >= min_steps else None
+def in_service_speeds(steps: Sequence[Sequence[float]], step: StepTime, width: int = 4,
+                      min_steps: int = 20) -> tuple[tuple[float, float], ...]:
+    """The engine's extra time in service by running count, as InService's knots: the decode-only
+    steps of capacity runs (rows [t, running, prefill tokens, duration] as bench.lib.plan_load
+    keeps them), each priced at the mix's mean context, grouped by running count in bins of
+    `width` (1-4, 5-8, ...); a bin of at least `min_steps` steps gives a knot at its steps'
+    median count and median measured − predicted time. Empty with no such bin."""
+    bins: dict[int, list[tuple[int, float]]] = {}
+    for _, n, p, d in steps:
+        if p == 0 and n > 0 and d > 0:
+            shape = StepShape(int(n), context_tokens=int(n) * MIX_CONTEXT, longest_context=MIX_LONGEST)
+            bins.setdefault((int(n) - 1) // width, []).append((int(n), d - step.seconds(shape)))
+    return tuple((float(statistics.median(n for n, _ in b)), statistics.median(r for _, r in b))
+                 for _, b in sorted(bins.items()) if len(b) >= min_steps)
+
+
+def in_service_prefill(steps: Sequence[Sequence[float]], step: InService, min_steps: int = 20) -> float:
+    """The extra time of a step with prefill in service, over `step` (already correcting for the
+    running count): the median over the steps with prefill of capacity runs, each priced as one
+    fresh prompt's chunk beside the others decoding at the mix's mean context; 0 with fewer than
+    `min_steps` of them."""
+    extra = []
+    for _, n, p, d in steps:
+        if p > 0 and n > 0 and d > 0:
+            dec = int(n) - 1
+            shape = StepShape(dec, prefill_tokens=int(p), prefill_seqs=1, prefill_attn=p * p / 2.0,
+                              context_tokens=dec * MIX_CONTEXT, longest_context=MIX_LONGEST if dec else 0)
+            extra.append(d - step.seconds(shape))
+    return statistics.median(extra) if len(extra) >= min_steps else 0.0
 
 
 def fake_knobs(step_model: Path | None) -> dict[str, Any]:

@@ -141,3 +141,37 @@ def test_the_ttft_split_takes_llmds_parts_of_each_interactive_request_from_its_l
     from bench.lib.plan_report import _split
     assert any("| real-noitl | 30% | 3 | 700 | 400 | 100 |" in line for line in _split(rows))
     assert ttft_split(measured, {}, sim, 20.0, 120.0) is None
+
+
+def test_in_service_steps_add_the_extra_time_of_their_running_count_and_of_prefill() -> None:
+    from bench.lib.plan_sim import InService
+
+    base = FakeKnobStep(step_ms=50.0, step_ms_per_seq=1.0, prefill_tokens_per_s=1000.0)
+    ins = InService(base, ((3.0, -0.002), (17.0, 0.012)), prefill_s=0.005)
+    assert ins.extra(1) == pytest.approx(-0.002)  # below the first knot: the first knot's
+    assert ins.extra(10) == pytest.approx(0.005)  # halfway: linear
+    assert ins.extra(40) == pytest.approx(0.012)  # past the last: the last knot's
+    decode = StepShape(10)
+    assert ins.seconds(decode) == pytest.approx(base.seconds(decode) + 0.005)
+    prefill = StepShape(9, prefill_tokens=100, prefill_seqs=1)
+    assert ins.seconds(prefill) == pytest.approx(base.seconds(prefill) + 0.005 + 0.005)
+
+
+def test_the_speed_in_service_is_read_from_decode_steps_by_running_count_then_prefill_steps() -> None:
+    from bench.lib.plan_sim import MIX_CONTEXT, MIX_LONGEST, InService, in_service_prefill, in_service_speeds
+
+    base = FakeKnobStep(step_ms=50.0, step_ms_per_seq=1.0, prefill_tokens_per_s=1000.0)
+
+    def decode(n: int) -> float:
+        return base.seconds(StepShape(n, context_tokens=n * MIX_CONTEXT, longest_context=MIX_LONGEST))
+
+    # An engine 1 ms a step slower per running sequence past 2, and 9 ms slower with prefill.
+    steps = [[0.0, n, 0, decode(n) + 0.001 * (n - 2)] for n in (2, 3, 4, 17, 18, 19) for _ in range(20)]
+    steps += [[0.0, 5, 0, 1.0]] * 19  # a bin with too few steps gives no knot
+    knots = in_service_speeds(steps, base, min_steps=20)
+    assert [x for x, _ in knots] == [3.0, 18.0]
+    assert [y for _, y in knots] == pytest.approx([0.001, 0.016])
+    pre = [[0.0, 4, 200, base.seconds(StepShape(3, prefill_tokens=200, prefill_seqs=1, context_tokens=3 * MIX_CONTEXT,
+                                                longest_context=MIX_LONGEST)) + 0.002 + 0.009]] * 20
+    assert in_service_prefill(pre, InService(base, knots)) == pytest.approx(0.009)
+    assert in_service_prefill(pre[:19], InService(base, knots)) == 0.0
