@@ -37,7 +37,8 @@ from llmd.cluster.warm_pool import WarmPool
 from llmd.config import Config, ConfigError, ModelConfig
 from llmd.policy.admission import AdmissionController
 from llmd.policy.homes import Congestion, HomeTable, Shared
-from llmd.policy.placement import POLICIES, Candidate, Reservations, home_key, home_ranks, queued_prefill_s
+from llmd.policy.placement import POLICIES, Candidate, home_key, home_ranks, queued_prefill_s
+from llmd.policy.reservations import Reservations
 from llmd.policy.warmpool import ClusterLoad
 from llmd.registry.registry import Registry
 from llmd.runtime import Job

@@ -18,7 +18,8 @@ from llmd.policy.homes import (
     Congestion,
     HomeTable,
 )
-from llmd.policy.placement import Candidate, Reservations, VersionLoad, home_ranks, place, queued_prefill_s
+from llmd.policy.placement import Candidate, VersionLoad, home_ranks, place, queued_prefill_s
+from llmd.policy.reservations import Reservations
 
 NODES = {"n0": 6400, "n1": 6400, "n2": 6400}
 

@@ -13,7 +13,6 @@ import pytest
 from llmd.policy.placement import (
     POLICIES,
     Candidate,
-    Reservations,
     RoundRobinRouting,
     ScoreRouting,
     VersionLoad,
@@ -24,6 +23,7 @@ from llmd.policy.placement import (
     round_robin,
     saturated,
 )
+from llmd.policy.reservations import Reservations
 
 
 class Clock:

@@ -29,8 +29,9 @@ from llmd.plan.sim.spec import SimSpec
 from llmd.plan.sim.trace import CLASSES, Trace
 from llmd.policy import draws
 from llmd.policy.admission import AdmissionController, Ticket
-from llmd.policy.placement import Candidate, Reservations, ScoreRouting, VersionLoad
+from llmd.policy.placement import Candidate, ScoreRouting, VersionLoad
 from llmd.policy.queue import QueuedRequest
+from llmd.policy.reservations import Reservations
 from llmd.stepmodel import StepTime
 
 ROW_BLOCK: Final = 4096  # trace rows converted to Python numbers at a time
