@@ -34,7 +34,9 @@ GAMMA: Final = 1.0  # weight of KV occupancy by running sequences in the score
 NEAR_BEST: Final = 0.1  # candidates within 10 % of the best score are equally good ...
 NEAR_BEST_MAX_S: Final = 0.05  # ... but never more than 50 ms apart: under deep queues 10 % of the score
 # outweighs what a cached prefix saves, and a wide band would scatter prompts off their cache
-STICKY_SLACK: Final = 0.5  # a conversation stays on its node unless that node's TTFT is over 1.5x the best
+STICKY_SLACK: Final = 0.5  # a conversation stays on its node unless that node's TTFT is over 1.5x the best ...
+STICKY_FLOOR_S: Final = 0.02  # ... plus 20 ms: at light load TTFTs are a few ms, and one turn still queued in
+# a stale state (gossip lags a turn or more) read as 1.6x, which moved the chat off its cache
 AFFINITY_SLACK: Final = 1.0  # a node holding most of the prompt in cache keeps it up to 2x the best TTFT
 # (`_cache_holders`)
 SATURATED_AFFINITY_SLACK: Final = 2.0  # past capacity (`saturated`) it keeps it up to 3x: a miss there costs everyone
@@ -205,7 +207,7 @@ def place(cands: Sequence[Candidate], prompt_tokens: int, expected_output: int,
     ok = fitting if full else roomy
     best_ttft = min(ttft[c.node] for c in ok)
     slack = max(affinity_slack, saturated_slack) if full else affinity_slack
-    sticky = [c for c in ok if c.sticky and ttft[c.node] <= best_ttft * (1 + sticky_slack)]
+    sticky = [c for c in ok if c.sticky and ttft[c.node] <= best_ttft * (1 + sticky_slack) + STICKY_FLOOR_S]
     holders = [] if sticky else _cache_holders(ok, ttft, prompt_tokens, best_ttft, slack)
     homes = sorted((c for c in ok if queued and c.home_rank is not None and ttft[c.node] <= best_ttft * (1 + slack)),
                    key=lambda c: c.home_rank or 0)

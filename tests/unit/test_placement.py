@@ -180,8 +180,10 @@ def test_unknown_rate_node_is_not_shunned() -> None:
 def test_sticky_node_keeps_the_conversation_unless_clearly_slower() -> None:
     slightly = [cand("best"), cand("mine", sticky=True, waiting_prefill_tokens=400)]  # TTFT 1.4x the best
     assert picks(slightly, 30) == {"mine": 30}
-    much = [cand("best"), cand("mine", sticky=True, waiting_prefill_tokens=600)]  # 1.6x
+    much = [cand("best"), cand("mine", sticky=True, waiting_prefill_tokens=800)]  # 1.8x (1.5x + 20 ms: 0.18 s)
     assert picks(much, 30) == {"best": 30}
+    edge = [cand("best"), cand("mine", sticky=True, waiting_prefill_tokens=600)]  # 1.6x: 0.165 s, within it
+    assert picks(edge, 30) == {"mine": 30}
     full = [cand("best"), cand("mine", sticky=True, kv_free_tokens=10)]
     assert picks(full, 10) == {"best": 10}
 
@@ -213,6 +215,16 @@ def test_a_reservation_is_released_once_its_request_has_had_its_prefill(res: Res
     assert res.of("a") == 300
     res.release("b", 300)
     assert res.of("a") == 300
+
+
+def test_a_conversation_is_not_moved_off_its_node_by_a_few_ms_of_stale_queue() -> None:
+    """Light load, short prompts: TTFTs of a few ms. The sticky node's latest state still counts
+    the conversation's last turn (60 tokens) as waiting, though it has run since (gossip lags)."""
+    mine = cand("mine", sticky=True, waiting_prefill_tokens=60, prefill_tps=5000.0)
+    other = cand("other", prefill_tps=5000.0)
+    assert picks([mine, other], 20, prompt=20, out=2) == {"mine": 20}  # 21 ms against 9 ms (hop included)
+    busy = replace(mine, load=replace(mine.load, waiting_prefill_tokens=200))  # 49 ms: over 1.5x + 20 ms
+    assert picks([busy, other], 20, prompt=20, out=2) == {"other": 20}
 
 
 def test_cache_holder_keeps_its_prompts_unless_clearly_slower() -> None:
