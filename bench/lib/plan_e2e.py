@@ -30,7 +30,7 @@ from bench.lib.e2e_stats import ttft_split
 from bench.lib.plan_load import capacity, dump, load_point, mix_trace
 from bench.lib.plan_overhead import measure
 from bench.lib.plan_report import report
-from bench.lib.plan_sim import InService, fake_knobs, in_service_prefill, in_service_speeds, simulated, step_time
+from bench.lib.plan_sim import InService, fake_knobs, in_service_knots, in_service_prefill, simulated, step_time
 from bench.lib.replayer import Sent
 from llmd.plan.sim.trace import Trace
 from llmd.stepmodel import StepTime
@@ -151,7 +151,7 @@ def _in_service(a: argparse.Namespace, step: StepTime) -> InService | None:
     the no-ITL variant's: the same engine and box, at small and at large batches)."""
     paths = [_raw(a, f"capacity-{engine}-server") for engine in ("real", "real-noitl")]
     steps = [s for p in paths if p.exists() for s in json.loads(p.read_text())["steps"]]
-    knots = in_service_speeds(steps, step)
+    knots = in_service_knots(steps, step)
     if not knots:
         return None
     return InService(step, knots, in_service_prefill(steps, InService(step, knots)))

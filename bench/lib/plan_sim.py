@@ -1,14 +1,14 @@
 """The simulator's side of the end-to-end check: the step function each engine is priced by,
 and one call that simulates a load point with llmd's shipped policies and the measured overheads.
 
-The real engine's steps are priced by the calibrated step model times the engine's speed in
-service at the step's running count (`in_service_speeds`): `llmd plan calibrate` times the
-engine alone, while in service llmd's API process shares the box's two cores with it
-(tokenizing, filtering, streaming every token: work per running sequence), which on a GPU box it
-would not. So the extra time grows with the batch: on this box about -2 ms a step at 1-4
-running, +17 ms at 17 and +33 ms at 31 (against steps of 60-140 ms). It is measured on the capacity runs (both configs':
-the same engine on the same box, one at small batches and one at large), never on the load
-points it is used for.
+The real engine's steps are priced by the calibrated step model plus the engine's extra time in
+service at the step's running count (`in_service_knots`) and per step with prefill
+(`in_service_prefill`): `llmd plan calibrate` times the engine alone, while in service llmd's
+API process shares the box's two cores with it (tokenizing, filtering, streaming every token:
+work per running sequence), which on a GPU box it would not. On the 2026-12-04 box: about -3 ms
+a step at 3 running, +17 ms at 17 and +34 ms at 31 (steps of 60-140 ms), and +7 ms with
+prefill. Both are read from the capacity runs (both configs': the same engine on the same box,
+one at small batches and one at large), never from the load points they are used for.
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ MIX_CONTEXT = 192 + 32  # the mix's mean prompt plus half its mean output: a dec
 MIX_LONGEST = 700  # about the longest of a few dozen such sequences (prompt lognormal CV 0.5, capped at 1,024)
 
 
-def in_service_speeds(steps: Sequence[Sequence[float]], step: StepTime, width: int = 4,
+def in_service_knots(steps: Sequence[Sequence[float]], step: StepTime, width: int = 4,
                       min_steps: int = 20) -> tuple[tuple[float, float], ...]:
     """The engine's extra time in service by running count, as InService's knots: the decode-only
     steps of capacity runs (rows [t, running, prefill tokens, duration] as bench.lib.plan_load

@@ -158,7 +158,7 @@ def test_in_service_steps_add_the_extra_time_of_their_running_count_and_of_prefi
 
 
 def test_the_speed_in_service_is_read_from_decode_steps_by_running_count_then_prefill_steps() -> None:
-    from bench.lib.plan_sim import MIX_CONTEXT, MIX_LONGEST, InService, in_service_prefill, in_service_speeds
+    from bench.lib.plan_sim import MIX_CONTEXT, MIX_LONGEST, InService, in_service_knots, in_service_prefill
 
     base = FakeKnobStep(step_ms=50.0, step_ms_per_seq=1.0, prefill_tokens_per_s=1000.0)
 
@@ -168,7 +168,7 @@ def test_the_speed_in_service_is_read_from_decode_steps_by_running_count_then_pr
     # An engine 1 ms a step slower per running sequence past 2, and 9 ms slower with prefill.
     steps = [[0.0, n, 0, decode(n) + 0.001 * (n - 2)] for n in (2, 3, 4, 17, 18, 19) for _ in range(20)]
     steps += [[0.0, 5, 0, 1.0]] * 19  # a bin with too few steps gives no knot
-    knots = in_service_speeds(steps, base, min_steps=20)
+    knots = in_service_knots(steps, base, min_steps=20)
     assert [x for x, _ in knots] == [3.0, 18.0]
     assert [y for _, y in knots] == pytest.approx([0.001, 0.016])
     pre = [[0.0, 4, 200, base.seconds(StepShape(3, prefill_tokens=200, prefill_seqs=1, context_tokens=3 * MIX_CONTEXT,
