@@ -127,7 +127,7 @@ def _raw_verdicts(rows: list[dict[str, Any]], held_out: tuple[float, ...]) -> li
     """The real engine's points simulated on the calibrated step model alone, beside the judged
     ones (at the engine's speed in service, measured on the capacity run)."""
     raw = [{**r, "sim": None, "sim_by_class": r["sim_raw_by_class"]} for r in rows if r.get("sim_raw_by_class")]
-    speed = next((r["sim_speed"] for r in rows if isinstance(r.get("sim_speed"), dict)), None)
+    speed = next((r["sim_in_service"] for r in rows if r.get("sim_in_service")), None)
     if not raw or not speed:
         return []
     knots = ", ".join(f"{y * 1000:+.1f} ms at {x:g}" for x, y in speed["knots"])
