@@ -125,7 +125,7 @@ def _split(rows: list[dict[str, Any]]) -> list[str]:
 
 def _raw_verdicts(rows: list[dict[str, Any]], held_out: tuple[float, ...]) -> list[str]:
     """The real engine's points simulated on the calibrated step model alone, beside the judged
-    ones (at the engine's speed in service, measured on the capacity run)."""
+    ones (priced at the engine's extra time in service, read from the real capacity runs)."""
     raw = [{**r, "sim": None, "sim_by_class": r["sim_raw_by_class"]} for r in rows if r.get("sim_raw_by_class")]
     speed = next((r["sim_in_service"] for r in rows if r.get("sim_in_service")), None)
     if not raw or not speed:
