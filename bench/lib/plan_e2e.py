@@ -173,7 +173,6 @@ def _simulate(res: dict[str, Any], a: argparse.Namespace) -> None:
         per: dict[int, list[float]] = {}
         by = _sim_row(row, trace, ins or step, cfg, o, per)
         row["sim"], row["sim_by_class"] = by.pop("all", None), by or None
-        row.pop("sim_speed", None)  # (one factor per config, before 2026-12-04)
         row["sim_in_service"] = {"knots": [list(k) for k in ins.knots], "prefill_s": ins.prefill_s} if ins else None
         dump_file = _raw(a, f"{row['engine']}-{row['load']:g}-{row['rep']}")
         measured = json.loads(dump_file.read_text()) if dump_file.exists() else None
