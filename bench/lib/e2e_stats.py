@@ -3,11 +3,12 @@
 One definition for both sides: TTFT and ITL percentiles over the requests that arrived inside
 the measured window (after the warm-up, before the last arrival), and throughput as output
 tokens delivered inside the window per second of it. ITL is the engine's pace: a chunk of k
-tokens counts as k gaps of 1/k its gap (`token_gaps`); the gaps between chunks, as a client saw
-them, are kept beside it (`chunk_itl_p50`, `chunk_itl_p95`). Percentiles by the simulator's own
-estimator (llmd/plan/sim/hist.py: nearest rank, reported at its bin's middle): with a few dozen
-samples a class's p50 by linear interpolation can sit halfway between two requests seconds
-apart, an "error" that is only a difference of definition.
+tokens counts as k - 1 gaps at the stream's pace and one of the rest (`token_gaps`); the
+gaps between chunks, as a client saw them, are kept beside it (`chunk_itl_p50`,
+`chunk_itl_p95`). Percentiles by the simulator's own estimator (llmd/plan/sim/hist.py:
+nearest rank, reported at its bin's middle): with a few dozen samples a class's p50 by linear
+interpolation can sit halfway between two requests seconds apart, an "error" that is only a
+difference of definition.
 """
 
 from __future__ import annotations
@@ -69,16 +70,39 @@ def pct(values: Sequence[float], q: float, weights: Sequence[float] | None = Non
 
 
 def token_gaps(s: Sent) -> tuple[list[float], list[float]]:
-    """(gap per token, tokens) of each chunk after the first: a chunk of k tokens that came g
-    after the one before stands for k engine steps of g/k each. llmd sends each step's token as
-    it comes, but on a busy 2-core box its API process falls behind and sends a few together;
-    the simulator prices engine steps, so the engine's pace is what is compared (the chunk gaps
-    a client saw are reported beside it)."""
+    """(gap, tokens it stands for) of each chunk after the first, as engine steps: a chunk of k
+    tokens that came g after the one before stands for k - 1 steps at the stream's pace (the
+    token-weighted median of g/k over its chunks; at most g/k) and one gap of the rest. llmd
+    sends each step's token as it comes, but on a busy 2-core box its API process falls behind
+    and sends a few together, and the output filters hold text back: the simulator prices engine
+    steps, so the engine's pace is what is compared (the chunk gaps a client saw are reported
+    beside it). A stall (a preempted stream's wait, a long prefill step) stays one gap, as the
+    simulator records it: spread evenly over the k tokens sent after it, one stall of 9.8 s
+    before 3 tokens read as three gaps of 3.3 s, and a few such made a class's ITL p95."""
+    pairs = [(b - a, max(1, k)) for a, b, k in zip(s.chunks, s.chunks[1:], s.tokens[1:], strict=False)]
+    if not pairs:
+        return [], []
+    pace = _weighted_median([g / k for g, k in pairs], [float(k) for _, k in pairs])
     gaps, ks = [], []
-    for a, b, k in zip(s.chunks, s.chunks[1:], s.tokens[1:], strict=False):
-        gaps.append((b - a) / max(1, k))
-        ks.append(float(max(1, k)))
+    for g, k in pairs:
+        p = min(g / k, pace)
+        if k > 1:
+            gaps.append(p)
+            ks.append(float(k - 1))
+        gaps.append(g - (k - 1) * p)
+        ks.append(1.0)
     return gaps, ks
+
+
+def _weighted_median(values: Sequence[float], weights: Sequence[float]) -> float:
+    """The lower weighted median: the first value, in order, reaching half the weight."""
+    order = sorted(range(len(values)), key=values.__getitem__)
+    half, acc = sum(weights) / 2.0, 0.0
+    for i in order:
+        acc += weights[i]
+        if acc >= half:
+            return values[i]
+    return values[order[-1]]
 
 
 def _figures(sent: Sequence[Sent], inside: Sequence[Sent], lo: float, hi: float) -> Figures:

@@ -26,8 +26,8 @@ from typing import Any
 from bench.lib import plan_servers as ps
 from bench.lib import report as report_lib
 from bench.lib import stats
-from bench.lib.e2e_stats import ttft_split
-from bench.lib.plan_load import capacity, dump, load_point, mix_trace
+from bench.lib.e2e_stats import summarise, ttft_split
+from bench.lib.plan_load import capacity, dump, load_point, mix_trace, undump
 from bench.lib.plan_overhead import measure
 from bench.lib.plan_report import report
 from bench.lib.plan_sim import InService, fake_knobs, in_service_knots, in_service_prefill, simulated, step_time
@@ -44,6 +44,7 @@ PARTS = ("overhead", "capacity-fake", "capacity-real", "points-fake", "points-re
 HELD_OUT = (0.3, 0.5, 0.7, 0.8)  # loads the step model was not fitted at; >= 0.9 reported apart
 HIGH = (0.9, 1.0)
 DRAIN_S = 60.0  # a replay cuts what still runs this long after its last arrival
+DUMP_ROUND_S = 1e-4  # a dump's times are rounded to 0.1 ms: the last arrival must stay inside the window
 
 
 def load_results(path: Path) -> dict[str, Any]:
@@ -176,6 +177,8 @@ def _simulate(res: dict[str, Any], a: argparse.Namespace) -> None:
         row["sim_in_service"] = {"knots": [list(k) for k in ins.knots], "prefill_s": ins.prefill_s} if ins else None
         dump_file = _raw(a, f"{row['engine']}-{row['load']:g}-{row['rep']}")
         measured = json.loads(dump_file.read_text()) if dump_file.exists() else None
+        if measured:  # summarised again from what the client saw: a change of definition reaches every row
+            row["measured"] = asdict(summarise(undump(dump_file), 0.0, row["warmup_s"], trace.duration + DUMP_ROUND_S))
         row["paired"] = paired(measured, per, row) if measured else None
         server_file = dump_file.with_name(dump_file.stem + "-server.json")
         server = json.loads(server_file.read_text()).get("requests") if server_file.exists() else None

@@ -197,3 +197,17 @@ def dump(path: Path, sent: list[Sent], t0: float) -> None:
              "tokens": s.output_tokens, "chunks": len(s.chunks), "max_gap": max(s.gaps(), default=None),
              "at": [round(c - t0, 4) for c in s.chunks], "n": list(s.tokens)} for s in sent]
     path.write_text(json.dumps(rows) + "\n")
+
+
+def undump(path: Path) -> list[Sent]:
+    """The requests `dump` wrote, times from the run's t0 (0 here; chunk times to 0.1 ms), so
+    the measured figures can be summarised again from what the client saw."""
+    out = []
+    for r in json.loads(path.read_text()):
+        s = Sent(r["i"], r["tenant"], r["class"], r["sched"], r["sched"] + r["late"], list(r["at"]), list(r["n"]),
+                 prompt_tokens=r["prompt"], status=r["status"])
+        if r["ttft"] is not None and s.chunks:
+            s.t_send = s.chunks[0] - r["ttft"]  # the TTFT as measured, not as rounded
+        s.t_end = None if r["e2e"] is None else s.t_send + r["e2e"]
+        out.append(s)
+    return out

@@ -8,8 +8,9 @@ import math
 from itertools import pairwise
 
 import numpy as np
+import pytest
 
-from bench.lib.e2e_stats import error_pct, pct, spread_pct, summarise
+from bench.lib.e2e_stats import error_pct, pct, spread_pct, summarise, token_gaps
 from bench.lib.replayer import Sent, prompt_ids, prose, replay, take
 from llmd.auth import hash_key
 from llmd.plan.sim.trace import Trace
@@ -144,6 +145,21 @@ def test_summary_drops_the_warm_up_and_counts_tokens_inside_the_window() -> None
     assert math.isclose(m.by_class["interactive"].ttft_p50, 0.5, rel_tol=bin_)
     assert math.isclose(m.by_class["batch"].ttft_p50, 0.2, rel_tol=bin_)
     assert (m.by_class["interactive"].tput, m.by_class["batch"].tput) == (2.0, 1.0)
+
+
+def test_a_stall_before_a_chunk_of_several_tokens_stays_one_gap() -> None:
+    # A stream at 0.06 s a token, sent in twos (its API process behind), stalls 9.8 s (preempted),
+    # then 3 tokens come together: one gap of the stall's rest and two at the stream's pace, as
+    # the simulator records a resumed stream (not three gaps of 3.3 s, which made a p95)
+    s = sent(0, 0.0, [1.0, 1.12, 1.24, 1.36, 11.16], [1, 2, 2, 2, 3])
+    gaps, ks = token_gaps(s)
+    assert sum(g * k for g, k in zip(gaps, ks, strict=True)) == pytest.approx(11.16 - 1.0)  # the time is kept
+    assert sum(ks) == 9.0  # a gap per token after the first
+    assert gaps[-2:] == pytest.approx([0.06, 9.8 - 2 * 0.06]) and ks[-2:] == [2.0, 1.0]
+    assert gaps[:2] == pytest.approx([0.06, 0.06])  # a chunk at the pace: its gap split evenly, as before
+    # sent faster than the pace (the API process caught up): split evenly, never a negative gap
+    fast = token_gaps(sent(1, 0.0, [1.0, 1.3, 1.34], [1, 1, 2]))
+    assert fast == (pytest.approx([0.3, 0.02, 0.02]), [1.0, 1.0, 1.0])
 
 
 def test_errors_and_spread() -> None:
