@@ -63,7 +63,8 @@ def part_c(measure: tuple[str, ...]) -> list[str]:
               "of real engine per point), each point alone under the box lock on a fresh llmd. The fake backend's "
               "points run on the fitted step model (`[models.fake] step_model`, the function the simulator prices "
               "steps by: bench/data/stepmodel-fake-e2e.json). When, at which llmd and by which command each row "
-              "was measured: the last table. This run simulated every one of them again with the code named above.")
+              "was measured: the last table. This run summarised every one of them again from its stored chunks "
+              "and simulated it again, with the code named above.")
     return ["### (c) End to end: the simulator against llmd", "",
             report.stamp(time.perf_counter() - t0, cmd=report.command()), "", source, "", body]
 
