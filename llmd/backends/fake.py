@@ -337,6 +337,11 @@ class FakeBackend:
             generated += 1
             self._emit(req)
         queries, hits = self.cache.take_stats()
+        # Those queued during the step join the next one now, before the step is recorded: its
+        # `waiting` counts what the next step cannot take, as vLLM's num_waiting_reqs does (it
+        # takes new requests in between steps). Counted before, they read as a backlog for a
+        # whole step after they had started, and llmd held its queue back a step for them.
+        self._admit()
         self.stats.record(StepRecord(t=now(), running=len(plan), waiting=len(self._waiting),
                                      kv_usage=min(1.0, self.cache.usage()), generated_tokens=generated, duration=took,
                                      prefill_tokens=prefilled, decode_seqs=decoded, prefill_seqs=prefilling),

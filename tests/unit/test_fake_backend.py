@@ -154,6 +154,24 @@ async def test_prefill_steps_and_stats() -> None:
         await b.stop()
 
 
+async def test_a_request_queued_during_a_step_is_not_reported_waiting_once_it_joins_the_next() -> None:
+    # llmd dispatches only while the engine reports no backlog; a request that arrived mid-step
+    # and joins the next step is no backlog (vLLM's num_waiting_reqs leaves it out too). Reported
+    # as waiting, llmd held its queue back a whole step after it had started.
+    b = make(step_ms=30.0)
+    await b.start()
+    try:
+        first = asyncio.create_task(collect(b, "first", "one", max_tokens=6))
+        while not b.stats.steps:
+            await asyncio.sleep(0.001)
+        await collect(b, "mid-step", "two", max_tokens=2)
+        await first
+        assert [r.waiting for r in b.stats.history] == [0] * len(b.stats.history)
+        assert max(r.running for r in b.stats.history) == 2  # both ran together
+    finally:
+        await b.stop()
+
+
 async def test_priority_when_saturated() -> None:
     b = make(max_num_seqs=1)
     await b.start()
