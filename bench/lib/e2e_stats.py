@@ -50,7 +50,7 @@ class Measured:
     send_late_p95: float  # how late the client sent, s (open loop held if this is small)
     e2e_p50: float
     by_class: dict[str, Figures] = field(default_factory=dict)
-    tput_run: float = math.nan  # every output token / (last chunk - trace time 0): the simulator's definition
+    tput_run: float = math.nan  # completed requests' output / (last chunk - trace time 0): the simulator's definition
     chunk_itl_p50: float = math.nan  # the gaps between chunks as a client saw them (a chunk may carry several tokens)
     chunk_itl_p95: float = math.nan
 
@@ -120,8 +120,11 @@ def _figures(sent: Sequence[Sent], inside: Sequence[Sent], lo: float, hi: float)
 
 
 def _run_tput(sent: Sequence[Sent], t0: float) -> float:
+    """The simulator's throughput: the output of the requests that completed over the time to the
+    last chunk. A stream cut at the replay's end, or ended by an error, is counted by neither
+    side (its tokens counted here alone read 3.5 % over the simulator's, 14 cut at fake-noitl 50 %)."""
     last = max((s.chunks[-1] for s in sent if s.chunks), default=t0)
-    return sum(s.output_tokens for s in sent) / (last - t0) if last > t0 else math.nan
+    return sum(s.output_tokens for s in sent if s.status == "ok") / (last - t0) if last > t0 else math.nan
 
 
 def summarise(sent: Sequence[Sent], t0: float, warmup_s: float, duration: float) -> Measured:

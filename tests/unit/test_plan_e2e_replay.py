@@ -140,7 +140,9 @@ def test_summary_drops_the_warm_up_and_counts_tokens_inside_the_window() -> None
     assert math.isclose(pct([0.05, 0.2, 0.1], 50, [2, 1, 1]), 0.05, rel_tol=bin_)  # weights count
     assert math.isclose(m.figures.tput, (4 + 2) / 2.0)  # 4 tokens of request 1, 2 of request 2, in [2, 4)
     assert math.isclose(m.tokens_per_chunk, 7 / 6)
-    assert math.isclose(m.tput_run, (3 + 4 + 3) / 9.0)  # every token, over trace time 0 to the last chunk
+    assert math.isclose(m.tput_run, (3 + 4 + 3) / 9.0)  # completed requests' tokens, to the last chunk
+    cut = summarise([*out, sent(4, 3.6, [3.7, 3.8, 10.0], status="cut")], t0=0.0, warmup_s=2.0, duration=4.0)
+    assert math.isclose(cut.tput_run, (3 + 4 + 3) / 10.0)  # a cut stream's tokens are not counted: it never completed
     assert sorted(m.by_class) == ["batch", "interactive"]
     assert math.isclose(m.by_class["interactive"].ttft_p50, 0.5, rel_tol=bin_)
     assert math.isclose(m.by_class["batch"].ttft_p50, 0.2, rel_tol=bin_)
