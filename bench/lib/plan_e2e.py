@@ -178,7 +178,7 @@ def _simulate(res: dict[str, Any], a: argparse.Namespace) -> None:
         dump_file = _raw(a, f"{row['engine']}-{row['load']:g}-{row['rep']}")
         measured = json.loads(dump_file.read_text()) if dump_file.exists() else None
         if measured:  # summarised again from what the client saw: a change of definition reaches every row
-            row["measured"] = asdict(summarise(undump(dump_file), 0.0, row["warmup_s"], trace.duration + DUMP_ROUND_S))
+            row["measured"] = asdict(summarise(undump(measured), 0.0, row["warmup_s"], trace.duration + DUMP_ROUND_S))
         row["paired"] = paired(measured, per, row) if measured else None
         server_file = dump_file.with_name(dump_file.stem + "-server.json")
         server = json.loads(server_file.read_text()).get("requests") if server_file.exists() else None

@@ -199,11 +199,11 @@ def dump(path: Path, sent: list[Sent], t0: float) -> None:
     path.write_text(json.dumps(rows) + "\n")
 
 
-def undump(path: Path) -> list[Sent]:
-    """The requests `dump` wrote, times from the run's t0 (0 here; chunk times to 0.1 ms), so
-    the measured figures can be summarised again from what the client saw."""
+def undump(rows: list[dict[str, Any]]) -> list[Sent]:
+    """The requests `dump` wrote (its rows, parsed), times from the run's t0 (0 here; chunk
+    times to 0.1 ms), so the measured figures can be summarised again from what the client saw."""
     out = []
-    for r in json.loads(path.read_text()):
+    for r in rows:
         s = Sent(r["i"], r["tenant"], r["class"], r["sched"], r["sched"] + r["late"], list(r["at"]), list(r["n"]),
                  prompt_tokens=r["prompt"], status=r["status"])
         if r["ttft"] is not None and s.chunks:

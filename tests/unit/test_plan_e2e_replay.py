@@ -4,8 +4,10 @@ and the figures summarised from what the client saw."""
 
 from __future__ import annotations
 
+import json
 import math
 from itertools import pairwise
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -162,6 +164,16 @@ def test_a_stall_before_a_chunk_of_several_tokens_stays_one_gap() -> None:
     # sent faster than the pace (the API process caught up): split evenly, never a negative gap
     fast = token_gaps(sent(1, 0.0, [1.0, 1.3, 1.34], [1, 1, 2]))
     assert fast == (pytest.approx([0.3, 0.02, 0.02]), [1.0, 1.0, 1.0])
+
+
+def test_a_dumped_run_is_summarised_again_to_the_same_figures(tmp_path: Path) -> None:
+    from bench.lib.plan_load import dump, undump
+
+    out = [sent(0, 0.5, [1.0, 1.1, 1.2]), sent(1, 2.0, [2.5, 2.6, 2.8], [1, 2, 1]),
+           sent(2, 3.0, [3.2, 3.3, 9.0], klass="batch"), sent(3, 3.5, [], status="503")]
+    dump(tmp_path / "run.json", out, t0=0.0)
+    again = undump(json.loads((tmp_path / "run.json").read_text()))
+    assert summarise(again, 0.0, 2.0, 4.0) == summarise(out, 0.0, 2.0, 4.0)
 
 
 def test_errors_and_spread() -> None:
