@@ -151,3 +151,17 @@ def test_a_horizon_cuts_what_still_runs_and_counts_only_completed_requests() -> 
         assert fleet.rec.ttft[("class", "interactive")].n == counted
         assert fleet.rec.counts["completed"] == counted
         assert fleet.now <= (horizon or 1e9)
+
+
+def test_arrivals_during_a_long_step_all_reach_the_engine_as_llmd_sends_them() -> None:
+    """llmd reads the engine's queue from its last step record, so during a long step (a prefill
+    chunk) it sends every arrival in, and the engine prefills them together when the step ends.
+    Reading the queue live, the simulator held all but the first in llmd's queue and prefilled
+    them a step later: the same work in another order, and another TTFT tail."""
+    tr = trace_of([(0.0, 3000, 5), (0.05, 50, 5), (0.10, 50, 5)])
+    spec = SimSpec(replicas=1, engine=EngineSpec(max_num_seqs=8), ingress_s=0.0, delivery_s=0.0,
+                   exact_controller=True)
+    got = first_tokens(spec, tr, SLOW)
+    first_step = 0.02 + 0.004 + 2e-4 * 2048  # the long request's first chunk (2048-token budget)
+    assert got[1] > first_step
+    assert got[2] == pytest.approx(got[1])  # one step prefilled both

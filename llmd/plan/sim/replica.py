@@ -59,6 +59,7 @@ class Replica:
         self.queued_tokens = 0  # prefill tokens waiting in its queue (routing reads it)
         self.sched_preempted = 0
         self.early: list[Req] = []  # dropped by a tick between boundaries (exact mode)
+        self.recorded_waiting = 0  # the engine's queue as its last step record gave it (exact mode)
 
     def _core(self, spec: EngineSpec, sc: SchedulingConfig, tenants: list[TenantConfig]) -> SchedulerCore:
         """llmd/runtime.py's build_runtime, on the virtual clock."""
@@ -89,7 +90,9 @@ class Replica:
     # -- EngineSignals, as the backend's EngineStats would report them -------------
     @property
     def waiting(self) -> int:
-        return len(self.engine.waiting)
+        # llmd reads the engine's last step record: between boundaries it does not see what it
+        # dispatched since, and sends every arrival in (exact mode models that)
+        return self.recorded_waiting if self.exact else len(self.engine.waiting)
 
     @property
     def kv_usage(self) -> float:
@@ -126,6 +129,8 @@ class Replica:
         for r in aborts:  # first: llmd's abort takes effect mid-step, the step's token never reaches it
             self._abort(r, now)
         started, done = eng.complete(now) if not eng.idle() else ([], [])
+        free = max(0, eng.spec.max_num_seqs - eng.running)
+        self.recorded_waiting = max(0, len(eng.waiting) - free)  # the record: after the engine admits
         # A lowered limit or the batch cap's quiet period is seen by the next periodic tick (exact:
         # at every boundary while anything is queued, as llmd ticks every 10 ms then).
         queued = self.exact and len(self.core.queue) > 0
@@ -133,6 +138,7 @@ class Replica:
         if self.dirty or queued or now - self.last_tick >= self.tick_every_s:
             dropped += self._tick(now)
         self.next_t = eng.plan(now)
+        self.recorded_waiting = len(eng.waiting)
         for r in done:
             self._release(r, r.output)
         if done and len(self.core.queue):  # a freed seat matters only to a queued request
