@@ -2,12 +2,10 @@
 traffic, at 70 %, 100 % and 130 % of round robin's capacity, on 3 llmd nodes (fake engines),
 one run per seed of chats at each load.
 
-At 70 % the nodes' queues average a few hundredths to a tenth of a request, so max/mean over
-them swings between runs of the same code and seed (1.29-1.73, (a18)). On (a)'s workload they
-stay that small at 100 % and 130 % too (2026-12-04: 0.00-0.28; the fake engines prefill every
-waiting prompt in the next step, so a request waits at most one step), and the ratio swings
-there as well (1.38-2.72). Past 1.6x it the nodes hold queues (nodes' mean 0.2-1.1 requests)
-and every run read 1.14-1.48 (2026-12-05, `--loads 1.6,2.0`).
+Where the nodes' queues average a few hundredths of a request (70-130 % on (a)'s workload: the
+fake engines prefill every waiting prompt in the next step), max/mean over them swings between
+runs of the same code and seed; past about 1.6x the nodes hold queues and the ratio says whether
+the hot prompt's nodes are overloaded. The figures: docs/benchmarks.md (a3), (a18), (a19).
 Writes subsection (a3) of "Cluster (J)" in docs/benchmarks.md.
 
   .venv/bin/python bench/cluster_hot.py [--capacity 4.5] [--seconds 120] [--seeds 1,2,3] [--loads 0.7,1.0,1.3]

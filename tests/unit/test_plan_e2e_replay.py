@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from bench.lib.e2e_stats import error_pct, pct, spread_pct, summarise, token_gaps
+from bench.lib.plan_load import dump, undump
 from bench.lib.replayer import Sent, prompt_ids, prose, replay, take
 from llmd.auth import hash_key
 from llmd.plan.sim.trace import Trace
@@ -167,8 +168,6 @@ def test_a_stall_before_a_chunk_of_several_tokens_stays_one_gap() -> None:
 
 
 def test_a_dumped_run_is_summarised_again_to_the_same_figures(tmp_path: Path) -> None:
-    from bench.lib.plan_load import dump, undump
-
     out = [sent(0, 0.5, [1.0, 1.1, 1.2]), sent(1, 2.0, [2.5, 2.6, 2.8], [1, 2, 1]),
            sent(2, 3.0, [3.2, 3.3, 9.0], klass="batch"), sent(3, 3.5, [], status="503")]
     dump(tmp_path / "run.json", out, t0=0.0)

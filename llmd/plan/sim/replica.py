@@ -129,8 +129,8 @@ class Replica:
         for r in aborts:  # first: llmd's abort takes effect mid-step, the step's token never reaches it
             self._abort(r, now)
         started, done = eng.complete(now) if not eng.idle() else ([], [])
-        free = max(0, eng.spec.max_num_seqs - eng.running)
-        self.recorded_waiting = max(0, len(eng.waiting) - free)  # the record: after the engine admits
+        if self.exact:  # the record: what waits once the engine admits (seats; plan() below is exact)
+            self.recorded_waiting = max(0, len(eng.waiting) - max(0, eng.spec.max_num_seqs - eng.running))
         # A lowered limit or the batch cap's quiet period is seen by the next periodic tick (exact:
         # at every boundary while anything is queued, as llmd ticks every 10 ms then).
         queued = self.exact and len(self.core.queue) > 0
@@ -138,7 +138,8 @@ class Replica:
         if self.dirty or queued or now - self.last_tick >= self.tick_every_s:
             dropped += self._tick(now)
         self.next_t = eng.plan(now)
-        self.recorded_waiting = len(eng.waiting)
+        if self.exact:
+            self.recorded_waiting = len(eng.waiting)
         for r in done:
             self._release(r, r.output)
         if done and len(self.core.queue):  # a freed seat matters only to a queued request
