@@ -185,7 +185,8 @@ def report(res: dict[str, Any], held_out: tuple[float, ...]) -> str:
     lines += ["", "#### Load points: measured / simulated (error)", "",
               "Latencies in ms; ITL: the engine's pace (a chunk of k tokens after a gap counts as k - 1 gaps at "
               "the stream's pace and one of the rest: a stall stays one gap, as the simulator records it); "
-              "percentiles by the simulator's estimator on both sides; output tok/s over the window after "
+              "percentiles by the simulator's estimator on both sides (exact: the lower weighted quantile of "
+              "every sample, no bins); output tok/s over the window after "
               "the warm-up; client CPU in cores (the client must not be the bottleneck).", ""]
     lines += _points_table([r for r in rows if r not in near])
     if near:

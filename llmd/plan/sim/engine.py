@@ -313,6 +313,12 @@ class Engine:
             return
         hists = self.sink.itl_by_key
         self.sink.minute_itl.add(mid, float(b * k))
+        if self.exact and k > 1:  # every step's gap, for the exact percentiles of a small run
+            for key, n in self.groups.items():
+                if n:
+                    for j in range(k):
+                        hists[key].add(first + slope * j, float(n))
+            return
         if rise < 0.02 * first:  # within a histogram bin: one sample at the middle
             for key, n in self.groups.items():
                 if n:

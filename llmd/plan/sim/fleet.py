@@ -65,7 +65,8 @@ class Fleet:
         self.trace = trace
         self.now = 0.0
         self.tenants = tenant_configs(spec, trace.tenants)
-        self.rec = Recorder(trace.tenants, spec.warmup_s, spec.delivery_s, spec.horizon_s)
+        self.rec = Recorder(trace.tenants, spec.warmup_s, spec.delivery_s, spec.horizon_s,
+                            exact=spec.exact_controller)
         clock: Callable[[], float] = lambda: self.now  # noqa: E731 - the one virtual clock
         self.clock = clock
         self.admission = AdmissionController(self.tenants, clock)

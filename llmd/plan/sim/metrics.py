@@ -6,26 +6,27 @@ from __future__ import annotations
 import math
 from collections import Counter
 
-from llmd.plan.sim.hist import Hist
+from llmd.plan.sim.hist import ExactHist, Hist
 from llmd.plan.sim.request import Req
 from llmd.plan.sim.trace import CLASSES
 
 
 class Recorder:
     def __init__(self, tenants: tuple[str, ...], warmup_s: float, delivery_s: float,
-                 horizon_s: float | None = None) -> None:
+                 horizon_s: float | None = None, exact: bool = False) -> None:
         self.tenants = tenants
+        self.exact = exact  # every sample kept: exact percentiles (hist.ExactHist), for small runs
         self.horizon_s = horizon_s  # set: a TTFT counts once its request completed (by then)
         self.warmup_s = warmup_s
         self.delivery_s = delivery_s
         self.now = 0.0  # the fleet's clock, kept current by the event loop
         names = [("class", c) for c in CLASSES] + [("tenant", t) for t in tenants]
-        self.ttft = {n: Hist() for n in names}
-        self.e2e = {n: Hist() for n in names}
+        self.ttft = {n: self.hist() for n in names}
+        self.e2e = {n: self.hist() for n in names}
         # a (tenant, class) key -> the two histograms each of its samples goes to
         self._by_key = {t * 2 + k: (("class", CLASSES[k]), ("tenant", tenants[t]))
                         for t in range(len(tenants)) for k in range(len(CLASSES))}
-        self.itl_by_key = [Hist() for _ in range(2 * len(tenants))]  # merged by class and tenant at the end
+        self.itl_by_key = [self.hist() for _ in range(2 * len(tenants))]  # merged by class and tenant at the end
         self.minute_ttft, self.minute_itl = Hist(), Hist()
         self.counts: Counter[str] = Counter()  # arrived, admitted, completed, dropped, shed, failed ...
         self.shed: Counter[tuple[str, str]] = Counter()  # (tenant, reason)
@@ -35,6 +36,9 @@ class Recorder:
         # replay of the same trace compares request by request); None: not kept (a fleet's hour).
         self.per_request: dict[int, list[float]] | None = None
 
+    def hist(self) -> Hist:
+        return ExactHist() if self.exact else Hist()
+
     def itl_sample(self, key: int, gap: float, tokens: float) -> None:
         if self.now < self.warmup_s:
             return
@@ -43,7 +47,7 @@ class Recorder:
 
     def itl(self) -> dict[tuple[str, str], Hist]:
         """ITL by class and by tenant, from the per-(tenant, class) histograms."""
-        out = {n: Hist() for n in self.ttft}
+        out = {n: self.hist() for n in self.ttft}
         for key, h in enumerate(self.itl_by_key):
             for name in self._by_key[key]:
                 out[name].merge(h)

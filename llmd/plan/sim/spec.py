@@ -67,8 +67,9 @@ class SimSpec:
     warmup_s: float = 0.0  # requests arriving before this are served but not measured
     # The ITL controller sees every sample llmd's would (a gap per token, a step record per step,
     # its 512-step fit window) instead of a few per decode segment, and llmd's scheduler reads the
-    # engine's queue from its last step record, not live: exact, and slower with many replicas;
-    # the end-to-end check against llmd sets it.
+    # engine's queue from its last step record, not live; every latency sample is kept, for
+    # percentiles without the histograms' 2.3 % bins (every decode step's gap, not a segment's
+    # quartiles): exact, and slower with many replicas; the end-to-end check against llmd sets it.
     exact_controller: bool = False
     # The clients give up at this time (a replay cuts its streams a while after the last arrival):
     # the run stops there and only requests completed by then count their TTFT. None: all finish.

@@ -1,0 +1,70 @@
+"""The simulator's latency histograms: binned for a fleet's hour, exact for the check against llmd."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from llmd.plan.sim.hist import ExactHist, Hist
+from llmd.plan.sim.report import simulate
+from llmd.plan.sim.spec import SimSpec
+from llmd.plan.sim.trace import Trace
+from llmd.stepmodel import StepModel, StepShape
+
+
+def one(prompt: int, output: int) -> Trace:
+    return Trace(t=np.array([0.0]), tenant=np.zeros(1, np.int32), klass=np.zeros(1, np.int8),
+                 prompt_tokens=np.array([prompt], np.int32), output_tokens=np.array([output], np.int32),
+                 prefix=np.array([-1], np.int32), prefix_tokens=np.zeros(1, np.int32), tenants=("t",))
+
+
+def test_the_exact_quantile_is_a_sample_where_the_binned_one_is_a_bin_middle() -> None:
+    xs = [1.000, 1.004, 1.008, 1.012]  # four samples inside one 2.3 % bin
+    exact, binned = ExactHist(), Hist()
+    for x in xs:
+        exact.add(x)
+        binned.add(x)
+    assert exact.quantile(0.5) == 1.004  # the lower median: the first reaching half the weight
+    assert exact.quantile(0.95) == 1.012
+    assert binned.quantile(0.5) == binned.quantile(0.95)  # one bin: one answer
+    assert exact.summary()["count"] == binned.summary()["count"] == 4
+    assert exact.summary()["mean"] == pytest.approx(binned.summary()["mean"])
+
+
+def test_the_exact_quantile_weighs_its_samples() -> None:
+    h = ExactHist()
+    h.add(0.2, 1.0)
+    h.add(0.1, 9.0)  # added out of order
+    assert h.quantile(0.9) == 0.1
+    assert h.quantile(0.95) == 0.2
+    assert ExactHist().quantile(0.5) is None
+
+
+def test_an_exact_histogram_merges_only_another_exact_one() -> None:
+    a, b = ExactHist(), ExactHist()
+    a.add(1.0)
+    b.add(3.0)
+    b.add(2.0)
+    a.merge(b)
+    assert (a.n, a.quantile(0.5), a.quantile(1.0)) == (3.0, 2.0, 3.0)
+    with pytest.raises(TypeError):
+        a.merge(Hist())
+
+
+def test_the_end_to_end_mode_reports_every_decode_step_exactly() -> None:
+    """A long decode is one segment whose gaps rise by c_kv a step: exact mode's percentiles are
+    its steps' own gaps (p95 − p50 = 450 steps of the rise over 1000 gaps), and a lone TTFT is
+    ingress + prefill + delivery to the float. The binned mode (a fleet's hour) records a long
+    segment at its rise's quartiles, so its p95 reads lower."""
+    c_kv = 1e-5
+    step = StepModel(coef={"c_step": 0.01, "c_kv": c_kv})
+    trace = one(1000, 1001)
+    exact = simulate(SimSpec(replicas=1, ingress_s=0.003, delivery_s=0.001, exact_controller=True), trace, step)
+    binned = simulate(SimSpec(replicas=1, ingress_s=0.003, delivery_s=0.001), trace, step)
+    itl, ttft = exact["by_class"]["interactive"]["itl_s"], exact["by_class"]["interactive"]["ttft_s"]
+    assert itl["count"] == 1000
+    assert itl["p95"] - itl["p50"] == pytest.approx(450 * c_kv, rel=1e-6)
+    assert ttft["p50"] == pytest.approx(0.003 + step.seconds(StepShape(0, 1000, 1, 0, 1000 * 500)) + 0.001,
+                                        rel=1e-9)
+    b = binned["by_class"]["interactive"]["itl_s"]
+    assert itl["p50"] * 0.975 < b["p95"] < itl["p95"]
