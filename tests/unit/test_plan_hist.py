@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -68,3 +70,22 @@ def test_the_end_to_end_mode_reports_every_decode_step_exactly() -> None:
                                         rel=1e-9)
     b = binned["by_class"]["interactive"]["itl_s"]
     assert itl["p50"] * 0.975 < b["p95"] < itl["p95"]
+
+
+def two(outputs: tuple[int, int], at: tuple[float, float]) -> Trace:
+    return Trace(t=np.array(at), tenant=np.zeros(2, np.int32), klass=np.zeros(2, np.int8),
+                 prompt_tokens=np.array([100, 100], np.int32), output_tokens=np.array(outputs, np.int32),
+                 prefix=np.array([-1, -1], np.int32), prefix_tokens=np.zeros(2, np.int32), tenants=("t",))
+
+
+def test_the_end_to_end_mode_counts_the_gaps_of_the_requests_its_client_counts() -> None:
+    """As the check's client: the gaps of a request that arrived in the warm-up count for nothing,
+    even those after it, nor do a stream's that the replay cut at the horizon."""
+    step = StepModel(coef={"c_step": 0.01, "c_seq": 0.001})
+    base = SimSpec(replicas=1, ingress_s=0, delivery_s=0, exact_controller=True)
+    early_long = simulate(replace(base, warmup_s=1.0), two((500, 20), (0.0, 2.0)), step)
+    assert early_long["by_class"]["interactive"]["itl_s"]["count"] == 19  # the second's; not the first's ~400
+    cut = simulate(replace(base, horizon_s=3.0), two((20, 1000), (0.0, 0.5)), step)
+    assert cut["by_class"]["interactive"]["itl_s"]["count"] == 19  # the second never completes by 3 s
+    binned = simulate(replace(base, warmup_s=1.0, exact_controller=False), two((500, 20), (0.0, 2.0)), step)
+    assert binned["by_class"]["interactive"]["itl_s"]["count"] > 19  # a fleet's hour counts gaps by time

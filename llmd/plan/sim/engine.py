@@ -296,7 +296,8 @@ class Engine:
     def _decoded(self, k: int, first: float, slope: float) -> None:
         """k steps gave each decoding sequence k tokens, their gaps rising linearly from `first`:
         each (tenant, class) group's ITL histogram gets n·k gaps (at the quartiles of the rise when
-        it spans more than a histogram bin), the ITL controller's samples one or a few."""
+        it spans more than a histogram bin), the ITL controller's samples one or a few. Exact mode:
+        every sequence keeps its k gaps, counted if it completes (Recorder.gaps_of)."""
         b = len(self.decoding)
         if not b:
             return
@@ -304,21 +305,20 @@ class Engine:
         self.generated += b * k
         rise = slope * (k - 1)
         mid = first + rise / 2
-        if not self.exact:
-            if inter := self.interactive:
-                self.gaps.extend([(self.sink.now, mid)] * min(3, 1 + inter * k // 64))
-        elif k == 1:  # (k > 1: `_steps_of` fed a gap per step)
-            self.gaps.extend([(self.sink.now, first)] * self.interactive)
+        if self.exact:
+            if k == 1:  # (k > 1: `_steps_of` fed a gap per step)
+                self.gaps.extend([(self.sink.now, first)] * self.interactive)
+            for s in self.decoding.values():
+                self.sink.gaps_of(s.r, first, slope, k)
+            if self.sink.now >= self.sink.warmup_s:
+                self.sink.minute_itl.add(mid, float(b * k))
+            return
+        if inter := self.interactive:
+            self.gaps.extend([(self.sink.now, mid)] * min(3, 1 + inter * k // 64))
         if self.sink.now < self.sink.warmup_s:
             return
-        hists = self.sink.itl_by_key
         self.sink.minute_itl.add(mid, float(b * k))
-        if self.exact and k > 1:  # every step's gap, for the exact percentiles of a small run
-            for key, n in self.groups.items():
-                if n:
-                    for j in range(k):
-                        hists[key].add(first + slope * j, float(n))
-            return
+        hists = self.sink.itl_by_key
         if rise < 0.02 * first:  # within a histogram bin: one sample at the middle
             for key, n in self.groups.items():
                 if n:
@@ -348,7 +348,10 @@ class Engine:
         self.kv_prefill -= s.done
         self.cache.remember(r)
         if r.first_t is not None:
-            self.sink.itl_sample(r.key, now - r.last_t, 1.0)  # a resumed stream's stall, as its client sees it
+            if self.exact:  # a resumed stream's stall, as its client sees it
+                self.sink.gaps_of(r, now - r.last_t, 0.0, 1)
+            else:
+                self.sink.itl_sample(r.key, now - r.last_t, 1.0)
             if self.exact and r.klass == INTERACTIVE_K:  # and as llmd's ITL controller takes it
                 self.gaps.append((now, now - r.last_t))
         r.generated += 1

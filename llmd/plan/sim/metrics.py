@@ -45,6 +45,15 @@ class Recorder:
         self.itl_by_key[key].add(gap, tokens)
         self.minute_itl.add(gap, tokens)
 
+    def gaps_of(self, r: Req, first: float, slope: float, k: int) -> None:
+        """Exact mode: k gaps of `r`, rising by `slope` from `first`, kept with the request and
+        counted when it completes, as the check's client counts a request's gaps (one that arrived
+        in the warm-up, or that the replay cut, counts none)."""
+        if r.measured:
+            if r.gaps is None:
+                r.gaps = []
+            r.gaps.append((first, slope, k))
+
     def itl(self) -> dict[tuple[str, str], Hist]:
         """ITL by class and by tenant, from the per-(tenant, class) histograms."""
         out = {n: self.hist() for n in self.ttft}
@@ -82,6 +91,12 @@ class Recorder:
             self.e2e[b].add(x)
             if self.per_request is not None and r.i in self.per_request:
                 self.per_request[r.i][1] = x
+            if r.gaps is not None:
+                h = self.itl_by_key[r.key]
+                for first, slope, k in r.gaps:
+                    for j in range(k):
+                        h.add(first + slope * j, 1.0)
+                r.gaps = None
 
     def refused(self, tenant: str, reason: str) -> None:
         self.counts["shed"] += 1

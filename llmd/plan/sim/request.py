@@ -11,9 +11,9 @@ class Req:
     """A trace row in flight. `generated` counts output tokens across attempts (a preempted or
     failed-over request resumes from them, re-prefilling prompt + generated)."""
 
-    __slots__ = ("charged", "first_t", "generated", "i", "key", "klass", "last_t", "measured", "output", "prefix",
-                 "prefix_tokens", "prompt", "q", "queued_tokens", "replica", "reserved", "seq", "t_arr", "tenant",
-                 "ticket")
+    __slots__ = ("charged", "first_t", "gaps", "generated", "i", "key", "klass", "last_t", "measured", "output",
+                 "prefix", "prefix_tokens", "prompt", "q", "queued_tokens", "replica", "reserved", "seq", "t_arr",
+                 "tenant", "ticket")
 
     def __init__(self, i: int, tenant: int, klass: int, prompt: int, output: int, prefix: int,
                  prefix_tokens: int, t_arr: float, q: QueuedRequest, measured: bool) -> None:
@@ -37,3 +37,5 @@ class Req:
         self.charged = 0  # output tokens the fair queue has been told of
         self.queued_tokens = 0  # prefill tokens it counts for in its replica's queue
         self.reserved = 0  # tokens the router reserved for it on its replica, until its first token
+        # Exact mode: its gaps as (first, rise per step, steps), counted if it completes (Recorder)
+        self.gaps: list[tuple[float, float, int]] | None = None
