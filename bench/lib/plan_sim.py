@@ -17,7 +17,7 @@ import itertools
 import math
 import statistics
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -143,6 +143,9 @@ def simulated(trace: Trace, step: StepTime, ingress_s: float, delivery_s: float,
     horizon = None if drain_s is None or not len(trace) else float(trace.t[-1]) + drain_s
     spec = spec_of(cfg, cfg.models[0], 1, block_size=step_block_size(step), ingress_s=ingress_s,
                    delivery_s=delivery_s, warmup_s=warmup_s, exact_controller=True, horizon_s=horizon)
+    # The replay sends its batch class on the online API, where the server's deadline ends a
+    # request as it ends an interactive one (the planner's default of a day is the Batch API's).
+    spec = replace(spec, deadline_s=dict.fromkeys(spec.deadline_s, cfg.server.default_deadline_s))
     fleet = Fleet(spec, trace, step)
     fleet.rec.per_request = per_request
     fleet.run()

@@ -103,7 +103,7 @@ def test_a_failed_build_raises_with_the_compilers_words_and_leaves_nothing(tmp_p
 def _llmd(home: Path, mode: str, out: Path) -> subprocess.CompletedProcess[str]:
     """`llmd plan sim` as a user runs it: the console entry (llmd/launch.py), in its own process."""
     env = {**os.environ, "LLMD_HOME": str(home), compiled.ENV: mode}
-    return subprocess.run([sys.executable, "-m", "llmd", "plan", "sim", "--replicas", "3", "--rate", "6",
+    return subprocess.run([sys.executable, "-m", "llmd", "plan", "sim", "--replicas", "3", "--rate", "2",
                            "--duration", "60", "--out", str(out)], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=600, check=False)
 

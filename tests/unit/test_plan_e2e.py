@@ -88,7 +88,7 @@ def test_every_stored_row_says_when_and_at_which_llmd_it_was_measured() -> None:
 
 def test_the_simulator_is_given_llmd_as_served_and_its_measured_overheads(monkeypatch: pytest.MonkeyPatch) -> None:
     """The fake points' simulation: the served config (bench tenants, their limits, the bench's
-    deadline, the model's degradation steps), llmd's overheads as measured, the exact controller."""
+    deadline for both classes, the model's degradation steps), llmd's overheads as measured, the exact controller."""
     import llmd.plan.sim.fleet as sim_fleet
     import llmd.plan.sim.report as sim_report
     from bench.lib.plan_e2e import config_for, served
@@ -113,7 +113,7 @@ def test_the_simulator_is_given_llmd_as_served_and_its_measured_overheads(monkey
     assert (spec.ingress_s, spec.delivery_s, spec.warmup_s, spec.replicas) == (0.0078, 0.0014, 5.0, 1)
     assert spec.exact_controller and spec.degradation.steps == ["cap_max_tokens", "batch"]
     assert [t.name for t in spec.tenants] == ["a", "b"] and spec.tenants[0].max_concurrent == 64
-    assert spec.deadline_s["interactive"] == 600.0
+    assert spec.deadline_s == {"interactive": 600.0, "batch": 600.0}  # the replay's batch class is online
     assert spec.scheduling.target_itl_ms == 200 and spec.engine.max_num_batched_tokens == 2048
 
 

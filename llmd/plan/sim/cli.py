@@ -133,8 +133,8 @@ def _spec(o: dict[str, Any], block_size: int | None = None) -> SimSpec:
 @click.option("--control-s", type=float, default=None, help="Run the ITL controller every S s instead of "
               "llmd's 0.5 s: faster for long sweeps, an approximation (docs/capacity.md, Speed).")
 @click.option("--exact-controller", is_flag=True, help="Feed the ITL controller every gap and step and the "
-              "scheduler the engine's queue as of its last step, as llmd does (slower; for checking the "
-              "simulator against llmd).")
+              "scheduler the engine's queue as of its last step, as llmd does, and keep every latency "
+              "sample for exact percentiles (slower; for checking the simulator against llmd).")
 @click.option("--out", type=click.Path(path_type=Path), default=None, help="Write the JSON report here.")
 @click.option("--plot", type=click.Path(path_type=Path), default=None, help="Write the timeline PNG here.")
 def sim_cmd(**o: Any) -> None:

@@ -9,6 +9,7 @@ the real backend's stats would, ticks the core when something changed, and appli
 
 from __future__ import annotations
 
+import heapq
 from collections import deque
 from collections.abc import Callable
 from typing import Final
@@ -60,6 +61,8 @@ class Replica:
         self.sched_preempted = 0
         self.early: list[Req] = []  # dropped by a tick between boundaries (exact mode)
         self.recorded_waiting = 0  # the engine's queue as its last step record gave it (exact mode)
+        self.deadlines: list[tuple[float, int, Req]] = []  # (deadline, n, request) of those sent to the engine
+        self.sent = 0
 
     def _core(self, spec: EngineSpec, sc: SchedulingConfig, tenants: list[TenantConfig]) -> SchedulerCore:
         """llmd/runtime.py's build_runtime, on the virtual clock."""
@@ -128,18 +131,21 @@ class Replica:
         aborts, self.aborts = self.aborts, []  # those the ticks below ask for wait for the next boundary
         for r in aborts:  # first: llmd's abort takes effect mid-step, the step's token never reaches it
             self._abort(r, now)
+        expired = self._expired(now)  # so does a stream's deadline
         started, done = eng.complete(now) if not eng.idle() else ([], [])
         if self.exact:  # the record: what waits once the engine admits (seats; plan() below is exact)
             self.recorded_waiting = max(0, len(eng.waiting) - max(0, eng.spec.max_num_seqs - eng.running))
         # A lowered limit or the batch cap's quiet period is seen by the next periodic tick (exact:
         # at every boundary while anything is queued, as llmd ticks every 10 ms then).
         queued = self.exact and len(self.core.queue) > 0
-        dropped, self.early = self.early, []
+        dropped, self.early = self.early + expired, []
         if self.dirty or queued or now - self.last_tick >= self.tick_every_s:
             dropped += self._tick(now)
         self.next_t = eng.plan(now)
         if self.exact:
             self.recorded_waiting = len(eng.waiting)
+        if self.next_t is not None and (td := self._next_deadline()) < self.next_t:
+            self.next_t = eng.cut(td)  # a long decode segment ends at the step under way then
         for r in done:
             self._release(r, r.output)
         if done and len(self.core.queue):  # a freed seat matters only to a queued request
@@ -161,6 +167,28 @@ class Replica:
         r.charged = r.generated
         self.core.finished(r.q, output)
         self.reqs.pop(r.q.seq, None)
+
+    def _expired(self, now: float) -> list[Req]:
+        """Streams whose deadline passed in the step just ended: llmd's request ends then (the
+        client gets the deadline error, the engine an abort), whatever it had produced; one
+        preempted back into the queue is the core's to drop."""
+        out: list[Req] = []
+        h = self.deadlines
+        while h and h[0][0] <= now:
+            r = heapq.heappop(h)[2]
+            if r.seq is None or self.reqs.get(r.q.seq) is not r:
+                continue  # finished, or waiting in the queue again
+            self.engine.remove(r.seq, now)
+            self._release(r, r.generated)
+            out.append(r)
+        return out
+
+    def _next_deadline(self) -> float:
+        """The earliest deadline of a request in the engine (stale entries dropped); inf: none."""
+        h = self.deadlines
+        while h and (h[0][2].seq is None or self.reqs.get(h[0][2].q.seq) is not h[0][2]):
+            heapq.heappop(h)
+        return h[0][0] if h else float("inf")
 
     def _abort(self, r: Req, now: float) -> None:
         """A preemption by llmd: out of the engine, back in the queue, to resume from its tokens."""
@@ -185,6 +213,8 @@ class Replica:
             self.queued_tokens -= r.queued_tokens
             r.queued_tokens = 0
             self.engine.add(r)
+            self.sent += 1  # (a preempted request sent again gets a second entry: the first finds it gone)
+            heapq.heappush(self.deadlines, (q.deadline, self.sent, r))
         for q in d.preempt:
             r = self.reqs[q.seq]
             if self.engine.idle():
@@ -207,6 +237,7 @@ class Replica:
         for r in queued:
             self.core.withdraw(r.q)
         self.reqs.clear()
+        self.deadlines.clear()
         self.aborts.clear()
         self.queued_tokens = 0
         self.version += 1
