@@ -176,17 +176,21 @@ class Replica:
         h = self.deadlines
         while h and h[0][0] <= now:
             r = heapq.heappop(h)[2]
-            if r.seq is None or self.reqs.get(r.q.seq) is not r:
+            if not self._live(r):
                 continue  # finished, or waiting in the queue again
             self.engine.remove(r.seq, now)
             self._release(r, r.generated)
             out.append(r)
         return out
 
+    def _live(self, r: Req) -> bool:
+        """In the engine, on this replica, now."""
+        return r.seq is not None and self.reqs.get(r.q.seq) is r
+
     def _next_deadline(self) -> float:
         """The earliest deadline of a request in the engine (stale entries dropped); inf: none."""
         h = self.deadlines
-        while h and (h[0][2].seq is None or self.reqs.get(h[0][2].q.seq) is not h[0][2]):
+        while h and not self._live(h[0][2]):
             heapq.heappop(h)
         return h[0][0] if h else float("inf")
 
@@ -215,6 +219,9 @@ class Replica:
             self.engine.add(r)
             self.sent += 1  # (a preempted request sent again gets a second entry: the first finds it gone)
             heapq.heappush(self.deadlines, (q.deadline, self.sent, r))
+        if len(self.deadlines) > 2 * len(self.reqs) + 64:  # entries of finished requests: drop them
+            self.deadlines = [e for e in self.deadlines if self._live(e[2])]
+            heapq.heapify(self.deadlines)
         for q in d.preempt:
             r = self.reqs[q.seq]
             if self.engine.idle():
