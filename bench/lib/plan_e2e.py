@@ -30,7 +30,15 @@ from bench.lib.e2e_stats import summarise, ttft_split
 from bench.lib.plan_load import capacity, dump, load_point, mix_trace, undump
 from bench.lib.plan_overhead import measure
 from bench.lib.plan_report import report
-from bench.lib.plan_sim import InService, fake_knobs, in_service_knots, in_service_prefill, simulated, step_time
+from bench.lib.plan_sim import (
+    InService,
+    fake_knobs,
+    in_service_knots,
+    in_service_prefill,
+    simulated,
+    step_contexts,
+    step_time,
+)
 from bench.lib.replayer import Sent
 from llmd.plan.sim.trace import Trace
 from llmd.stepmodel import StepTime
@@ -150,9 +158,15 @@ def _in_service(a: argparse.Namespace, step: StepTime) -> InService | None:
     """The real engine's steps in service relative to `step`, by running count and for steps
     with prefill, from the steps of every real-engine capacity run kept (the shipped config's and
     the no-ITL variant's: the same engine and box, at small and at large batches)."""
-    paths = [_raw(a, f"capacity-{engine}-server") for engine in ("real", "real-noitl")]
-    steps = [s for p in paths if p.exists() for s in json.loads(p.read_text())["steps"]]
-    knots = in_service_knots(steps, step)
+    steps: list[list[float]] = []
+    contexts: list[tuple[int, int] | None] = []
+    for engine in ("real", "real-noitl"):
+        server, client = _raw(a, f"capacity-{engine}-server"), _raw(a, f"capacity-{engine}")
+        if server.exists():
+            run = json.loads(server.read_text())["steps"]
+            steps += run
+            contexts += step_contexts(run, json.loads(client.read_text())) if client.exists() else [None] * len(run)
+    knots = in_service_knots(steps, step, contexts=contexts)
     if not knots:
         return None
     return InService(step, knots, in_service_prefill(steps, InService(step, knots)))

@@ -5,14 +5,16 @@ The real engine's steps are priced by the calibrated step model plus the engine'
 service at the step's running count (`in_service_knots`) and per step with prefill
 (`in_service_prefill`): `llmd plan calibrate` times the engine alone, while in service llmd's
 API process shares the box's two cores with it (tokenizing, filtering, streaming every token:
-work per running sequence), which on a GPU box it would not. On the 2026-12-04 box: about -3 ms
-a step at 3 running, +17 ms at 17 and +34 ms at 31 (steps of 60-140 ms), and +7 ms with
+work per running sequence), which on a GPU box it would not. On the 2026-12-04 box: about 0 ms
+a step at 3 running, +19 ms at 17 and +35 ms at 31 (steps of 60-140 ms), and +5 ms with
 prefill. Both are read from the capacity runs (both configs': the same engine on the same box,
-one at small batches and one at large), never from the load points they are used for.
+one at small batches and one at large), never from the load points they are used for; each
+decode step is priced at the context its streams had (`step_contexts`, from the client's record).
 """
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import math
 import statistics
@@ -82,17 +84,54 @@ MIX_CONTEXT = 192 + 32  # the mix's mean prompt plus half its mean output: a dec
 MIX_LONGEST = 700  # about the longest of a few dozen such sequences (prompt lognormal CV 0.5, capped at 1,024)
 
 
+def step_contexts(steps: Sequence[Sequence[float]], requests: Sequence[dict[str, Any]],
+                  slack_s: float = 0.002) -> list[tuple[int, int] | None]:
+    """Each decode-only step's (context tokens, longest context) as the run's client saw its
+    streams (the replay's dump: prompt, chunk times `at`, tokens per chunk `n`): of the streams
+    prefilled before the step began and not yet ended, the `running` whose next chunk came
+    soonest after the step's end decoded in it (a stream preempted back into llmd's queue gets
+    nothing for seconds); each one's context is its prompt and the tokens it had by the step's
+    start. None for a step with prefill, or with no stream found."""
+    streams = []
+    for r in requests:
+        at, ns = r.get("at") or [], r.get("n") or []
+        if at:
+            streams.append((int(r["prompt"]), at, list(itertools.accumulate(ns))))
+    out: list[tuple[int, int] | None] = []
+    for t, n, p, d in steps:
+        if p or n <= 0 or d <= 0:
+            out.append(None)
+            continue
+        t0 = t - d
+        near: list[tuple[float, int]] = []  # (wait for its next chunk, context)
+        for prompt, at, cum in streams:
+            if at[0] <= t0 + slack_s and at[-1] >= t - slack_s:
+                j = bisect.bisect_right(at, t0 + slack_s)
+                k = bisect.bisect_left(at, t - slack_s)
+                near.append((at[k] - t, prompt + cum[j - 1]))
+        near.sort()
+        ctx = [c for _, c in near[:int(n)]]
+        out.append((round(sum(ctx) * n / len(ctx)), max(ctx)) if ctx else None)
+    return out
+
+
 def in_service_knots(steps: Sequence[Sequence[float]], step: StepTime, width: int = 4,
-                      min_steps: int = 20) -> tuple[tuple[float, float], ...]:
+                      min_steps: int = 20,
+                      contexts: Sequence[tuple[int, int] | None] | None = None) -> tuple[tuple[float, float], ...]:
     """The engine's extra time in service by running count, as InService's knots: the decode-only
     steps of capacity runs (rows [t, running, prefill tokens, duration] as bench.lib.plan_load
-    keeps them), each priced at the mix's mean context, grouped by running count in bins of
-    `width` (1-4, 5-8, ...); a bin of at least `min_steps` steps gives a knot at its steps'
-    median count and median measured − predicted time. Empty with no such bin."""
+    keeps them), each priced at its own context where `contexts` has it (`step_contexts`, one per
+    row), else at the mix's mean, grouped by running count in bins of `width` (1-4, 5-8, ...); a
+    bin of at least `min_steps` steps gives a knot at its steps' median count and median
+    measured − predicted time. Empty with no such bin. Priced at the mix's mean, the first knot
+    read 2 ms faster than the engine alone: the streams of a capacity run's small steps are
+    shorter than the mix's mean, and on this CPU the context term is a few ms a step."""
     bins: dict[int, list[tuple[int, float]]] = {}
-    for _, n, p, d in steps:
+    for i, (_, n, p, d) in enumerate(steps):
         if p == 0 and n > 0 and d > 0:
-            shape = StepShape(int(n), context_tokens=int(n) * MIX_CONTEXT, longest_context=MIX_LONGEST)
+            own = contexts[i] if contexts is not None else None
+            ctx, longest = own if own is not None else (int(n) * MIX_CONTEXT, MIX_LONGEST)
+            shape = StepShape(int(n), context_tokens=ctx, longest_context=longest)
             bins.setdefault((int(n) - 1) // width, []).append((int(n), d - step.seconds(shape)))
     return tuple((float(statistics.median(n for n, _ in b)), statistics.median(r for _, r in b))
                  for _, b in sorted(bins.items()) if len(b) >= min_steps)

@@ -175,3 +175,30 @@ def test_the_speed_in_service_is_read_from_decode_steps_by_running_count_then_pr
                                                 longest_context=MIX_LONGEST)) + 0.002 + 0.009]] * 20
     assert in_service_prefill(pre, InService(base, knots)) == pytest.approx(0.009)
     assert in_service_prefill(pre[:19], InService(base, knots)) == 0.0
+
+
+def test_a_capacity_runs_steps_are_priced_at_the_context_its_client_saw_decoding() -> None:
+    """The streams that decoded in a step are those prefilled before it began, not yet ended,
+    whose next chunk came soonest after it (a preempted one waits seconds); each one's context is
+    its prompt and the tokens it had. Priced so, a step's extra time does not depend on how far
+    the run's streams were from the mix's mean length."""
+    from bench.lib.plan_sim import MIX_CONTEXT, in_service_knots, step_contexts
+    from llmd.stepmodel import StepModel
+
+    streams = [
+        {"prompt": 100, "at": [0.5, 0.9, 1.001, 1.05], "n": [1, 1, 1, 1]},  # 2 tokens by 0.95: 102
+        {"prompt": 50, "at": [0.2, 0.3, 1.002], "n": [1, 3, 1]},  # 54
+        {"prompt": 400, "at": [0.1, 0.2, 5.0], "n": [1, 1, 1]},  # preempted: nothing for 4 s
+        {"prompt": 300, "at": [0.99, 1.2], "n": [1, 1]},  # prefilled in the step, not decoding
+        {"prompt": 700, "at": [0.1, 0.5], "n": [1, 1]},  # ended before
+    ]
+    steps = [[1.0, 2, 0, 0.05], [1.0, 2, 120, 0.05], [9.0, 1, 0, 0.05]]
+    assert step_contexts(steps, streams) == [(156, 102), None, None]
+
+    base = StepModel(coef={"c_step": 0.05, "c_kv": 1e-5})
+    own = [(n * 100, 150) for n in (2, 3, 4) for _ in range(20)]
+    rows = [[0.0, c // 100, 0, base.seconds(StepShape(c // 100, context_tokens=c, longest_context=lc)) + 0.001]
+            for c, lc in own]
+    assert [y for _, y in in_service_knots(rows, base, contexts=own)] == pytest.approx([0.001])
+    at_mix = in_service_knots(rows, base)[0][1]  # the same steps priced at the mix's mean context
+    assert at_mix == pytest.approx(0.001 - 3 * (MIX_CONTEXT - 100) * 1e-5, abs=1e-4)
