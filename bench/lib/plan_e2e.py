@@ -33,6 +33,7 @@ from bench.lib.plan_report import report
 from bench.lib.plan_sim import (
     InService,
     fake_knobs,
+    first_token_holds,
     in_service_knots,
     in_service_prefill,
     simulated,
@@ -185,8 +186,11 @@ def _simulate(res: dict[str, Any], a: argparse.Namespace) -> None:
         step = step_time(model if fake else real)
         ins = None if fake else _in_service(a, step)
         cfg = served(config_for(row["engine"], model))
+        holds = _holds(a, fake)
         per: dict[int, list[float]] = {}
-        by = _sim_row(row, trace, ins or step, cfg, o, per)
+        by = _sim_row(row, trace, ins or step, cfg, o, per, holds)
+        row["sim_holds"] = {"held": sum(k > 0 for k in holds), "of": len(holds),
+                            "tokens": sorted(k for k in holds if k)} if holds else None
         row["sim"], row["sim_by_class"] = by.pop("all", None), by or None
         row["sim_in_service"] = {"knots": [list(k) for k in ins.knots], "prefill_s": ins.prefill_s} if ins else None
         dump_file = _raw(a, f"{row['engine']}-{row['load']:g}-{row['rep']}")
@@ -198,13 +202,25 @@ def _simulate(res: dict[str, Any], a: argparse.Namespace) -> None:
         server = json.loads(server_file.read_text()).get("requests") if server_file.exists() else None
         row["ttft_split"] = ttft_split(measured, server, per, row["warmup_s"], row["duration_s"]) \
             if measured and server else None
-        row["sim_raw_by_class"] = _sim_row(row, trace, step, cfg, o) if ins else None
+        row["sim_raw_by_class"] = _sim_row(row, trace, step, cfg, o, holds=holds) if ins else None
+
+
+def _holds(a: argparse.Namespace, fake: bool) -> tuple[int, ...]:
+    """The output filters' first-token holds of the engine's capacity runs (both configs': the
+    same filters and engine), never of the load points they are used for; empty where none held."""
+    out: list[int] = []
+    for engine in ("fake", "fake-noitl") if fake else ("real", "real-noitl"):
+        p = _raw(a, f"capacity-{engine}")
+        if p.exists():
+            out += first_token_holds(json.loads(p.read_text()))
+    return tuple(out) if any(out) else ()
 
 
 def _sim_row(row: dict[str, Any], trace: Trace, step: StepTime, cfg: dict[str, Any],
-             overheads: dict[str, float], per_request: dict[int, list[float]] | None = None) -> dict[str, Any]:
+             overheads: dict[str, float], per_request: dict[int, list[float]] | None = None,
+             holds: tuple[int, ...] = ()) -> dict[str, Any]:
     figs = simulated(trace, step, overheads.get("ingress_s", 0.0), overheads.get("delivery_s", 0.0),
-                     row["warmup_s"], cfg, row.get("drain_s", DRAIN_S), per_request)
+                     row["warmup_s"], cfg, row.get("drain_s", DRAIN_S), per_request, holds)
     return {k: asdict(f) for k, f in (figs or {}).items()}
 
 

@@ -116,8 +116,9 @@ def _split(rows: list[dict[str, Any]]) -> list[str]:
     return ["", "Where the interactive class's TTFT goes, by llmd's own record of each request (medians over the "
             "window's completed requests, ms): the client's TTFT, the simulator's and their difference; llmd's "
             "parts: queued (arrival to dispatch), prefill (dispatch to the engine's first token), held (the output "
-            "filters holding the first tokens back: text that could still become a match, which the simulator "
-            "does not model), HTTP (the client's TTFT minus llmd's); the difference once held time is taken out; "
+            "filters holding the first tokens back: text that could still become a match; the simulator draws "
+            "each request's hold from the capacity runs' first chunks), HTTP (the client's TTFT minus llmd's); "
+            "the difference once held time is taken out; "
             "the share of requests whose first tokens were held over 20 ms.", "",
             *md.table(["engine", "load", "requests", "client", "simulated", "difference", "queued", "prefill",
                        "held", "HTTP", "difference less held", "held > 20 ms"], body)]
@@ -136,7 +137,15 @@ def _raw_verdicts(rows: list[dict[str, Any]], held_out: tuple[float, ...]) -> li
             f"a step with prefill {speed['prefill_s'] * 1000:+.1f} ms more (the median over those runs' steps with "
             "prefill); the rows above price its steps so. On the calibrated model alone:")
     empty = ("no simulated points", "no load points")  # engines without raw rows: said above already
-    return [head, *("  " + v for v in _verdicts(raw, held_out) if not any(e in v for e in empty))]
+    out = [head, *("  " + v for v in _verdicts(raw, held_out) if not any(e in v for e in empty))]
+    holds = next((r["sim_holds"] for r in rows if r.get("sim_holds") and r["engine"].startswith("real")), None)
+    if holds:
+        k = holds["tokens"]
+        out.append(f"- The output filters held back the first token of {holds['held']} of the {holds['of']} responses "
+                   f"the real capacity runs completed, for {k[len(k) // 2]} more tokens at the median (up to "
+                   f"{k[-1]}): each simulated request draws its hold from them, its first token counted with the "
+                   "held ones and their gaps not seen, as the client sees them.")
+    return out
 
 
 def _noise(rows: list[dict[str, Any]]) -> list[str]:

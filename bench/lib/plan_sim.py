@@ -157,6 +157,15 @@ def fake_knobs(step_model: Path | None) -> dict[str, Any]:
     return {"step_model": str(step_model)} if step_model else dict(FAKE_STEP)
 
 
+def first_token_holds(requests: Sequence[dict[str, Any]]) -> list[int]:
+    """How many tokens llmd's output filters held back with each completed response's first
+    (SimSpec.first_token_holds), from a run's client record: its first chunk's tokens less one.
+    Unheld, a first token comes alone (llmd sends each as it comes); on the stored real-engine
+    load points a first chunk of more tokens came, in every case, with over 20 ms held by llmd's
+    own record of the request."""
+    return [max(0, int(r["n"][0]) - 1) for r in requests if r.get("status") == "ok" and r.get("n")]
+
+
 def step_time(step_model: Path | None) -> StepTime:
     """What the simulator prices steps by: the fitted model, else the fake's knob function."""
     return StepModel.load(step_model) if step_model else FakeKnobStep(**FAKE_STEP)
@@ -164,14 +173,16 @@ def step_time(step_model: Path | None) -> StepTime:
 
 def simulated(trace: Trace, step: StepTime, ingress_s: float, delivery_s: float, warmup_s: float,
               raw: dict[str, Any], drain_s: float | None = None,
-              per_request: dict[int, list[float]] | None = None) -> dict[str, Figures] | None:
+              per_request: dict[int, list[float]] | None = None,
+              holds: tuple[int, ...] = ()) -> dict[str, Figures] | None:
     """The simulator's figures for `trace` on one replica of the first model of `raw` (a parsed
     config.toml, as the measured llmd ran it: its engine, scheduling, degradation, tenants and
     default deadline, as `llmd plan sim --config` reads them) with llmd's measured overheads, by
     class and, where the simulator reports it, "all"; None while the simulator is not there.
     `drain_s`: the replay cut streams still running this long after the last arrival (so does
     the simulation: only requests completed by then count). `per_request`, if given, gets each
-    measured request's [TTFT, e2e] (NaN: not completed) by trace index."""
+    measured request's [TTFT, e2e] (NaN: not completed) by trace index. `holds`: the first-token
+    holds of llmd's output filters, as a sample (`first_token_holds`)."""
     from llmd.config import Config
     from llmd.plan.sim.cli import spec_of
     from llmd.plan.sim.fleet import Fleet
@@ -184,7 +195,8 @@ def simulated(trace: Trace, step: StepTime, ingress_s: float, delivery_s: float,
                    delivery_s=delivery_s, warmup_s=warmup_s, exact_controller=True, horizon_s=horizon)
     # The replay sends its batch class on the online API, where the server's deadline ends a
     # request as it ends an interactive one (the planner's default of a day is the Batch API's).
-    spec = replace(spec, deadline_s=dict.fromkeys(spec.deadline_s, cfg.server.default_deadline_s))
+    spec = replace(spec, deadline_s=dict.fromkeys(spec.deadline_s, cfg.server.default_deadline_s),
+                   first_token_holds=holds)
     fleet = Fleet(spec, trace, step)
     fleet.rec.per_request = per_request
     fleet.run()

@@ -202,3 +202,11 @@ def test_a_capacity_runs_steps_are_priced_at_the_context_its_client_saw_decoding
     assert [y for _, y in in_service_knots(rows, base, contexts=own)] == pytest.approx([0.001])
     at_mix = in_service_knots(rows, base)[0][1]  # the same steps priced at the mix's mean context
     assert at_mix == pytest.approx(0.001 - 3 * (MIX_CONTEXT - 100) * 1e-5, abs=1e-4)
+
+
+def test_the_filters_first_token_holds_are_read_from_the_first_chunks_of_completed_responses() -> None:
+    from bench.lib.plan_sim import first_token_holds
+
+    rows = [{"status": "ok", "n": [3, 1, 1]}, {"status": "ok", "n": [1, 1]}, {"status": "cut", "n": [5]},
+            {"status": "429", "n": []}]
+    assert first_token_holds(rows) == [2, 0]

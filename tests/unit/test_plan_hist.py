@@ -89,3 +89,21 @@ def test_the_end_to_end_mode_counts_the_gaps_of_the_requests_its_client_counts()
     assert cut["by_class"]["interactive"]["itl_s"]["count"] == 19  # the second never completes by 3 s
     binned = simulate(replace(base, warmup_s=1.0, exact_controller=False), two((500, 20), (0.0, 2.0)), step)
     assert binned["by_class"]["interactive"]["itl_s"]["count"] > 19  # a fleet's hour counts gaps by time
+
+
+def test_a_held_first_token_comes_with_the_held_ones_and_their_gaps_are_not_seen() -> None:
+    """llmd's output filters hold a response's first tokens while they could still be a match:
+    the client's first token comes with the next `hold`, so its TTFT grows by their gaps and it
+    sees that many fewer gaps."""
+    from llmd.plan.errors import PlanError
+
+    step = StepModel(coef={"c_step": 0.01, "c_seq": 0.002})  # every decode step alike: 12 ms
+    base = SimSpec(replicas=1, ingress_s=0, delivery_s=0, exact_controller=True, horizon_s=100.0)
+    free = simulate(base, one(100, 20), step)["by_class"]["interactive"]
+    held = simulate(replace(base, first_token_holds=(3,)), one(100, 20), step)["by_class"]["interactive"]
+    decode = step.seconds(StepShape(1))
+    assert held["ttft_s"]["p50"] - free["ttft_s"]["p50"] == pytest.approx(3 * decode, rel=1e-6)
+    assert (free["itl_s"]["count"], held["itl_s"]["count"]) == (19, 16)
+    assert held["e2e_s"]["p50"] == free["e2e_s"]["p50"]
+    with pytest.raises(PlanError, match="exact_controller and a horizon"):
+        SimSpec(replicas=1, first_token_holds=(3,))

@@ -73,6 +73,7 @@ class Fleet:
         self.reservations = Reservations(clock, ttl_s=max(1.0, 4 * spec.gossip_s))
         self.router = ScoreRouting(self.reservations, random.Random(spec.seed))
         self.rng = random.Random(spec.seed + 1)  # candidates and failures
+        self.holds = random.Random(spec.seed + 2)  # each request's first-token hold
         self.replicas = [Replica(i, spec.engine, spec.scheduling, self.tenants, step, clock, self.rec,
                                  spec.control_interval_s, spec.exact_controller)
                          for i in range(spec.replicas)]
@@ -164,6 +165,8 @@ class Fleet:
         cname = CLASSES[klass]
         q = QueuedRequest(str(i), tr.tenants[tenant], cname, prompt, output, t_arr + spec.deadline_s[cname])
         r = Req(i, tenant, klass, prompt, output, prefix, prefix_tokens, t_arr, q, t_arr >= spec.warmup_s)
+        if spec.first_token_holds:
+            r.hold = self.holds.choice(spec.first_token_holds)
         self.rec.counts["arrived"] += 1
         self.minute_arrivals += 1
         if prompt + output + spec.engine.block_size > spec.engine.kv_tokens:

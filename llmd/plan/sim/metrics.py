@@ -83,20 +83,25 @@ class Recorder:
         self.tokens_in[tenant] += r.prompt
         self.tokens_out[tenant] += r.output
         if r.measured:
-            if self.horizon_s is not None and r.first_t is not None:
-                self._ttft(r, r.first_t + self.delivery_s - r.t_arr)  # a stream cut at the horizon never completes
+            gaps = [first + slope * j for first, slope, k in r.gaps for j in range(k)] if r.gaps is not None else []
+            r.gaps = None
+            if self.horizon_s is not None and r.first_t is not None:  # a stream cut at the horizon never completes
+                # held back by the filters, the first token comes with the next `hold`: their gaps are not seen
+                held = sum(gaps[:r.hold]) if r.hold else 0.0
+                gaps = gaps[r.hold:]
+                ttft = r.first_t + held + self.delivery_s - r.t_arr
+                self._ttft(r, ttft)
+                if self.per_request is not None and r.i in self.per_request:
+                    self.per_request[r.i][0] = ttft
             x = t + self.delivery_s - r.t_arr
             a, b = self._by_key[r.key]
             self.e2e[a].add(x)
             self.e2e[b].add(x)
             if self.per_request is not None and r.i in self.per_request:
                 self.per_request[r.i][1] = x
-            if r.gaps is not None:
-                h = self.itl_by_key[r.key]
-                for first, slope, k in r.gaps:
-                    for j in range(k):
-                        h.add(first + slope * j, 1.0)
-                r.gaps = None
+            h = self.itl_by_key[r.key]
+            for g in gaps:
+                h.add(g, 1.0)
 
     def refused(self, tenant: str, reason: str) -> None:
         self.counts["shed"] += 1

@@ -11,7 +11,7 @@ class Req:
     """A trace row in flight. `generated` counts output tokens across attempts (a preempted or
     failed-over request resumes from them, re-prefilling prompt + generated)."""
 
-    __slots__ = ("charged", "first_t", "gaps", "generated", "i", "key", "klass", "last_t", "measured", "output",
+    __slots__ = ("charged", "first_t", "gaps", "generated", "hold", "i", "key", "klass", "last_t", "measured", "output",
                  "prefix", "prefix_tokens", "prompt", "q", "queued_tokens", "replica", "reserved", "seq", "t_arr",
                  "tenant", "ticket")
 
@@ -39,3 +39,4 @@ class Req:
         self.reserved = 0  # tokens the router reserved for it on its replica, until its first token
         # Exact mode: its gaps as (first, rise per step, steps), counted if it completes (Recorder)
         self.gaps: list[tuple[float, float, int]] | None = None
+        self.hold = 0  # tokens the output filters hold back with its first (SimSpec.first_token_holds)

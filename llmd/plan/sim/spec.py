@@ -78,6 +78,12 @@ class SimSpec:
     # tick of a busy replica); None: llmd's own (0.5 s). Coarser is an approximation that buys
     # speed (refits dominate a big fleet's run): the seat limit follows a change of load later.
     control_interval_s: float | None = None
+    # llmd's output filters hold back a response's first tokens while they could still become a
+    # match (digits that may be a phone number): a sample of how many tokens a response's first
+    # chunk waits for, each request drawing one (0: none held). The client's first token comes
+    # with the held ones, and their gaps are not seen. Empty: nothing held. It needs the exact
+    # mode and a horizon (TTFT counted at completion, from each request's own gaps).
+    first_token_holds: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         e = self.engine
@@ -95,6 +101,10 @@ class SimSpec:
             raise PlanError("control_interval_s must be positive")
         if self.mtbf_s is not None and self.mtbf_s <= 0:
             raise PlanError("mtbf_s must be positive")
+        if self.first_token_holds and (not self.exact_controller or self.horizon_s is None):
+            raise PlanError("first_token_holds needs exact_controller and a horizon")
+        if any(k < 0 for k in self.first_token_holds):
+            raise PlanError("first_token_holds must not be negative")
         a = self.autoscale
         if a is not None and not 1 <= a.min_active <= self.replicas:
             raise PlanError("autoscale.min_active must be between 1 and replicas")
