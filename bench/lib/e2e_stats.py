@@ -84,7 +84,7 @@ def token_gaps(s: Sent) -> tuple[list[float], list[float]]:
     pairs = [(b - a, max(1, k)) for a, b, k in zip(s.chunks, s.chunks[1:], s.tokens[1:], strict=False)]
     if not pairs:
         return [], []
-    pace = _weighted_median([g / k for g, k in pairs], [float(k) for _, k in pairs])
+    pace = pct([g / k for g, k in pairs], 50, [float(k) for _, k in pairs])  # the lower weighted median
     gaps, ks = [], []
     for g, k in pairs:
         p = min(g / k, pace)
@@ -94,17 +94,6 @@ def token_gaps(s: Sent) -> tuple[list[float], list[float]]:
         gaps.append(g - (k - 1) * p)
         ks.append(1.0)
     return gaps, ks
-
-
-def _weighted_median(values: Sequence[float], weights: Sequence[float]) -> float:
-    """The lower weighted median: the first value, in order, reaching half the weight."""
-    order = sorted(range(len(values)), key=values.__getitem__)
-    half, acc = sum(weights) / 2.0, 0.0
-    for i in order:
-        acc += weights[i]
-        if acc >= half:
-            return values[i]
-    return values[order[-1]]
 
 
 def _figures(sent: Sequence[Sent], inside: Sequence[Sent], lo: float, hi: float) -> Figures:

@@ -178,6 +178,7 @@ def _simulate(res: dict[str, Any], a: argparse.Namespace) -> None:
     simulated at the engine's speed in service (bench/lib/plan_sim.py) and, as `sim_raw_by_class`,
     on the calibrated model alone."""
     o = res.get("overheads") or {}
+    holds_of = {fake: _holds(a, fake) for fake in (True, False)}  # the capacity runs': read once
     for row in res["points"]:
         trace = mix_trace(row["rate"], row["duration_s"], row["seed"])
         model = Path(row["step_model"]) if row.get("step_model") else None
@@ -186,7 +187,7 @@ def _simulate(res: dict[str, Any], a: argparse.Namespace) -> None:
         step = step_time(model if fake else real)
         ins = None if fake else _in_service(a, step)
         cfg = served(config_for(row["engine"], model))
-        holds = _holds(a, fake)
+        holds = holds_of[fake]
         per: dict[int, list[float]] = {}
         by = _sim_row(row, trace, ins or step, cfg, o, per, holds)
         row["sim_holds"] = {"held": sum(k > 0 for k in holds), "of": len(holds),
