@@ -178,14 +178,16 @@ def _simulate(res: dict[str, Any], a: argparse.Namespace) -> None:
     simulated at the engine's speed in service (bench/lib/plan_sim.py) and, as `sim_raw_by_class`,
     on the calibrated model alone."""
     o = res.get("overheads") or {}
-    holds_of = {fake: _holds(a, fake) for fake in (True, False)}  # the capacity runs': read once
+    # The capacity runs' figures, read once: the real engine's speed in service and the holds.
+    real_step = step_time(a.real_step_model or (CALIBRATED if CALIBRATED.exists() else None))
+    real_ins = _in_service(a, real_step) if any(r["engine"].startswith("real") for r in res["points"]) else None
+    holds_of = {fake: _holds(a, fake) for fake in (True, False)}
     for row in res["points"]:
         trace = mix_trace(row["rate"], row["duration_s"], row["seed"])
         model = Path(row["step_model"]) if row.get("step_model") else None
-        real = a.real_step_model or (CALIBRATED if CALIBRATED.exists() else None)
         fake = row["engine"].startswith("fake")
-        step = step_time(model if fake else real)
-        ins = None if fake else _in_service(a, step)
+        step = step_time(model) if fake else real_step
+        ins = None if fake else real_ins
         cfg = served(config_for(row["engine"], model))
         holds = holds_of[fake]
         per: dict[int, list[float]] = {}
