@@ -12,6 +12,7 @@ import argparse
 import json
 import logging
 import os
+import random
 import re
 import shutil
 import signal
@@ -95,11 +96,37 @@ def tiny_versions(home: Path, payloads: Sequence[bytes], name: str = "tiny") -> 
     return ws, versions
 
 
+_HANDED: set[int] = set()
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port() -> int:
-    """A loopback port nothing listens on now (sanic reads port=0 as "the default", 8000)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback port nothing listens on now, for TCP and UDP (sanic reads port=0 as "the
+    default", 8000). Drawn below the kernel's ephemeral range and never handed out twice by this
+    process: a port the kernel picked for `bind(0)` is in that range, so between this call and the
+    server's own bind an outgoing connection (gossip, a client) could take it (CI saw
+    "Address already in use" that way)."""
+    rng = random.Random()
+    low = min(_ephemeral_low(), 32768)
+    for _ in range(200):
+        port = rng.randrange(10000, low)
+        if port in _HANDED:
+            continue
+        try:
+            for kind in (socket.SOCK_STREAM, socket.SOCK_DGRAM):
+                with socket.socket(socket.AF_INET, kind) as s:
+                    s.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        _HANDED.add(port)
+        return port
+    raise RuntimeError("no free loopback port below the ephemeral range")
 
 
 def dump_toml(data: dict[str, Any]) -> str:
