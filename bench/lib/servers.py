@@ -97,6 +97,7 @@ def tiny_versions(home: Path, payloads: Sequence[bytes], name: str = "tiny") -> 
 
 
 _HANDED: set[int] = set()
+_RNG = random.Random()
 
 
 def _ephemeral_low() -> int:
@@ -112,10 +113,10 @@ def free_port() -> int:
     process: a port the kernel picked for `bind(0)` is in that range, so between this call and the
     server's own bind an outgoing connection (gossip, a client) could take it (CI saw
     "Address already in use" that way)."""
-    rng = random.Random()
-    low = min(_ephemeral_low(), 32768)
+    high = min(_ephemeral_low(), 32768)
+    low = 10000 if high > 11000 else 1024  # an ephemeral range set unusually low: what is left under it
     for _ in range(200):
-        port = rng.randrange(10000, low)
+        port = _RNG.randrange(low, high)
         if port in _HANDED:
             continue
         try:

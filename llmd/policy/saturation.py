@@ -242,24 +242,25 @@ class StepModelITL(ITLController):
             return None
         aim = max(floor, self.engine_aim * min(self.decrease, max(0.5, self.target / seen)))
         if fit.seats_for(aim, self.min_seats, self.max_seats) >= self.limit:  # at least one seat
-            aim = max(floor, self._one_seat_fewer(fit, aim))
+            aim = max(floor, self._one_seat_fewer(fit, aim, self.engine_aim))
         self._before, self.engine_aim = (self.engine_aim, seen), aim
         self._size(now, fit, at_once=True)
         self._cut = True
         return None
 
-    def _one_seat_fewer(self, fit: StepFit, aim: float) -> float:
+    def _one_seat_fewer(self, fit: StepFit, aim: float, old: float) -> float:
         """An aim that seats one fewer than now: in the band [predict(limit - 1), predict(limit)),
         at its geometric middle or at half the old aim (a cut's bound), whichever is higher, not
         at its bottom. Where a prefill enters the p95 step at the limit, the band's bottom is a
         decode step's time: taking it sank the aim 3.5x for one seat (231 -> 65 ms, bench/plan.py
         (c), the real engine at 70 %), and the seats then stayed at 2-3 for a minute while growth
         rebuilt it window by window."""
-        assert self.engine_aim is not None
         lo, hi = fit.predict(int(self.limit) - 1), fit.predict(int(self.limit))
-        if hi <= lo * 1.001:
+        if hi <= lo * 1.001:  # no band to choose in
             return min(aim, lo)
-        return min(aim, max(lo, min(0.98 * hi, max(math.sqrt(lo * hi), 0.5 * self.engine_aim))))
+        inside = max(math.sqrt(lo * hi), 0.5 * old)
+        # 2 % under the top: the next refit's noise must not give the seat straight back
+        return min(aim, max(lo, min(0.98 * hi, inside)))
 
     def _maybe_grow(self, now: float, running: float) -> None:
         fit = self.model.fit
