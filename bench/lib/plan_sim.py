@@ -192,7 +192,7 @@ def simulated(trace: Trace, step: StepTime, ingress_s: float, delivery_s: float,
     cfg = Config.model_validate(raw)
     horizon = None if drain_s is None or not len(trace) else float(trace.t[-1]) + drain_s
     spec = spec_of(cfg, cfg.models[0], 1, block_size=step_block_size(step), ingress_s=ingress_s,
-                   delivery_s=delivery_s, warmup_s=warmup_s, exact_controller=True, horizon_s=horizon)
+                   delivery_s=delivery_s, warmup_s=warmup_s, exact=True, horizon_s=horizon)
     # The replay sends its batch class on the online API, where the server's deadline ends a
     # request as it ends an interactive one (the planner's default of a day is the Batch API's).
     spec = replace(spec, deadline_s=dict.fromkeys(spec.deadline_s, cfg.server.default_deadline_s),

@@ -111,7 +111,7 @@ def test_the_simulator_is_given_llmd_as_served_and_its_measured_overheads(monkey
               served(config_for("fake", None)))
     spec = seen[0]
     assert (spec.ingress_s, spec.delivery_s, spec.warmup_s, spec.replicas) == (0.0078, 0.0014, 5.0, 1)
-    assert spec.exact_controller and spec.degradation.steps == ["cap_max_tokens", "batch"]
+    assert spec.exact and spec.degradation.steps == ["cap_max_tokens", "batch"]
     assert [t.name for t in spec.tenants] == ["a", "b"] and spec.tenants[0].max_concurrent == 64
     assert spec.deadline_s == {"interactive": 600.0, "batch": 600.0}  # the replay's batch class is online
     assert spec.scheduling.target_itl_ms == 200 and spec.engine.max_num_batched_tokens == 2048

@@ -61,7 +61,7 @@ def test_the_end_to_end_mode_reports_every_decode_step_exactly() -> None:
     c_kv = 1e-5
     step = StepModel(coef={"c_step": 0.01, "c_kv": c_kv})
     trace = one(1000, 1001)
-    exact = simulate(SimSpec(replicas=1, ingress_s=0.003, delivery_s=0.001, exact_controller=True), trace, step)
+    exact = simulate(SimSpec(replicas=1, ingress_s=0.003, delivery_s=0.001, exact=True), trace, step)
     binned = simulate(SimSpec(replicas=1, ingress_s=0.003, delivery_s=0.001), trace, step)
     itl, ttft = exact["by_class"]["interactive"]["itl_s"], exact["by_class"]["interactive"]["ttft_s"]
     assert itl["count"] == 1000
@@ -82,12 +82,12 @@ def test_the_end_to_end_mode_counts_the_gaps_of_the_requests_its_client_counts()
     """As the check's client: the gaps of a request that arrived in the warm-up count for nothing,
     even those after it, nor do a stream's that the replay cut at the horizon."""
     step = StepModel(coef={"c_step": 0.01, "c_seq": 0.001})
-    base = SimSpec(replicas=1, ingress_s=0, delivery_s=0, exact_controller=True)
+    base = SimSpec(replicas=1, ingress_s=0, delivery_s=0, exact=True)
     early_long = simulate(replace(base, warmup_s=1.0), two((500, 20), (0.0, 2.0)), step)
     assert early_long["by_class"]["interactive"]["itl_s"]["count"] == 19  # the second's; not the first's ~400
     cut = simulate(replace(base, horizon_s=3.0), two((20, 1000), (0.0, 0.5)), step)
     assert cut["by_class"]["interactive"]["itl_s"]["count"] == 19  # the second never completes by 3 s
-    binned = simulate(replace(base, warmup_s=1.0, exact_controller=False), two((500, 20), (0.0, 2.0)), step)
+    binned = simulate(replace(base, warmup_s=1.0, exact=False), two((500, 20), (0.0, 2.0)), step)
     assert binned["by_class"]["interactive"]["itl_s"]["count"] > 19  # a fleet's hour counts gaps by time
 
 
@@ -98,12 +98,12 @@ def test_a_held_first_token_comes_with_the_held_ones_and_their_gaps_are_not_seen
     from llmd.plan.errors import PlanError
 
     step = StepModel(coef={"c_step": 0.01, "c_seq": 0.002})  # every decode step alike: 12 ms
-    base = SimSpec(replicas=1, ingress_s=0, delivery_s=0, exact_controller=True, horizon_s=100.0)
+    base = SimSpec(replicas=1, ingress_s=0, delivery_s=0, exact=True, horizon_s=100.0)
     free = simulate(base, one(100, 20), step)["by_class"]["interactive"]
     held = simulate(replace(base, first_token_holds=(3,)), one(100, 20), step)["by_class"]["interactive"]
     decode = step.seconds(StepShape(1))
     assert held["ttft_s"]["p50"] - free["ttft_s"]["p50"] == pytest.approx(3 * decode, rel=1e-6)
     assert (free["itl_s"]["count"], held["itl_s"]["count"]) == (19, 16)
     assert held["e2e_s"]["p50"] == free["e2e_s"]["p50"]
-    with pytest.raises(PlanError, match="exact_controller and a horizon"):
+    with pytest.raises(PlanError, match="exact mode and a horizon"):
         SimSpec(replicas=1, first_token_holds=(3,))

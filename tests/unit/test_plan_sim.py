@@ -161,9 +161,10 @@ def test_cli_controller_flags_reach_the_spec(step_file: Path, monkeypatch: pytes
     seen: list[SimSpec] = []
     real = sim_report.simulate
     monkeypatch.setattr(sim_report, "simulate", lambda spec, trace, step: seen.append(spec) or real(spec, trace, step))
-    assert _cli("--step-model", str(step_file), "--duration", "5", "--control-s", "2", "--exact-controller")[0] == 0
+    assert _cli("--step-model", str(step_file), "--duration", "5", "--control-s", "2", "--exact")[0] == 0
     assert _cli("--step-model", str(step_file), "--duration", "5")[0] == 0
-    assert [(s.control_interval_s, s.exact_controller) for s in seen] == [(2.0, True), (None, False)]
+    assert _cli("--step-model", str(step_file), "--duration", "5", "--exact-controller")[0] == 0  # its older name
+    assert [(s.control_interval_s, s.exact) for s in seen] == [(2.0, True), (None, False), (None, True)]
 
 
 def test_cli_without_a_step_model_says_how_to_get_one(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -271,7 +272,7 @@ def test_a_sequence_preempted_mid_segment_keeps_the_tokens_it_was_sent() -> None
                prompt_tokens=np.array([100, 50], np.int32), output_tokens=np.array([400, 10], np.int32),
                prefix=np.array([-1, -1], np.int32), prefix_tokens=np.zeros(2, np.int32), tenants=("t",))
     spec = SimSpec(replicas=1, ingress_s=0, delivery_s=0, scheduling=SchedulingConfig(batch_seats_with_interactive=0),
-                   exact_controller=True)
+                   exact=True)
     mp = pytest.MonkeyPatch()
     mp.setattr(rep_mod.Replica, "_abort", abort)
     try:

@@ -108,13 +108,13 @@ def test_a_seat_a_finished_request_frees_is_filled_a_step_later() -> None:
     assert got[2] == pytest.approx(0.05)
 
 
-def test_exact_controller_sees_a_gap_per_token_and_a_record_per_step() -> None:
+def test_exact_sees_a_gap_per_token_and_a_record_per_step() -> None:
     """llmd's ITL controller reads a gap per streamed token and one history record per engine
-    step; with exact_controller the simulator feeds it the same, not a few per decode segment."""
+    step; with exact the simulator feeds it the same, not a few per decode segment."""
     tr = trace_of([(0.0, 20, 30), (0.0, 20, 30), (0.005, 40, 30)])
     sched = SchedulingConfig(target_itl_ms=200)
     for exact in (False, True):
-        spec = SimSpec(replicas=1, scheduling=sched, ingress_s=0.0, delivery_s=0.0, exact_controller=exact)
+        spec = SimSpec(replicas=1, scheduling=sched, ingress_s=0.0, delivery_s=0.0, exact=exact)
         fleet = Fleet(spec, tr, SLOW)
         fleet.run()
         eng = fleet.replicas[0].engine
@@ -132,7 +132,7 @@ def test_batch_streams_feed_the_itl_controller_no_gaps() -> None:
     for klass, want in ((0, 3 * (30 - 1)), (1, 0)):
         tr = trace_of([(0.0, 20, 30), (0.0, 20, 30), (0.005, 40, 30)], klass=klass)
         spec = SimSpec(replicas=1, scheduling=SchedulingConfig(target_itl_ms=200), ingress_s=0.0, delivery_s=0.0,
-                       exact_controller=True)
+                       exact=True)
         fleet = Fleet(spec, tr, SLOW)
         fleet.run()
         eng = fleet.replicas[0].engine
@@ -160,7 +160,7 @@ def test_arrivals_during_a_long_step_all_reach_the_engine_as_llmd_sends_them() -
     them a step later: the same work in another order, and another TTFT tail."""
     tr = trace_of([(0.0, 3000, 5), (0.05, 50, 5), (0.10, 50, 5)])
     spec = SimSpec(replicas=1, engine=EngineSpec(max_num_seqs=8), ingress_s=0.0, delivery_s=0.0,
-                   exact_controller=True)
+                   exact=True)
     got = first_tokens(spec, tr, SLOW)
     first_step = 0.02 + 0.004 + 2e-4 * 2048  # the long request's first chunk (2048-token budget)
     assert got[1] > first_step

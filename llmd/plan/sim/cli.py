@@ -93,7 +93,7 @@ def _spec(o: dict[str, Any], block_size: int | None = None) -> SimSpec:
     over: dict[str, Any] = {"seed": o["seed"], "warmup_s": o["warmup"], "ingress_s": o["ingress_ms"] / 1000,
                             "delivery_s": o["delivery_ms"] / 1000, "price_per_hour": o["price"],
                             "mtbf_s": o["mtbf"], "control_interval_s": o["control_s"],
-                            "exact_controller": o["exact_controller"]}
+                            "exact": o["exact"]}
     if o["min_active"] is not None:
         over["autoscale"] = Autoscale(min_active=o["min_active"], warm_pool=o["warm_pool"])
     if o["config"] is not None:
@@ -132,9 +132,10 @@ def _spec(o: dict[str, Any], block_size: int | None = None) -> SimSpec:
 @click.option("--warmup", type=float, default=0.0, show_default=True, help="Seconds not measured at the start.")
 @click.option("--control-s", type=float, default=None, help="Run the ITL controller every S s instead of "
               "llmd's 0.5 s: faster for long sweeps, an approximation (docs/capacity.md, Speed).")
-@click.option("--exact-controller", is_flag=True, help="Feed the ITL controller every gap and step and the "
-              "scheduler the engine's queue as of its last step, as llmd does, and keep every latency "
-              "sample for exact percentiles (slower; for checking the simulator against llmd).")
+@click.option("--exact", "--exact-controller", "exact", is_flag=True, help="Run as llmd does sample for sample: "
+              "the ITL controller fed every gap and step, the scheduler the engine's queue as of its last "
+              "step, every latency sample kept for exact percentiles (slower; for checking the simulator "
+              "against llmd). --exact-controller is its older name.")
 @click.option("--out", type=click.Path(path_type=Path), default=None, help="Write the JSON report here.")
 @click.option("--plot", type=click.Path(path_type=Path), default=None, help="Write the timeline PNG here.")
 def sim_cmd(**o: Any) -> None:

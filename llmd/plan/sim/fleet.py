@@ -66,7 +66,7 @@ class Fleet:
         self.now = 0.0
         self.tenants = tenant_configs(spec, trace.tenants)
         self.rec = Recorder(trace.tenants, spec.warmup_s, spec.delivery_s, spec.horizon_s,
-                            exact=spec.exact_controller)
+                            exact=spec.exact)
         clock: Callable[[], float] = lambda: self.now  # noqa: E731 - the one virtual clock
         self.clock = clock
         self.admission = AdmissionController(self.tenants, clock)
@@ -75,7 +75,7 @@ class Fleet:
         self.rng = random.Random(spec.seed + 1)  # candidates and failures
         self.holds = random.Random(spec.seed + 2)  # each request's first-token hold
         self.replicas = [Replica(i, spec.engine, spec.scheduling, self.tenants, step, clock, self.rec,
-                                 spec.control_interval_s, spec.exact_controller)
+                                 spec.control_interval_s, spec.exact)
                          for i in range(spec.replicas)]
         self.by_name = {r.name: r for r in self.replicas}  # the router answers with a node's name
         self.loads: list[VersionLoad] = [self._load(r) for r in self.replicas]

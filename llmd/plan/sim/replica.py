@@ -32,7 +32,7 @@ TICK_EVERY_S: Final = 0.5  # the ITL controller's interval: a replica ticks at l
 IDLE_TICK_S: Final = 0.01  # llmd.scheduler.Scheduler.TICK_S: how often it ticks while requests wait and nothing runs
 GAP_SAMPLES: Final = 96  # the gaps the ITL controller reads (the real gateway keeps 16,384: a cost here)
 STEP_WINDOW: Final = HISTORY  # steps the step-time model fits over (llmd keeps 512: refits cost per replica here)
-LLMD_GAPS: Final = 16384  # llmd/runtime.py's gaps, EngineStats.history: SimSpec.exact_controller
+LLMD_GAPS: Final = 16384  # llmd/runtime.py's gaps, EngineStats.history: SimSpec.exact
 LLMD_HISTORY: Final = 2048
 
 
@@ -46,7 +46,7 @@ class Replica:
         self.name = f"r{idx:03d}"
         self.state = "active"
         self.clock = clock
-        self.exact = exact  # the ITL controller sees what llmd's does (SimSpec.exact_controller)
+        self.exact = exact  # the ITL controller sees what llmd's does (SimSpec.exact)
         self.engine = Engine(spec, step, rec, *((LLMD_GAPS, LLMD_HISTORY, True) if exact else (GAP_SAMPLES,)))
         self.gaps = self.engine.gaps
         self.tick_every_s = TICK_EVERY_S if control_s is None else control_s

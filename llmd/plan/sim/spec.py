@@ -65,12 +65,13 @@ class SimSpec:
     gossip_s: float = 0.5  # how stale the router's view of a replica is (placement's reservations cover it)
     seed: int = 0
     warmup_s: float = 0.0  # requests arriving before this are served but not measured
-    # The ITL controller sees every sample llmd's would (a gap per token, a step record per step,
-    # its 512-step fit window) instead of a few per decode segment, and llmd's scheduler reads the
-    # engine's queue from its last step record, not live; every latency sample is kept, for
-    # percentiles without the histograms' 2.3 % bins (every decode step's gap, not a segment's
-    # quartiles): exact, and slower with many replicas; the end-to-end check against llmd sets it.
-    exact_controller: bool = False
+    # Exact mode: llmd sample for sample, for the end-to-end check against it (slower with many
+    # replicas). One switch for four things that only matter together: the ITL controller sees
+    # every sample llmd's would (a gap per token, a step record per step, its 512-step fit window)
+    # instead of a few per decode segment; llmd's scheduler reads the engine's queue from its last
+    # step record, not live; a busy replica's periodic tick can land mid-step, as llmd's does; and
+    # every latency sample is kept, for percentiles without the histograms' 2.3 % bins.
+    exact: bool = False
     # The clients give up at this time (a replay cuts its streams a while after the last arrival):
     # the run stops there and only requests completed by then count their TTFT. None: all finish.
     horizon_s: float | None = None
@@ -101,8 +102,8 @@ class SimSpec:
             raise PlanError("control_interval_s must be positive")
         if self.mtbf_s is not None and self.mtbf_s <= 0:
             raise PlanError("mtbf_s must be positive")
-        if self.first_token_holds and (not self.exact_controller or self.horizon_s is None):
-            raise PlanError("first_token_holds needs exact_controller and a horizon")
+        if self.first_token_holds and (not self.exact or self.horizon_s is None):
+            raise PlanError("first_token_holds needs exact mode and a horizon")
         if any(k < 0 for k in self.first_token_holds):
             raise PlanError("first_token_holds must not be negative")
         a = self.autoscale
