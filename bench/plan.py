@@ -7,10 +7,12 @@
       and the same seed run twice for byte-identical output (up to 600 simulated seconds);
   (c) end to end: the simulator against llmd replaying the same traces (bench/lib/plan_e2e.py:
       measured points are kept in bench/data/plan-e2e.json; `--measure` re-measures them, which
-      takes the real engine for minutes per point: run it under the box lock).
+      takes the real engine for minutes per point: run it under the box lock);
+  (c2) how far each of (c)'s figures moves when only the steps' times are nudged (bench/lib/
+      plan_spread.py; the simulator alone, on (c)'s stored rows: no engine, no lock).
 
-  .venv/bin/python bench/plan.py [--parts a,b,c] [--speed-s 600] [--control-s S] [--speed-against DIR]
-                                 [--speed-rounds N] [--measure PART ...]
+  .venv/bin/python bench/plan.py [--parts a,b,c,c2] [--speed-s 600] [--control-s S] [--speed-against DIR]
+                                 [--speed-rounds N] [--measure PART ...] [--spread-seeds N]
 """
 
 from __future__ import annotations
@@ -69,9 +71,28 @@ def part_c(measure: tuple[str, ...]) -> list[str]:
             report.stamp(time.perf_counter() - t0, cmd=report.command()), "", source, "", body]
 
 
+def part_c2(seeds: int) -> list[str]:
+    from bench.lib import plan_e2e, plan_spread
+
+    t0 = time.perf_counter()
+    res = plan_e2e.load_results(plan_e2e.RESULTS)
+    body = plan_spread.section(res, plan_e2e.RESULTS, seeds, ("fake", "fake-noitl", "real", "real-noitl"))
+    intro = ("(c) checks one simulated run against one or two of llmd's per point. Here each of its stored points "
+             f"(held-out loads) is simulated again {seeds} times with every step's time multiplied by "
+             "exp(N(0, sigma)), a fresh draw per step: on the fake backend sigma is a 1 % probe (its steps take "
+             "the priced time exactly: no spread of its own to measure), on the real engine the robust spread of "
+             "its decode steps in the capacity runs. A cell gives the nudged runs' range and half its width over "
+             "their median (±), then llmd's measured runs of that point (* farther from the range than (c)'s "
+             "target). A figure that moves by "
+             "more than (c)'s target under such a nudge cannot be checked to that target from one run on either "
+             "side (the simulator runs llmd's policy code). bench/lib/plan_spread.py; no engine runs.")
+    return ["### (c2) The spread of (c)'s figures under a nudge to the step times", "",
+            report.stamp(time.perf_counter() - t0, cmd=report.command()), "", intro, "", body]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--parts", default="a,b,c")
+    p.add_argument("--parts", default="a,b,c,c2")
     p.add_argument("--speed-s", type=float, default=600.0, help="simulated seconds for (b); 3600 = the hour")
     p.add_argument("--control-s", type=float, default=None,
                    help="(b): SimSpec.control_interval_s, the ITL controller's interval (default: llmd's 0.5 s, exact)")
@@ -81,6 +102,7 @@ def main() -> None:
     p.add_argument("--speed-rounds", type=int, default=3,
                    help="(b): compiled runs timed (the median reported), and of each checkout with --speed-against")
     p.add_argument("--measure", nargs="*", default=[], help="bench/lib/plan_e2e.py parts to re-measure for (c)")
+    p.add_argument("--spread-seeds", type=int, default=8, help="(c2): nudged simulations per point")
     a = p.parse_args()
     parts = set(a.parts.split(","))
     subs: dict[str, list[str]] = {}
@@ -90,6 +112,8 @@ def main() -> None:
         subs["(b)"] = part_b(a.speed_s, a.control_s, a.speed_against, a.speed_rounds)
     if "c" in parts:
         subs["(c)"] = part_c(tuple(a.measure))
+    if "c2" in parts:
+        subs["(c2)"] = part_c2(a.spread_seeds)
     for lines in subs.values():
         print("\n".join(lines), "\n")
     report.write_subsections(report.DOC, SECTION, [INTRO], subs)
