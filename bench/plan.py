@@ -77,17 +77,16 @@ def part_c2(seeds: int) -> list[str]:
     t0 = time.perf_counter()
     res = plan_e2e.load_results(plan_e2e.RESULTS)
     body = plan_spread.section(res, plan_e2e.RESULTS, seeds, ("fake", "fake-noitl", "real", "real-noitl"))
-    intro = ("(c) checks one simulated run against one or two of llmd's per point. Here each of its stored points "
-             f"(held-out loads) is simulated again {seeds} times with every step's time multiplied by "
-             "exp(N(0, sigma)), a fresh draw per step: on the fake backend sigma is a 1 % probe (its steps take "
-             "the priced time exactly: no spread of its own to measure), on the real engine the robust spread of "
-             "its decode steps in the capacity runs. A cell gives the nudged runs' range and half its width over "
-             "their median (±), then llmd's measured runs of that point (* farther from the range than (c)'s "
-             "target). A figure that moves by "
-             "more than (c)'s target under such a nudge cannot be checked to that target from one run on either "
-             "side (the simulator runs llmd's policy code). bench/lib/plan_spread.py; no engine runs.")
+    intro = f"""(c) checks one simulated run against one or two of llmd's per point. Here each of its stored
+    points (held-out loads) is simulated again {seeds} times with every step's time multiplied by exp(N(0, sigma)),
+    a fresh draw per step: on the fake backend sigma is a 1 % probe (its steps take the priced time exactly: no
+    spread of its own to measure), on the real engine the robust spread of its decode steps in the capacity runs.
+    A cell gives the nudged runs' range and half its width over their median (±), then llmd's measured runs of
+    that point (* farther from the range than (c)'s target). A figure that moves by more than (c)'s target under
+    such a nudge cannot be checked to that target from one run on either side (the simulator runs llmd's policy
+    code). bench/lib/plan_spread.py; no engine runs."""
     return ["### (c2) The spread of (c)'s figures under a nudge to the step times", "",
-            report.stamp(time.perf_counter() - t0, cmd=report.command()), "", intro, "", body]
+            report.stamp(time.perf_counter() - t0, cmd=report.command()), "", " ".join(intro.split()), "", body]
 
 
 def main() -> None:
