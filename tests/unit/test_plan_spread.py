@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from bench.lib.plan_spread import Band, Nudged, bands, step_noise, table
+from bench.lib.plan_spread import Nudged, bands, step_noise, table
 from llmd.plan.sim.report import simulate
 from llmd.plan.sim.spec import SimSpec
 from llmd.plan.sim.trace import Trace

@@ -7,6 +7,7 @@ are import-linter contracts in pyproject.toml, checked by `make lint`.
 from __future__ import annotations
 
 import ast
+import functools
 import gc
 from pathlib import Path
 
@@ -22,16 +23,28 @@ def _sources() -> list[Path]:
     return sorted(PACKAGE.rglob("*.py"))
 
 
-def parse_source(p: Path) -> ast.Module:
+def _parse_all(paths: list[Path]) -> dict[Path, ast.Module]:
     """ast.parse with the collector held off: CPython 3.11 raises "AST constructor recursion
-    depth mismatch" when a finalizer (an earlier test's leftover task, say) runs Python code
-    in the middle of building the tree."""
+    depth mismatch" when a finalizer (an earlier test's leftover task, say) runs Python code in
+    the middle of building a tree. One collection for many files: one per file cost a second
+    each late in the suite, with its heap grown (nearly three minutes a test)."""
     gc.collect()
     gc.disable()
     try:
-        return ast.parse(p.read_text(encoding="utf-8"))
+        return {p: ast.parse(p.read_text(encoding="utf-8")) for p in paths}
     finally:
         gc.enable()
+
+
+@functools.cache
+def _trees() -> tuple[tuple[Path, ast.Module], ...]:
+    """Every source of the package and its tree, parsed once for the tests that read them."""
+    return tuple(_parse_all(_sources()).items())
+
+
+def parse_source(p: Path) -> ast.Module:
+    """One file's tree: the package's parsed once, any other file now."""
+    return dict(_trees()).get(p) or _parse_all([p])[p]
 
 
 def test_modules_stay_small() -> None:
@@ -42,8 +55,8 @@ def test_modules_stay_small() -> None:
 
 def test_functions_stay_small() -> None:
     over: dict[str, int] = {}
-    for p in _sources():
-        for node in ast.walk(parse_source(p)):
+    for p, tree in _trees():
+        for node in ast.walk(tree):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 n = (node.end_lineno or node.lineno) - node.lineno + 1
                 if n > FUNCTION_LINES:
@@ -54,8 +67,8 @@ def test_functions_stay_small() -> None:
 def test_only_the_gateway_imports_sanic() -> None:
     """Also an import-linter contract; kept here so the suite alone shows it."""
     found = []
-    for p in _sources():
-        for node in ast.walk(parse_source(p)):
+    for p, tree in _trees():
+        for node in ast.walk(tree):
             names = ([a.name for a in node.names] if isinstance(node, ast.Import)
                      else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
             if any(n == "sanic" or n.startswith("sanic.") for n in names):
