@@ -92,4 +92,7 @@ def test_a_figure_that_a_nudge_moves_past_the_target_is_named() -> None:
     assert "50% interactive TTFT p50 ms ±25 %" in text
     assert "llmd 1000, 2000*" in text
     assert "within the target of the nudged range in 3 of 5" in text
+    # (c)'s check where a run can make it: TTFT p95 (4.0 measured, 2.0 simulated) is the worst
+    assert ("on the 4 figures a run can check: the simulation as (c) runs it is within the targets on 3 of "
+            "them, worst |error| 50.0 % (50% interactive TTFT p95 ms)") in text
     assert not math.isnan(by["tput"].half_width_pct)
