@@ -97,13 +97,14 @@ class Band:
 
 
 def bands(rows: list[dict[str, Any]], simulate: Any, sigma: float, seeds: int) -> list[Band]:
-    """Every figure of every row (the rep-0 row of a load; llmd's runs are all its reps) as
-    simulated plainly and `seeds` times nudged. `simulate(row, step_wrapper)` gives the
-    simulator's figures by class for a row, its step time wrapped by `step_wrapper`."""
+    """Every figure of every row (the rep-0 row of a load; llmd's runs are its reps on the same
+    trace) as simulated plainly and `seeds` times nudged. `simulate(row, step_wrapper)` gives
+    the simulator's figures by class for a row, its step time wrapped by `step_wrapper`."""
     out: list[Band] = []
     for load in sorted({r["load"] for r in rows}):
-        reps = [r for r in rows if r["load"] == load]
-        row = next((r for r in reps if r["rep"] == 0), reps[0])
+        at = [r for r in rows if r["load"] == load]
+        row = next((r for r in at if r["rep"] == 0), at[0])
+        reps = [r for r in at if r["seed"] == row["seed"] and r["rate"] == row["rate"]]
         plain = simulate(row, lambda s: s)
         runs = [simulate(row, lambda s, k=k: Nudged(s, sigma, k)) for k in range(seeds)]
         for klass in CLASSES:

@@ -63,13 +63,14 @@ def test_the_step_spread_is_robust_and_per_running_count() -> None:
 
 def _row(load: float, rep: int, ttft: float) -> dict[str, Any]:
     figs = {"ttft_p50": ttft, "ttft_p95": 2 * ttft, "itl_p50": 0.05, "itl_p95": 0.07, "tput": 10.0}
-    return {"load": load, "rep": rep, "measured": {"tput_run": 10.0, "by_class": {"interactive": figs}}}
+    return {"load": load, "rep": rep, "seed": 7, "rate": 1.0,
+            "measured": {"tput_run": 10.0, "by_class": {"interactive": figs}}}
 
 
 def test_a_figure_that_a_nudge_moves_past_the_target_is_named() -> None:
     """The simulated TTFT p50 swings ±25 % with the seed, every other figure stays: that one is
     named as moving past the 3 % target, and llmd's runs are placed against the range ± target."""
-    rows = [_row(0.5, 0, 1.0), _row(0.5, 1, 2.0)]
+    rows = [_row(0.5, 0, 1.0), _row(0.5, 1, 2.0), {**_row(0.5, 2, 9.0), "seed": 8}]  # rep 2: another trace
     seen: list[Any] = []
 
     def simulate_row(row: dict[str, Any], wrap: Any) -> dict[str, Any]:
