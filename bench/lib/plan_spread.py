@@ -89,11 +89,14 @@ class Band:
         mid = statistics.median(self.nudged)
         return 100.0 * (max(self.nudged) - min(self.nudged)) / 2 / mid if mid > 0 else math.nan
 
+    def within(self, m: float, target_pct: float) -> bool:
+        """`m` within `target_pct` of the nudged range (inside it, or that close to an end): the
+        check (c) makes would pass against some nudged run."""
+        return min(self.nudged) * (1 - target_pct / 100) <= m <= max(self.nudged) * (1 + target_pct / 100)
+
     def near(self, target_pct: float) -> bool:
-        """Every llmd run within `target_pct` of the nudged range (inside it, or that close to
-        an end): the check (c) makes would pass against some nudged run."""
-        lo, hi = min(self.nudged) * (1 - target_pct / 100), max(self.nudged) * (1 + target_pct / 100)
-        return all(lo <= m <= hi for m in self.measured)
+        """Every llmd run `within` the target."""
+        return all(self.within(m, target_pct) for m in self.measured)
 
 
 def bands(rows: list[dict[str, Any]], simulate: Any, sigma: float, seeds: int) -> list[Band]:
@@ -119,6 +122,10 @@ def bands(rows: list[dict[str, Any]], simulate: Any, sigma: float, seeds: int) -
     return out
 
 
+def _target(key: str, lat: float, tput: float) -> float:
+    return tput if key == "tput" else lat
+
+
 def _fmt(key: str, x: float) -> str:
     return f"{x:.1f}" if key == "tput" else f"{x * 1000:.0f}"
 
@@ -133,17 +140,16 @@ def table(engine: str, sigma: float, seeds: int, found: list[Band]) -> list[str]
              report_lib.row(["load", "class", *labels]), report_lib.row(["---"] * (2 + len(labels)))]
     cells: dict[tuple[float, str], dict[str, str]] = defaultdict(dict)
     for b in found:
-        t = tput if b.key == "tput" else lat
-        llmd = ", ".join(_fmt(b.key, m) + ("" if Band(b.load, b.klass, b.key, b.plain, b.nudged, [m]).near(t) else "*")
-                         for m in b.measured)
+        t = _target(b.key, lat, tput)
+        llmd = ", ".join(_fmt(b.key, m) + ("" if b.within(m, t) else "*") for m in b.measured)
         cells[(b.load, b.klass)][b.key] = (f"{_fmt(b.key, min(b.nudged))}-{_fmt(b.key, max(b.nudged))} "
                                            f"(±{b.half_width_pct:.0f} %); llmd {llmd}")
     for (load, klass), c in sorted(cells.items()):
         lines.append(report_lib.row([f"{load:.0%}", klass, *(c.get(k, "-") for _, k in FIGURES)]))
-    wide = [b for b in found if b.half_width_pct > (tput if b.key == "tput" else lat)]
+    wide = [b for b in found if b.half_width_pct > _target(b.key, lat, tput)]
     label = {k: v for v, k in FIGURES}
     named = ", ".join(f"{b.load:.0%} {b.klass} {label[b.key]} ±{b.half_width_pct:.0f} %" for b in wide)
-    near = sum(b.near(tput if b.key == "tput" else lat) for b in found)
+    near = sum(b.near(_target(b.key, lat, tput)) for b in found)
     lines += ["", f"- `{engine}`: {len(wide)} of {len(found)} figures move by more than the target "
               f"({lat:g} % latency, {tput:g} % throughput) under the nudge" + (f": {named}" if named else ""),
               f"- `{engine}`: llmd's runs lie within the target of the nudged range in {near} of {len(found)} "
@@ -154,13 +160,13 @@ def table(engine: str, sigma: float, seeds: int, found: list[Band]) -> list[str]
 def _checkable(engine: str, found: list[Band], lat: float, tput: float, label: dict[str, str]) -> list[str]:
     """(c)'s check restricted to the figures a run reproduces to within the target: the plain
     simulation's worst |error| against each of llmd's runs there."""
-    errs = [(100.0 * abs(b.plain - m) / m, b) for b in found if b.half_width_pct <= (tput if b.key == "tput" else lat)
+    errs = [(100.0 * abs(b.plain - m) / m, b) for b in found if b.half_width_pct <= _target(b.key, lat, tput)
             for m in b.measured if m > 0]
     if not errs:
         return []
     worst, b = max(errs, key=lambda e: e[0])
     n = len({(x.load, x.klass, x.key) for _, x in errs})
-    out = {(x.load, x.klass, x.key) for e, x in errs if e > (tput if x.key == "tput" else lat)}
+    out = {(x.load, x.klass, x.key) for e, x in errs if e > _target(x.key, lat, tput)}
     return [f"- `{engine}`, on the {n} figures a run can check: the simulation as (c) runs it is within the "
             f"targets on {n - len(out)} of them, worst |error| {worst:.1f} % ({b.load:.0%} {b.klass} {label[b.key]})"]
 
@@ -180,6 +186,7 @@ def section(res: dict[str, Any], results: Path, seeds: int, engines: Sequence[st
         if p.exists():
             real_steps += json.loads(p.read_text())["steps"]
     real_sigma = step_noise(real_steps)
+    holds_of = {fake: pe._holds(a, fake) for fake in (True, False)}  # the capacity runs' files, read once
     out: list[str] = []
     for engine in engines:
         rows = [r for r in res["points"] if r["engine"] == engine and r["load"] in pe.HELD_OUT]
@@ -193,7 +200,7 @@ def section(res: dict[str, Any], results: Path, seeds: int, engines: Sequence[st
             step = step_time(model) if fake else real
             cfg = pe.served(pe.config_for(row["engine"], model))
             trace = mix_trace(row["rate"], row["duration_s"], row["seed"])
-            by = pe._sim_row(row, trace, wrap(step), cfg, res.get("overheads") or {}, holds=pe._holds(a, fake))
+            by = pe._sim_row(row, trace, wrap(step), cfg, res.get("overheads") or {}, holds=holds_of[fake])
             by.pop("all", None)
             return by
 
