@@ -179,7 +179,8 @@ class StepModelITL(ITLController):
     correct the engine aim, not the limit: clients also see our streaming path and preemption
     waits, on top of the engine's steps. A cut lowers the aim by the overshoot (at least one
     seat's worth), growth by the room under 0.9x the target (at most `increase`, at least
-    a seat's worth), and a futile cut is undone and held. Growth by one seat's worth alone left
+    a seat's worth), a futile cut is undone and held, and a cut fewer seats cannot deliver (by the
+    model) is not taken. Growth by one seat's worth alone left
     a halved aim at one or two seats for minutes while clients read half the target: each seat
     it added sat on the fit's edge and the next refit took it back (bench/plan.py (c), 80 %).
     Until the model has seen enough steps (a cold start), plain AIMD on the limit."""
