@@ -198,6 +198,7 @@ class StepModelITL(ITLController):
         self._proposed: int | None = None  # a small move of the limit, waiting for a second interval
         self.aim_floor = 0.25 * self.target
         self.increase = increase  # the most one growth multiplies the engine aim by
+        self.withheld = 0  # cuts not taken: fewer seats could not have delivered them (shown in describe)
 
     def _on_interval(self, now: float) -> None:
         self.model.ingest(self.steps())
@@ -256,7 +257,10 @@ class StepModelITL(ITLController):
         over the aim, a cut only queues requests: bench/plan.py (c), the real engine at 50 %, cut
         3 seats to 1 on a 2 s burst of prefill stalls (the model's gain: 7 ms), and 3-7 chat
         requests queued for 16 s while their clients' p95 read 68 ms."""
-        return seen - (fit.predict(int(self.limit)) - fit.predict(self.min_seats)) <= self.target
+        if seen - (fit.predict(int(self.limit)) - fit.predict(self.min_seats)) <= self.target:
+            return True
+        self.withheld += 1
+        return False
 
     def _one_seat_fewer(self, fit: StepFit, aim: float, old: float) -> float:
         """An aim that seats one fewer than now: in the band [predict(limit - 1), predict(limit)),
@@ -295,7 +299,7 @@ class StepModelITL(ITLController):
             "mode": "step model", "engine_aim_ms": self.engine_aim * 1000, "a_ms": fit.a * 1000,
             "b_ms_per_seq": fit.b * 1000, "c_ms_per_1k_prefill": fit.c * 1e6, "speed": fit.speed,
             "predicted_p95_ms": fit.predict(self.seat_limit) * 1000, "steps_fitted": fit.samples,
-            "prefill_in_p95_tokens": fit.prefill_at(self.seat_limit)}
+            "prefill_in_p95_tokens": fit.prefill_at(self.seat_limit), "cuts_withheld": self.withheld}
 
 
 class SaturationDetector:

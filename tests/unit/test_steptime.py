@@ -308,7 +308,7 @@ def test_a_cut_that_fewer_seats_cannot_deliver_is_not_taken() -> None:
     aim, limit, fit = ctl.engine_aim, ctl.seat_limit, ctl.model.fit
     assert aim is not None and fit is not None and 0.06 < fit.predict(limit) - fit.predict(1) < 0.09
     ctl._cut_or_undo(e.clock(), 0.39)
-    assert (ctl.engine_aim, ctl.seat_limit) == (aim, limit)
+    assert (ctl.engine_aim, ctl.seat_limit) == (aim, limit) and ctl.describe()["cuts_withheld"] == 1
     ctl._cut_or_undo(e.clock(), 0.24)
     assert ctl.engine_aim is not None and ctl.engine_aim < aim and ctl.seat_limit < limit
 
