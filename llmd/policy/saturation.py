@@ -255,8 +255,8 @@ class StepModelITL(ITLController):
         predict(limit) - predict(min_seats) to a step; the rest of what clients see (a long prompt's
         prefill in the step, our streaming path) stays whatever the batch. Where that rest alone is
         over the aim, a cut only queues requests: bench/plan.py (c), the real engine at 50 %, cut
-        3 seats to 1 on a 2 s burst of prefill stalls (the model's gain: 7 ms), and 3-7 chat
-        requests queued for 16 s while their clients' p95 read 68 ms."""
+        3 seats to 1 on a burst of prefill stalls (the model's gain: 7 ms), and 3-7 chat
+        requests queued for 16 s while their clients' p95 read 68 ms. A withheld cut is counted."""
         if seen - (fit.predict(int(self.limit)) - fit.predict(self.min_seats)) <= self.target:
             return True
         self.withheld += 1
