@@ -240,7 +240,10 @@ class StepModelITL(ITLController):
             self._settled_at = now
             return self._size(now, fit, at_once=True)
         floor = max(self.aim_floor, self._floor if now < self._floor_until else 0.0)
-        if self.engine_aim <= floor or self.limit <= self.min_seats or not self._seats_can_reach(fit, seen):
+        if self.engine_aim <= floor or self.limit <= self.min_seats:
+            return None
+        if not self._seats_can_reach(fit, seen):
+            self.withheld += 1
             return None
         aim = max(floor, self.engine_aim * min(self.decrease, max(0.5, self.target / seen)))
         if fit.seats_for(aim, self.min_seats, self.max_seats) >= self.limit:  # at least one seat
@@ -256,11 +259,8 @@ class StepModelITL(ITLController):
         prefill in the step, our streaming path) stays whatever the batch. Where that rest alone is
         over the aim, a cut only queues requests: bench/plan.py (c), the real engine at 50 %, cut
         3 seats to 1 on a burst of prefill stalls (the model's gain: 7 ms), and 3-7 chat
-        requests queued for 16 s while their clients' p95 read 68 ms. A withheld cut is counted."""
-        if seen - (fit.predict(int(self.limit)) - fit.predict(self.min_seats)) <= self.target:
-            return True
-        self.withheld += 1
-        return False
+        requests queued for 16 s while their clients' p95 read 68 ms. A pure read."""
+        return seen - (fit.predict(int(self.limit)) - fit.predict(self.min_seats)) <= self.target
 
     def _one_seat_fewer(self, fit: StepFit, aim: float, old: float) -> float:
         """An aim that seats one fewer than now: in the band [predict(limit - 1), predict(limit)),
