@@ -92,8 +92,8 @@ async def _capacity(res: dict[str, Any], engine: str, a: argparse.Namespace) -> 
         steps: list[list[float]] = []
         t0 = time.monotonic()
         cap = await capacity(srv, MODEL, trace, a.concurrency, a.capacity_s, a.warmup_s, sent, steps)
-    dump(_raw(a, f"capacity-{engine}"), sent, t0)
-    _raw(a, f"capacity-{engine}-server").write_text(json.dumps({"steps": steps}) + "\n")
+    dump(raw_path(a.results, f"capacity-{engine}"), sent, t0)
+    raw_path(a.results, f"capacity-{engine}-server").write_text(json.dumps({"steps": steps}) + "\n")
     print(f"  capacity {engine}: {cap.describe()}", flush=True)
     res["capacity"][engine] = {**asdict(cap), "provenance": provenance()}
 
@@ -111,9 +111,9 @@ def provenance(note: str | None = None) -> dict[str, str]:
     return {**out, "note": note} if note else out
 
 
-def _raw(a: argparse.Namespace, tag: str) -> Path:
+def raw_path(results: Path, tag: str) -> Path:
     """Where a run's per-request rows go: beside the results file."""
-    d = a.results.parent / (a.results.stem + "-requests")
+    d = results.parent / (results.stem + "-requests")
     d.mkdir(parents=True, exist_ok=True)
     return d / f"{tag}.json"
 
@@ -138,9 +138,9 @@ async def _points(res: dict[str, Any], engine: str, a: argparse.Namespace) -> No
             with ps.serve(f"points-{engine}-{load:g}-{rep}", config_for(engine, a.step_model)) as (srv, pid):
                 p, sent, t0 = await load_point(srv, pid, MODEL, engine, load, rate, trace, seed, a.warmup_s,
                                                a.drain_s)
-                dump(_raw(a, f"{engine}-{load:g}-{rep}"), sent, t0)
+                dump(raw_path(a.results, f"{engine}-{load:g}-{rep}"), sent, t0)
                 server = {k: p.extra.pop(k) for k in ("seats", "steps", "requests")}  # llmd's side, over time
-                _raw(a, f"{engine}-{load:g}-{rep}-server").write_text(json.dumps(server) + "\n")
+                raw_path(a.results, f"{engine}-{load:g}-{rep}-server").write_text(json.dumps(server) + "\n")
                 row = {**asdict(p), "rep": rep, "duration_s": a.duration_s, "warmup_s": a.warmup_s,
                        "drain_s": a.drain_s,
                        "step_model": str(a.step_model) if a.step_model else None, "sim": None,
@@ -155,18 +155,42 @@ async def _points(res: dict[str, Any], engine: str, a: argparse.Namespace) -> No
                       f"{p.client_cpu:.2f}, {p.measured.tokens_per_chunk:.2f} tokens/chunk", flush=True)
 
 
-def _in_service(a: argparse.Namespace, step: StepTime) -> InService | None:
-    """The real engine's steps in service relative to `step`, by running count and for steps
-    with prefill, from the steps of every real-engine capacity run kept (the shipped config's and
-    the no-ITL variant's: the same engine and box, at small and at large batches)."""
+def capacity_steps(results: Path) -> tuple[list[list[float]], list[tuple[int, int] | None]]:
+    """The engine's steps ([t, running, prefill tokens, duration]) in every real-engine capacity run
+    kept (the shipped config's and the no-ITL variant's: the same engine and box, at small and at
+    large batches), with each step's decode contexts where the run's requests are kept."""
     steps: list[list[float]] = []
     contexts: list[tuple[int, int] | None] = []
     for engine in ("real", "real-noitl"):
-        server, client = _raw(a, f"capacity-{engine}-server"), _raw(a, f"capacity-{engine}")
+        server, client = raw_path(results, f"capacity-{engine}-server"), raw_path(results, f"capacity-{engine}")
         if server.exists():
             run = json.loads(server.read_text())["steps"]
             steps += run
             contexts += step_contexts(run, json.loads(client.read_text())) if client.exists() else [None] * len(run)
+    return steps, contexts
+
+
+def real_in_service(results: Path, step: StepTime) -> InService | None:
+    """The real engine's steps in service relative to `step`, by running count and for steps
+    with prefill, from the capacity runs' steps (`capacity_steps`)."""
+    steps, contexts = capacity_steps(results)
+    knots = in_service_knots(steps, step, contexts=contexts)
+    if not knots:
+        return None
+    return InService(step, knots, in_service_prefill(steps, InService(step, knots)))
+
+
+def point_in_service(results: Path, row: dict[str, Any], step: StepTime) -> InService | None:
+    """A real point's own engine speed in service, read as `real_in_service` reads the capacity
+    runs but from that point's steps. Not a check: it takes the speed from the run it is compared
+    with. It shows what is left of (c)'s error when the box's speed is known, on a shared box whose
+    speed moves by a quarter within the hour between calibration and a load point."""
+    tag = f"{row['engine']}-{row['load']:g}-{row['rep']}"
+    server, client = raw_path(results, tag + "-server"), raw_path(results, tag)
+    if not server.exists():
+        return None
+    steps = json.loads(server.read_text()).get("steps") or []
+    contexts = step_contexts(steps, json.loads(client.read_text())) if client.exists() else None
     knots = in_service_knots(steps, step, contexts=contexts)
     if not knots:
         return None
@@ -180,8 +204,9 @@ def _simulate(res: dict[str, Any], a: argparse.Namespace) -> None:
     o = res.get("overheads") or {}
     # The capacity runs' figures, read once: the real engine's speed in service and the holds.
     real_step = step_time(a.real_step_model or (CALIBRATED if CALIBRATED.exists() else None))
-    real_ins = _in_service(a, real_step) if any(r["engine"].startswith("real") for r in res["points"]) else None
-    holds_of = {fake: _holds(a, fake) for fake in (True, False)}
+    real = any(r["engine"].startswith("real") for r in res["points"])
+    real_ins = real_in_service(a.results, real_step) if real else None
+    holds_of = {fake: capacity_holds(a.results, fake) for fake in (True, False)}
     for row in res["points"]:
         trace = mix_trace(row["rate"], row["duration_s"], row["seed"])
         model = Path(row["step_model"]) if row.get("step_model") else None
@@ -191,12 +216,12 @@ def _simulate(res: dict[str, Any], a: argparse.Namespace) -> None:
         cfg = served(config_for(row["engine"], model))
         holds = holds_of[fake]
         per: dict[int, list[float]] = {}
-        by = _sim_row(row, trace, ins or step, cfg, o, per, holds)
+        by = sim_row(row, trace, ins or step, cfg, o, per, holds)
         row["sim_holds"] = {"held": sum(k > 0 for k in holds), "of": len(holds),
                             "tokens": sorted(k for k in holds if k)} if holds else None
         row["sim"], row["sim_by_class"] = by.pop("all", None), by or None
         row["sim_in_service"] = {"knots": [list(k) for k in ins.knots], "prefill_s": ins.prefill_s} if ins else None
-        dump_file = _raw(a, f"{row['engine']}-{row['load']:g}-{row['rep']}")
+        dump_file = raw_path(a.results, f"{row['engine']}-{row['load']:g}-{row['rep']}")
         measured = json.loads(dump_file.read_text()) if dump_file.exists() else None
         if measured:  # summarised again from what the client saw: a change of definition reaches every row
             row["measured"] = asdict(summarise(undump(measured), 0.0, row["warmup_s"], trace.duration + DUMP_ROUND_S))
@@ -205,21 +230,23 @@ def _simulate(res: dict[str, Any], a: argparse.Namespace) -> None:
         server = json.loads(server_file.read_text()).get("requests") if server_file.exists() else None
         row["ttft_split"] = ttft_split(measured, server, per, row["warmup_s"], row["duration_s"]) \
             if measured and server else None
-        row["sim_raw_by_class"] = _sim_row(row, trace, step, cfg, o, holds=holds) if ins else None
+        row["sim_raw_by_class"] = sim_row(row, trace, step, cfg, o, holds=holds) if ins else None
+        own = None if fake else point_in_service(a.results, row, step)
+        row["sim_own_speed_by_class"] = sim_row(row, trace, own, cfg, o, holds=holds) if own else None
 
 
-def _holds(a: argparse.Namespace, fake: bool) -> tuple[int, ...]:
+def capacity_holds(results: Path, fake: bool) -> tuple[int, ...]:
     """The output filters' first-token holds of the engine's capacity runs (both configs': the
     same filters and engine), never of the load points they are used for; empty where none held."""
     out: list[int] = []
     for engine in ("fake", "fake-noitl") if fake else ("real", "real-noitl"):
-        p = _raw(a, f"capacity-{engine}")
+        p = raw_path(results, f"capacity-{engine}")
         if p.exists():
             out += first_token_holds(json.loads(p.read_text()))
     return tuple(out) if any(out) else ()
 
 
-def _sim_row(row: dict[str, Any], trace: Trace, step: StepTime, cfg: dict[str, Any],
+def sim_row(row: dict[str, Any], trace: Trace, step: StepTime, cfg: dict[str, Any],
              overheads: dict[str, float], per_request: dict[int, list[float]] | None = None,
              holds: tuple[int, ...] = ()) -> dict[str, Any]:
     figs = simulated(trace, step, overheads.get("ingress_s", 0.0), overheads.get("delivery_s", 0.0),

@@ -148,6 +148,20 @@ def _raw_verdicts(rows: list[dict[str, Any]], held_out: tuple[float, ...]) -> li
     return out
 
 
+def _own_speed_verdicts(rows: list[dict[str, Any]], held_out: tuple[float, ...]) -> list[str]:
+    """The real points simulated at the engine's speed in service read from each point's own steps:
+    a diagnostic that separates the box's speed at the time of the run from the rest of the error."""
+    own = [{**r, "sim": None, "sim_by_class": r["sim_own_speed_by_class"]}
+           for r in rows if r.get("sim_own_speed_by_class")]
+    if not own:
+        return []
+    empty = ("no simulated points", "no load points")
+    head = ("- Not a check: the same real points priced at the speed in service read from each point's own "
+            "engine steps (as from the capacity runs above, but from the run compared), which takes the box's "
+            "speed during the run out of the error:")
+    return [head, *("  " + v for v in _verdicts(own, held_out) if not any(e in v for e in empty))]
+
+
 def _noise(rows: list[dict[str, Any]]) -> list[str]:
     groups: dict[tuple[str, float], list[dict[str, Any]]] = defaultdict(list)
     for r in rows:
@@ -202,7 +216,7 @@ def report(res: dict[str, Any], held_out: tuple[float, ...]) -> str:
         lines += ["", "Real engine at ≥ 90 % of capacity (reported apart: near saturation errors explode):", ""]
         lines += _points_table(near)
     lines += ["", "By class:", "", *_class_table(rows)]
-    lines += ["", *_verdicts(rows, held_out), *_raw_verdicts(rows, held_out)]
+    lines += ["", *_verdicts(rows, held_out), *_raw_verdicts(rows, held_out), *_own_speed_verdicts(rows, held_out)]
     lines += _paired(rows)
     lines += _split(rows)
     lines += ["", "#### Noise: spread of repeats ((max − min) / median)", ""]

@@ -14,8 +14,6 @@ No engine runs here: the simulator only, on the stored rows of bench/data/plan-e
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
 import random
 import statistics
@@ -177,16 +175,10 @@ def section(res: dict[str, Any], results: Path, seeds: int, engines: Sequence[st
     from bench.lib.plan_load import mix_trace
     from bench.lib.plan_sim import step_time
 
-    a = argparse.Namespace(results=results, real_step_model=None)
     real_step = step_time(pe.CALIBRATED if pe.CALIBRATED.exists() else None)
-    real = pe._in_service(a, real_step) or real_step
-    real_steps: list[list[float]] = []
-    for engine in ("real", "real-noitl"):
-        p = pe._raw(a, f"capacity-{engine}-server")
-        if p.exists():
-            real_steps += json.loads(p.read_text())["steps"]
-    real_sigma = step_noise(real_steps)
-    holds_of = {fake: pe._holds(a, fake) for fake in (True, False)}  # the capacity runs' files, read once
+    real = pe.real_in_service(results, real_step) or real_step
+    real_sigma = step_noise(pe.capacity_steps(results)[0])
+    holds_of = {fake: pe.capacity_holds(results, fake) for fake in (True, False)}  # the capacity runs' files, read once
     out: list[str] = []
     for engine in engines:
         rows = [r for r in res["points"] if r["engine"] == engine and r["load"] in pe.HELD_OUT]
@@ -200,7 +192,7 @@ def section(res: dict[str, Any], results: Path, seeds: int, engines: Sequence[st
             step = step_time(model) if fake else real
             cfg = pe.served(pe.config_for(row["engine"], model))
             trace = mix_trace(row["rate"], row["duration_s"], row["seed"])
-            by = pe._sim_row(row, trace, wrap(step), cfg, res.get("overheads") or {}, holds=holds_of[fake])
+            by = pe.sim_row(row, trace, wrap(step), cfg, res.get("overheads") or {}, holds=holds_of[fake])
             by.pop("all", None)
             return by
 

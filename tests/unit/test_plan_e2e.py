@@ -210,3 +210,34 @@ def test_the_filters_first_token_holds_are_read_from_the_first_chunks_of_complet
     rows = [{"status": "ok", "n": [3, 1, 1]}, {"status": "ok", "n": [1, 1]}, {"status": "cut", "n": [5]},
             {"status": "429", "n": []}]
     assert first_token_holds(rows) == [2, 0]
+
+
+def test_a_points_own_speed_is_read_from_its_own_steps_and_reported_apart(tmp_path: Any) -> None:
+    """The diagnostic prices a real point at the speed its own run showed: a box 8 ms a step
+    slower than the fit during that run gives a knot of +8 ms; a fake point, or one whose steps
+    were not kept, has none; the report says it is not a check."""
+    import json
+
+    from bench.lib.plan_e2e import point_in_service, raw_path
+    from bench.lib.plan_report import _own_speed_verdicts
+    from llmd.stepmodel import StepModel
+
+    results = tmp_path / "plan-e2e.json"
+    base = StepModel(coef={"c_step": 0.05, "c_seq": 0.001})
+    steps = [[float(i), 2, 0, base.seconds(StepShape(2)) + 0.008] for i in range(30)]
+    row = {"engine": "real", "load": 0.5, "rep": 0}
+    assert point_in_service(results, row, base) is None  # nothing kept for it
+    raw_path(results, "real-0.5-0-server").write_text(json.dumps({"steps": steps}))
+    own = point_in_service(results, row, base)
+    assert own is not None
+    assert own.extra(2) == pytest.approx(0.008, abs=1e-3)
+    assert own.seconds(StepShape(2)) == pytest.approx(base.seconds(StepShape(2)) + 0.008, abs=1e-3)
+
+    figs = {"ttft_p50": 1.0, "ttft_p95": 2.0, "itl_p50": 0.06, "itl_p95": 0.08, "tput": 10.0}
+    off = {**figs, "itl_p50": 0.03}  # the simulator at its own speed 50 % fast on ITL p50
+    point = {**row, "measured": {"figures": figs, "by_class": {"interactive": figs}, "tput_run": 10.0},
+             "sim": None, "sim_by_class": {"interactive": figs}, "sim_own_speed_by_class": {"interactive": off}}
+    out = _own_speed_verdicts([point], (0.5,))
+    assert out[0].startswith("- Not a check")
+    assert "ITL p50 ms 50.0%" in out[1] and "MISS" in out[1]
+    assert _own_speed_verdicts([{**point, "sim_own_speed_by_class": None}], (0.5,)) == []
