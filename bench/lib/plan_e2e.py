@@ -174,10 +174,7 @@ def real_in_service(results: Path, step: StepTime) -> InService | None:
     """The real engine's steps in service relative to `step`, by running count and for steps
     with prefill, from the capacity runs' steps (`capacity_steps`)."""
     steps, contexts = capacity_steps(results)
-    knots = in_service_knots(steps, step, contexts=contexts)
-    if not knots:
-        return None
-    return InService(step, knots, in_service_prefill(steps, InService(step, knots)))
+    return _speed_in_service(steps, contexts, step)
 
 
 def point_in_service(results: Path, row: dict[str, Any], step: StepTime) -> InService | None:
@@ -191,6 +188,12 @@ def point_in_service(results: Path, row: dict[str, Any], step: StepTime) -> InSe
         return None
     steps = json.loads(server.read_text()).get("steps") or []
     contexts = step_contexts(steps, json.loads(client.read_text())) if client.exists() else None
+    return _speed_in_service(steps, contexts, step)
+
+
+def _speed_in_service(steps: list[list[float]], contexts: list[tuple[int, int] | None] | None,
+                      step: StepTime) -> InService | None:
+    """`step` corrected by the extra time `steps` took over it, by running count and with prefill."""
     knots = in_service_knots(steps, step, contexts=contexts)
     if not knots:
         return None
@@ -247,8 +250,8 @@ def capacity_holds(results: Path, fake: bool) -> tuple[int, ...]:
 
 
 def sim_row(row: dict[str, Any], trace: Trace, step: StepTime, cfg: dict[str, Any],
-             overheads: dict[str, float], per_request: dict[int, list[float]] | None = None,
-             holds: tuple[int, ...] = ()) -> dict[str, Any]:
+            overheads: dict[str, float], per_request: dict[int, list[float]] | None = None,
+            holds: tuple[int, ...] = ()) -> dict[str, Any]:
     figs = simulated(trace, step, overheads.get("ingress_s", 0.0), overheads.get("delivery_s", 0.0),
                      row["warmup_s"], cfg, row.get("drain_s", DRAIN_S), per_request, holds)
     return {k: asdict(f) for k, f in (figs or {}).items()}

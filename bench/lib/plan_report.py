@@ -124,6 +124,13 @@ def _split(rows: list[dict[str, Any]]) -> list[str]:
                        "held", "HTTP", "difference less held", "held > 20 ms"], body)]
 
 
+def _nested_verdicts(rows: list[dict[str, Any]], held_out: tuple[float, ...]) -> list[str]:
+    """`_verdicts` of an alternative pricing, indented under its bullet; engines it has no rows for
+    are left out (the main verdicts said so already)."""
+    empty = ("no simulated points", "no load points")
+    return ["  " + v for v in _verdicts(rows, held_out) if not any(e in v for e in empty)]
+
+
 def _raw_verdicts(rows: list[dict[str, Any]], held_out: tuple[float, ...]) -> list[str]:
     """The real engine's points simulated on the calibrated step model alone, beside the judged
     ones (priced at the engine's extra time in service, read from the real capacity runs)."""
@@ -136,8 +143,7 @@ def _raw_verdicts(rows: list[dict[str, Any]], held_out: tuple[float, ...]) -> li
             "(decode-only steps of the real capacity runs, median by bins of 4 running; linear between them), and "
             f"a step with prefill {speed['prefill_s'] * 1000:+.1f} ms more (the median over those runs' steps with "
             "prefill); the rows above price its steps so. On the calibrated model alone:")
-    empty = ("no simulated points", "no load points")  # engines without raw rows: said above already
-    out = [head, *("  " + v for v in _verdicts(raw, held_out) if not any(e in v for e in empty))]
+    out = [head, *_nested_verdicts(raw, held_out)]
     holds = next((r["sim_holds"] for r in rows if r.get("sim_holds") and r["engine"].startswith("real")), None)
     if holds:
         k = holds["tokens"]
@@ -155,11 +161,10 @@ def _own_speed_verdicts(rows: list[dict[str, Any]], held_out: tuple[float, ...])
            for r in rows if r.get("sim_own_speed_by_class")]
     if not own:
         return []
-    empty = ("no simulated points", "no load points")
     head = ("- Not a check: the same real points priced at the speed in service read from each point's own "
             "engine steps (as from the capacity runs above, but from the run compared), which takes the box's "
             "speed during the run out of the error:")
-    return [head, *("  " + v for v in _verdicts(own, held_out) if not any(e in v for e in empty))]
+    return [head, *_nested_verdicts(own, held_out)]
 
 
 def _noise(rows: list[dict[str, Any]]) -> list[str]:
