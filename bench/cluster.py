@@ -87,16 +87,21 @@ async def chats(nodes: list[Node], wl: Workload, sessions_per_s: float, seconds:
 
 async def sample_queues(nodes: list[Node], stop: asyncio.Event, out: dict[str, list[tuple[float, int]]],
                         gossip: dict[str, list[tuple[float, int, int]]] | None = None,
-                        bound: list[bool] | None = None) -> None:
+                        bound: list[bool] | None = None,
+                        inside: dict[str, list[tuple[float, int]]] | None = None) -> None:
     """Each node's requests waiting (llmd's queue and the engine's), every 0.25 s, stamped with
     time.monotonic() (a run counts the samples of its measured window only); the gossip
-    bytes it has sent and received so far; whether its balanced homes bind."""
+    bytes it has sent and received so far; whether its balanced homes bind; its requests in
+    the node (waiting and running: the load a hot prompt would pile on it while seats are free)."""
     async with httpx.AsyncClient(timeout=5) as h:
         while not stop.is_set():
             for n in nodes:
                 with contextlib.suppress(httpx.HTTPError, KeyError, IndexError, ValueError):
                     st = (await h.get(n.srv.url + "/admin/cluster")).json()
                     out.setdefault(n.name, []).append((time.monotonic(), int(st["self"]["queued"])))
+                    if inside is not None:
+                        running = sum(int(v["running"]) for v in st["self"]["versions"])
+                        inside.setdefault(n.name, []).append((time.monotonic(), int(st["self"]["queued"]) + running))
                     if bound is not None:
                         bound.append(bool(st["homes"].get("bound")))
                     if gossip is not None:
@@ -170,8 +175,9 @@ async def one_run(tmp: Path, placement: str, req_per_s: float, seconds: float, h
     log: list[tuple[dict[str, Any], Stream]] = []
     queues: dict[str, list[tuple[float, int]]] = {}
     bound: list[bool] = []
+    inside: dict[str, list[tuple[float, int]]] = {}
     stop = asyncio.Event()
-    sampler = asyncio.create_task(sample_queues(nodes, stop, queues, bound=bound))
+    sampler = asyncio.create_task(sample_queues(nodes, stop, queues, bound=bound, inside=inside))
     try:
         wl = Workload(seed=seed, hot=hot, **wl_kw)
         await chats(nodes, wl, req_per_s / 5.5, seconds, seed, log)
@@ -188,6 +194,7 @@ async def one_run(tmp: Path, placement: str, req_per_s: float, seconds: float, h
     cached = sum(s.cached_tokens or 0 for s in ok)
     t_end = log[0][1].t_send + seconds if log else 0.0  # the last session starts before this
     means = window_means(queues, t_warm, t_end)
+    in_node = window_means(inside, t_warm, t_end)
     window = [s for _, s in log if t_warm <= s.t_send < t_end]
     per_node: dict[str, list[int]] = {}  # node: [requests, of them on the first system prompt (the hot one)]
     for b, s in log:
@@ -205,11 +212,17 @@ async def one_run(tmp: Path, placement: str, req_per_s: float, seconds: float, h
             "ttft_p50": stats.pct(ttfts, 50) if ttfts else None, "ttft_p90": stats.pct(ttfts, 90) if ttfts else None,
             "queue_max_over_mean": (max(means.values()) / stats.mean(means.values()))
             if means and stats.mean(means.values()) > 0 else None, "queues": means,
+            "inside_max_over_mean": _max_over_mean(in_node), "inside": in_node,
             "homes_bound": sum(bound) / len(bound) if bound else 0.0, "per_node": per_node,
             # steady state: the requests sent per second while sessions still start, and TTFT p50
             # in each half of that window (a queue that keeps growing: the second far over the first)
             "sent_per_s": len(window) / (t_end - t_warm) if t_end > t_warm else None,
             "ttft_p50_halves": [stats.pct(h, 50) if h else None for h in halves]}
+
+
+def _max_over_mean(means: dict[str, float]) -> float | None:
+    m = stats.mean(means.values()) if means else 0.0
+    return max(means.values()) / m if m > 0 else None
 
 
 def window_means(samples: dict[str, list[tuple[float, int]]], t0: float, t1: float) -> dict[str, float]:

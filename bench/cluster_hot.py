@@ -9,12 +9,14 @@ the hot prompt's nodes are overloaded. The figures: docs/benchmarks.md (a3), (a1
 Writes subsection (a3) of "Cluster (J)" in docs/benchmarks.md.
 
   .venv/bin/python bench/cluster_hot.py [--capacity 4.5] [--seconds 120] [--seeds 1,2,3] [--loads 0.7,1.0,1.3]
+      [--save FILE] [--from FILE,...]   (runs to JSON, not the docs; the docs from saved runs)
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import sys
 import tempfile
 import time
@@ -39,32 +41,47 @@ async def sweep(capacity: float, seconds: float, seeds: tuple[int, ...],
                 r = await one_run(Path(d) / f"s{seed}", "score", ld * capacity, seconds, hot=0.5, seed=seed,
                                   warmup_s=seconds / 3)
                 out.append({"load": ld, "seed": seed, **r})
-                print(f"seed {seed} load {ld:.0%}: max/mean {r['queue_max_over_mean']}, queues {r['queues']}",
-                      flush=True)
+                print(f"seed {seed} load {ld:.0%}: max/mean {r['queue_max_over_mean']}, queues {r['queues']}; "
+                      f"in the node {r['inside_max_over_mean']}, {r['inside']}; per node {r['per_node']}", flush=True)
     return out
 
 
-def lines_of(runs: list[dict[str, Any]], capacity: float, seconds: float, took_s: float) -> list[str]:
+def lines_of(runs: list[dict[str, Any]], capacity: float, seconds: float, took_s: float,
+             stamp: str | None = None) -> list[str]:
     rows = [[f"{r['load']:.0%}", str(r["seed"]), f"{r['ok']}/{r['requests']}", f"{r['hit']:.2f}",
-             report.num(r["ttft_p90"], 3), ", ".join(f"{k} {v:.2f}" for k, v in sorted(r["queues"].items())),
+             report.num(r["ttft_p90"], 3), _per_node(r["queues"]),
              report.num(sum(r["queues"].values()) / max(1, len(r["queues"])), 2),
-             report.num(r["queue_max_over_mean"], 2)] for r in sorted(runs, key=lambda r: (r["load"], r["seed"]))]
+             report.num(r["queue_max_over_mean"], 2), _per_node(r.get("inside", {})),
+             report.num(r.get("inside_max_over_mean"), 2),
+             ", ".join(f"{k} {n} ({h})" for k, (n, h) in sorted(r.get("per_node", {}).items()))]
+            for r in sorted(runs, key=lambda r: (r["load"], r["seed"]))]
     failed = sum(int(r["failed"]) for r in runs)
     verdicts = []
     for ld in sorted({r["load"] for r in runs}):
-        ratios = [r["queue_max_over_mean"] or 0.0 for r in runs if r["load"] == ld]
-        verdicts.append((f"{ld:.0%}: max queue <= 1.5x mean in every run (worst {max(ratios):.2f} of "
-                         f"{len(ratios)})", max(ratios) <= 1.5))
+        at = [r for r in runs if r["load"] == ld]
+        ratios = [r["queue_max_over_mean"] or 0.0 for r in at]
+        verdicts.append((f"{ld:.0%}: max queue <= 1.5x mean in every run, requests waiting (worst "
+                         f"{max(ratios):.2f} of {len(ratios)})", max(ratios) <= 1.5))
+        inside = [r.get("inside_max_over_mean") or 0.0 for r in at]
+        verdicts.append((f"{ld:.0%}: max <= 1.5x mean in every run, requests in the node (worst "
+                         f"{max(inside):.2f} of {len(inside)})", max(inside) <= 1.5))
     return ["### (a3) One hot prefix across loads", "",
-            report.stamp(cmd=report.command(), seconds=took_s), "",
+            stamp or report.stamp(cmd=report.command(), seconds=took_s), "",
             f"Workload `pressure` as in (a), but half the chats on one system prompt; our placement (`score`); "
             f"round robin's capacity {capacity} req/s as (a) gives it; {seconds:.0f} s of arrivals, the first "
             "third not counted; one run per seed of chats (the seeds of (a)'s hot runs) at each load; queues: "
             "each node's requests waiting (llmd's queue and the engine's), sampled every 0.25 s, averaged over "
-            "the counted window.", "",
+            "the counted window; in the node: the same samples' requests waiting or running (a node's load "
+            "while its seats are free, which is when nothing waits); requests per node: sent in the counted "
+            "window (of them on the hot prompt).", "",
             *report.table(["load", "seed", "ok", "hit rate", "TTFT p90 s", "mean queue per node", "nodes' mean",
-                           "max/mean"], rows), "",
+                           "max/mean", "in the node, mean per node", "max/mean (in the node)",
+                           "requests per node (hot)"], rows), "",
             *report.verdict_lines([(f"no failures ({failed})", failed == 0), *verdicts])]
+
+
+def _per_node(means: dict[str, float]) -> str:
+    return ", ".join(f"{k} {v:.2f}" for k, v in sorted(means.items())) or "-"
 
 
 def main() -> None:
@@ -73,14 +90,28 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=120.0)
     ap.add_argument("--seeds", default=",".join(map(str, HOT_SEEDS)), help="seeds of chats, comma-separated")
     ap.add_argument("--loads", default=",".join(map(str, LOADS)), help="fractions of --capacity, comma-separated")
+    ap.add_argument("--save", type=Path, help="write the runs to this JSON file, not to the docs")
+    ap.add_argument("--from", dest="saved", help="comma-separated --save files: write (a3) from them")
     args = ap.parse_args()
-    t0 = time.monotonic()
-    seeds = tuple(int(s) for s in args.seeds.split(","))
-    runs = asyncio.run(sweep(args.capacity, args.seconds, seeds, tuple(float(x) for x in args.loads.split(","))))
-    lines = lines_of(runs, args.capacity, args.seconds, time.monotonic() - t0)
+    if args.saved:
+        parts = [json.loads(Path(f).read_text()) for f in args.saved.split(",")]
+        runs = [r for p in parts for r in p["runs"]]
+        stamp = "; ".join(p["stamp"] for p in parts)
+        lines = lines_of(runs, parts[0]["capacity"], parts[0]["seconds"], 0.0, stamp=stamp)
+    else:
+        t0 = time.monotonic()
+        seeds = tuple(int(s) for s in args.seeds.split(","))
+        runs = asyncio.run(sweep(args.capacity, args.seconds, seeds, tuple(float(x) for x in args.loads.split(","))))
+        took = time.monotonic() - t0
+        lines = lines_of(runs, args.capacity, args.seconds, took)
+        if args.save:
+            args.save.write_text(json.dumps({"runs": runs, "capacity": args.capacity, "seconds": args.seconds,
+                                             "stamp": report.stamp(cmd=report.command(), seconds=took)}))
+            print("\n".join(lines))
+            print(f"saved to {args.save}")
+            return
     print("\n".join(lines))
     report.write_subsections(report.DOC, SECTION, [INTRO], {"(a3)": lines})
-
 
 if __name__ == "__main__":
     main()
