@@ -18,7 +18,7 @@ INTRO = ("Issue J's cluster on llmd processes with fake engines on loopback (the
          "prefill cost are simulated; routing, forwarding, gossip, metering and failover are the real code). "
          "(a) and (d): `bench/cluster.py`; (a2): `bench/cluster_ceiling.py`; (a3): `bench/cluster_hot.py`; "
          "(a4): `bench/cluster.py --homes`; (a5): `bench/cluster_homes.py`; (a14), (a15): `bench/cluster_misses.py` "
-         "(and (a15) `bench/cluster_hot.py`); "
+         "(and (a15) `bench/cluster_hot.py`); (a20), (a21): `bench/cluster_hot.py --save`; "
          "(b): `bench/cluster_faults.py`; (c): `bench/cluster_gossip.py`; "
          "(e): `bench/cluster_registry.py`; "
          "the real engine: tests/engine/test_cluster_engine.py. Each subsection names the run that produced it.")

@@ -277,10 +277,10 @@ def _place(w: float, size: int, ranks: Mapping[str, int], cap: float, load: dict
     else: the bound's slack is there for whole prefixes, and a split one can be cut anywhere.
     Filled to the bound, a hot prefix with half the traffic put 1.25x the mean on its first home,
     whose queue read 2.2-2.8x the nodes' mean at 70 % load in three runs (bench (a16)). Filled to
-    half the mean first, it went on all three nodes and evened their requests (max/mean 1.31-1.36
-    → 1.06-1.13), but cost 0.04-0.07 of hit rate and 12-40 % of TTFT p50 at 70-130 %, where no
-    node was overloaded either way (bench (a20)): not kept. Updates
-    `load` and `room`. Traffic that no node with KV room can take under its bound gets no home
+    half the mean first, it went on all three nodes and evened their requests (the worst run's
+    max/mean at each load 1.30-1.36 → 1.06-1.13), but cost 0.04-0.07 of hit rate and 12-40 % of
+    TTFT p50 at 70-130 %, where no node was overloaded either way (bench (a20)): not kept.
+    Updates `load` and `room`. Traffic that no node with KV room can take under its bound gets no home
     (the score places it): pushed over a bound, it piled a hot prefix on one node."""
     order = sorted(ranks, key=ranks.__getitem__)
     fits = [n for n in order if room[n] >= size]
