@@ -105,3 +105,28 @@ def test_the_hot_runs_verdict_reads_every_seed_and_an_old_single_run_still_repor
     assert "score max/mean 1.00 on mean queues 0.10, 0.30; round_robin max/mean 1.00" in floor  # the sweep's 70 %
     data["hot"] = dict(hot)  # a save from before the seeds
     assert bc.report_a(data)[-1].endswith("PASS")
+
+
+def test_the_hot_sweep_reads_requests_waiting_and_requests_in_the_node_apart() -> None:
+    """Since the fake engine's waiting fix the nodes' waiting queues at 70-130 % are zero in most
+    samples: max/mean over them is 0/0 or one node's few samples. Requests in the node (waiting
+    or running) read the load a hot prompt piles on a node; each reading gets its own verdict."""
+    from bench.cluster_hot import lines_of
+    assert bc._max_over_mean({"n0": 0.0, "n1": 0.0}) is None
+    assert bc._max_over_mean({"n0": 0.5, "n1": 1.0, "n2": 1.5}) == pytest.approx(1.5)
+    base = {"ok": 10, "requests": 10, "failed": 0, "hit": 0.8, "ttft_p90": 0.5, "per_node": {"n0": [6, 5]}}
+    runs = [dict(base, load=0.7, seed=1, queues={"n0": 0.0, "n1": 0.003}, queue_max_over_mean=2.0,
+                 inside={"n0": 0.5, "n1": 0.6}, inside_max_over_mean=1.09),
+            dict(base, load=0.7, seed=2, queues={"n0": 0.0, "n1": 0.0}, queue_max_over_mean=None,
+                 inside={"n0": 0.2, "n1": 0.6}, inside_max_over_mean=1.5),
+            dict(base, load=1.3, seed=1, queues={"n0": 0.2, "n1": 0.3}, queue_max_over_mean=1.2,
+                 inside={"n0": 0.4, "n1": 1.6}, inside_max_over_mean=1.6)]
+    lines = lines_of(runs, 4.5, 120.0, 60.0, stamp="Date: then")
+    verdicts = [line for line in lines if line.startswith(("- 70%", "- 130%"))]
+    assert verdicts == ["- 70%: max queue <= 1.5x mean in every run, requests waiting (worst 2.00 of 2): MISS",
+                        "- 70%: max <= 1.5x mean in every run, requests in the node (worst 1.50 of 2): PASS",
+                        "- 130%: max queue <= 1.5x mean in every run, requests waiting (worst 1.20 of 1): PASS",
+                        "- 130%: max <= 1.5x mean in every run, requests in the node (worst 1.60 of 1): MISS"]
+    row = next(line for line in lines if line.startswith("| 70% | 2 |"))
+    assert "| n/a | n0 0.20, n1 0.60 | 1.50 | n0 6 (5) |" in row  # 0/0 waiting reads n/a, not a pass
+    assert lines[2] == "Date: then"
