@@ -98,10 +98,11 @@ async def sample_queues(nodes: list[Node], stop: asyncio.Event, out: dict[str, l
             for n in nodes:
                 with contextlib.suppress(httpx.HTTPError, KeyError, IndexError, ValueError):
                     st = (await h.get(n.srv.url + "/admin/cluster")).json()
-                    out.setdefault(n.name, []).append((time.monotonic(), int(st["self"]["queued"])))
+                    now, queued = time.monotonic(), int(st["self"]["queued"])
+                    out.setdefault(n.name, []).append((now, queued))
                     if inside is not None:
                         running = sum(int(v["running"]) for v in st["self"]["versions"])
-                        inside.setdefault(n.name, []).append((time.monotonic(), int(st["self"]["queued"]) + running))
+                        inside.setdefault(n.name, []).append((now, queued + running))
                     if bound is not None:
                         bound.append(bool(st["homes"].get("bound")))
                     if gossip is not None:
@@ -210,8 +211,7 @@ async def one_run(tmp: Path, placement: str, req_per_s: float, seconds: float, h
             "oracle": shared_cache_hit_rate(prompt_ids(b for b, _ in done), 3 * kv_blocks,
                                             counted=[s.t_send >= t_warm for _, s in done]),
             "ttft_p50": stats.pct(ttfts, 50) if ttfts else None, "ttft_p90": stats.pct(ttfts, 90) if ttfts else None,
-            "queue_max_over_mean": (max(means.values()) / stats.mean(means.values()))
-            if means and stats.mean(means.values()) > 0 else None, "queues": means,
+            "queue_max_over_mean": _max_over_mean(means), "queues": means,
             "inside_max_over_mean": _max_over_mean(in_node), "inside": in_node,
             "homes_bound": sum(bound) / len(bound) if bound else 0.0, "per_node": per_node,
             # steady state: the requests sent per second while sessions still start, and TTFT p50
@@ -221,6 +221,7 @@ async def one_run(tmp: Path, placement: str, req_per_s: float, seconds: float, h
 
 
 def _max_over_mean(means: dict[str, float]) -> float | None:
+    """The busiest node's mean over the nodes' mean; None where nothing was sampled or all are 0."""
     m = stats.mean(means.values()) if means else 0.0
     return max(means.values()) / m if m > 0 else None
 

@@ -113,5 +113,6 @@ def main() -> None:
     print("\n".join(lines))
     report.write_subsections(report.DOC, SECTION, [INTRO], {"(a3)": lines})
 
+
 if __name__ == "__main__":
     main()
