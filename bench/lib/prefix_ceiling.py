@@ -7,7 +7,11 @@ every turn of a chat finds its system prompt and its whole history on its node, 
 limit at all. Round robin's random node still holds the popular prompts (LRU keeps what is used
 often) and the stale part of a chat's history from the last turn it served. This table shows the
 ratio over workloads that keep to the issue's description (multi-turn chats, a few long system
-prompts, skewed popularity), from caches that hold everything to caches far too small.
+prompts, skewed popularity), from caches that hold everything to caches far too small. The
+last rows size each node's cache to hold just the prompts it would own: the ratio's bound, 3C/W
+over C/W, is reached only when the prompts fill the three caches exactly, popularity is flat and
+each node owns one prompt; a skewed popularity keeps the popular prompts in round robin's caches,
+and history that survives on the owner needs room a full cache does not leave.
 """
 
 from __future__ import annotations
@@ -52,6 +56,13 @@ GRID = (
     Shape(6, 1500, 0.5, 200),  # the prompts need all three caches
     Shape(5, 1500, 0.3, 180),  # flatter popularity
     Shape(3, 2000, 0.5, 180),
+    # each node's cache sized to hold its owned prompts and little more (f = the prompts over the
+    # three caches), flat popularity, longer answers: where round robin's node holds C/W of the
+    # prompts and affinity all of them; the nearest 3x that 44 shapes of a search came
+    Shape(6, 1500, 0.4, 249, 60, 120),  # f = 1.0
+    Shape(4, 1500, 0.2, 166, 60, 120),  # f = 1.0
+    Shape(3, 1500, 0.2, 124, 60, 120),  # f = 1.0: one prompt a node
+    Shape(3, 1500, 0.1, 124, 60, 120),  # the same, nearly uniform: the search's best
 )
 LOADS = (0.3, 0.7, 1.3)
 
