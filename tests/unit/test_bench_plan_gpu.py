@@ -33,7 +33,7 @@ def test_the_step_timer_writes_rows_the_calibrator_reads(tmp_path: Path) -> None
 
 def test_the_report_prices_every_stored_h100_step_three_ways() -> None:
     lines = pg.section(pg.DATA, "H100")
-    rows = [ln for ln in lines if ln.startswith("| llama") or ln.startswith("| qwen")]
+    rows = [ln for ln in lines if ln.startswith(("| llama", "| qwen"))]
     assert len(rows) == 69  # three model shapes x 23 steps; the smoke test's shape is left out
     assert lines[-1].endswith("PASS")  # the shipped prior within its band at 9 points in 10
     first = next(ln for ln in lines if ln.startswith("- all three"))
