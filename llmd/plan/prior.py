@@ -14,7 +14,7 @@ A step's roofline time, on `tp` GPUs of the datasheet's bandwidth and dense peak
 The basis (llmd/stepmodel.py) is linear and the roofline takes a max: below the ridge (a few
 hundred tokens a step on an H100) a decode step's GEMMs hide under its weight read, above it they
 do not. The first prior summed the two terms, up to 2× high where they meet: against a GPU it read
-−40 to +89 % (median 34-51 % over three model shapes on an H100, bench/plan_gpu.py). The
+−21 to +86 % (median 34-51 % over three model shapes on an H100, bench/plan_gpu.py). The
 coefficients are therefore fitted, by the calibrator's own NNLS on relative error, to the roofline
 at a fixed grid of the steps an engine runs (decode 1-256 sequences at 256-4,096 tokens of
 context, prefill chunks of 64-8,192 tokens, mixed steps), as a calibration fits them to measured
