@@ -129,20 +129,13 @@ def test_the_prior_holds_its_band_against_steps_measured_on_an_h100() -> None:
     """bench/plan_gpu.py's H100 steps (a PyTorch stand-in for the engine, three model shapes):
     the prior, which never saw them, within its ±30 % band at nine points in ten. The first
     prior (the roofline's two terms summed) read within it at 18 of 69."""
-    data = json.loads((Path(__file__).resolve().parents[2] / "bench/data/gpu-steps-h100.json").read_text())
-    within = total = 0
-    for name, run in data["models"].items():
-        if name == "tiny":
-            continue
-        prior = StepModel(prior_model_coef(get_gpu("H100"), from_config(run["config"], name)))
-        points: dict[str, list[Sample]] = {}
-        for s in samples_from_json(run["samples"], name):
-            points.setdefault(s.point, []).append(s)
-        for steps in points.values():
-            measured = sorted(s.seconds for s in steps)[len(steps) // 2]
-            within += abs(prior.seconds(steps[0].shape) / measured - 1) <= BAND
-            total += 1
-    assert total == 69 and within >= 0.9 * total
+    import bench.plan_gpu as pg
+
+    data = json.loads(pg.DATA.read_text())
+    errors = [e for name, run in data["models"].items() if name != "tiny"  # the run's smoke test
+              for e in pg.model_rows(name, run, get_gpu("H100"))[1]["prior"]]
+    within = sum(abs(e) <= BAND for e in errors)
+    assert len(errors) == 69 and within >= 0.9 * len(errors)
 
 
 def _config(tmp_path: Path) -> Path:
