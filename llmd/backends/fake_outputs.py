@@ -112,10 +112,15 @@ def continued(ids: list[int]) -> tuple[int, int]:
 
 
 def script_of(say: re.Match[str] | None, sampling: Sampling) -> tuple[str, str] | None:
-    """What the double is scripted to say: a structured output's instance, or a prompt's marker."""
+    """What the double is scripted to say: a prompt's marker first, else a structured output's instance.
+
+    The marker wins over the grammar so a test can make a constrained request emit exact bytes
+    (a phone number in a JSON string value, an email in a key), which a real grammar also allows."""
+    if say:
+        return (say.group(1), say.group(2).replace("|", ""))
     if sampling.structured is not None:
         return ("say", instance(sampling.structured))
-    return (say.group(1), say.group(2).replace("|", "")) if say else None
+    return None
 
 
 def stop_at(text: str, stops: Sequence[str]) -> int:

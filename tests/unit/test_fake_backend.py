@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from llmd.backends.base import Backend, BackendError, Delta, EngineDead, PromptError, Sampling, now
+from llmd.backends.base import Backend, BackendError, Delta, EngineDead, PromptError, Sampling, Structured, now
 from llmd.backends.fake import FakeBackend
 from llmd.backends.tokenizer import TiktokenTokenizer
 from llmd.config import FakeEngineConfig
@@ -295,3 +295,13 @@ async def test_kill_makes_engine_dead() -> None:
         assert b.aborted == []
     finally:
         await b.stop()
+
+
+async def test_a_say_marker_overrides_the_structured_instance(be: FakeBackend) -> None:
+    schema = {"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"]}
+    sampling = Sampling(max_tokens=40, structured=Structured(json_schema=schema))
+    plain = [d async for d in be.generate("p", be.render_completion("json please"), sampling)]
+    assert joined(plain) == '{"a": "alpha"}'
+    said = '{"a": "call 555-123-4567"}'
+    scripted = [d async for d in be.generate("s", be.render_completion(f"[[say:{said}]]"), sampling)]
+    assert joined(scripted) == said
