@@ -18,7 +18,7 @@ from typing import Any
 from llmd import generation
 from llmd.auth import Principal
 from llmd.backends import Backend, PromptError
-from llmd.backends.base import Prompt, Sampling, ToolReader
+from llmd.backends.base import Prompt, Sampling, Structured, ToolReader
 from llmd.cluster.router import Router
 from llmd.config import ModelConfig, TenantConfig
 from llmd.errors import (
@@ -31,6 +31,7 @@ from llmd.errors import (
     unavailable,
 )
 from llmd.filters import ContentFiltered, Filters, screen_prompt
+from llmd.filters.structured import JsonArbiter
 from llmd.lifecycle import RequestLife
 from llmd.limits import check_prompt_bytes, output_budget
 from llmd.policy import admission
@@ -226,7 +227,8 @@ class Service:
         flow = QueuedRequest(record.request_id, tenant.name, klass, prompt.num_tokens, sampling.max_tokens, deadline,
                              preemptible=sampling.structured is None)
         return Choice(index, prompt, sampling, flow, f"{record.request_id}-{index}-{uuid.uuid4().hex[:8]}",
-                      self.filters.output_window(rt.cfg, tenant, sampling.ignore_eos), echo, prompt_only)
+                      self.filters.output_window(rt.cfg, tenant, sampling.ignore_eos, arbiter(sampling.structured)),
+                      echo, prompt_only)
 
     def _overloaded(self, rt: ModelRuntime, tenant: str = "") -> bool:
         """The model's queue (no tenant) or, for a tenant, its own wait under the model's fairness:
@@ -260,6 +262,15 @@ class Service:
             done.append(f"max_tokens={cap}")
         record.degraded = ", ".join(done) or None
         return rt, cap
+
+
+def arbiter(structured: Structured | None) -> JsonArbiter | None:
+    """Who judges the output filters' matches in a constrained output (one per choice: it reads
+    the output as it goes): the JSON arbiter under a schema or json_object, a fixed-choice one
+    (no match may change it) under `choice`; None for free text."""
+    if structured is None:
+        return None
+    return JsonArbiter(structured.json_schema, choice=structured.choice is not None)
 
 
 def _tool_readers(backend: Backend, mode: ToolMode | None, defs: list[dict[str, Any]] | None, prompt: Prompt,

@@ -16,11 +16,13 @@ from __future__ import annotations
 import importlib
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
+from dataclasses import replace as replaced
 from typing import Protocol
 
 from llmd.config import Config, ConfigError, FilteringConfig, FilterSpec, ModelConfig, TenantConfig
 from llmd.filters.base import InputFilter, Match, OutputFilter
 from llmd.filters.builtin import PII, Ask, Blocklist, Classifier, Degenerate
+from llmd.filters.structured import JsonArbiter
 
 
 def build(spec: FilterSpec, ask: Ask) -> InputFilter | OutputFilter:
@@ -70,15 +72,16 @@ class Filters:
         return [f for n in dict.fromkeys(names) if isinstance(f := self.by_name.get(n), InputFilter)]
 
     def output_window(self, model: ModelConfig, tenant: TenantConfig | None,
-                      forced_length: bool = False) -> OutputWindow | None:
+                      forced_length: bool = False, arbiter: JsonArbiter | None = None) -> OutputWindow | None:
         """`forced_length`: the client asked for every token up to max_tokens (vLLM's ignore_eos,
         what load generators send), so filters that only guard against a degenerate generation
-        (`safety = False`: the loop detector) stand aside; the safety filters still apply."""
+        (`safety = False`: the loop detector) stand aside; the safety filters still apply.
+        `arbiter`: the output is constrained JSON (structured.py judges every match in it)."""
         filtering = self._of(model)
         names = [*filtering.output, *(tenant.output_filters if tenant else [])]
         chain = [f for n in dict.fromkeys(names) if isinstance(f := self.by_name.get(n), OutputFilter)
                  and not (forced_length and not getattr(f, "safety", True))]
-        return OutputWindow(chain, filtering.holdback_tokens) if chain else None
+        return OutputWindow(chain, filtering.holdback_tokens, arbiter=arbiter) if chain else None
 
     def _of(self, model: ModelConfig) -> FilteringConfig:
         return self.models.get(model.name, model.filters)
@@ -114,6 +117,7 @@ class OutputWindow:
     released_tail: str = ""  # the end of what the client already has
     held: list[list] = field(default_factory=list)  # [text, tokens] per delta still held (or its unsent end)
     redactions: list[str] = field(default_factory=list)  # labels of the rules that redacted
+    arbiter: JsonArbiter | None = None  # a constrained (JSON) output: it judges every match first
 
     def __post_init__(self) -> None:
         self._views = [(f, lookback(f), getattr(f, "hold", None)) for f in self.filters]
@@ -155,15 +159,20 @@ class OutputWindow:
         released = self._take(len(pending)) if final else self._release(pending, windows)
         if released:
             self.released_tail = (self.released_tail + released)[-self._keep:]
+            if self.arbiter is not None:
+                self.arbiter.commit(released)
         return released, None
 
     def _apply(self, f: OutputFilter, window: str, n_ctx: int, final: bool) -> tuple[str, Match | None]:
         """`f`'s verdict on `window` (`n_ctx` released characters, then the pending text): the
         pending text with its redactions made, or a blocking match."""
         edits: list[Match] = []
-        for m in f.scan(window, final):
-            if m.end <= n_ctx:
+        for found in f.scan(window, final):
+            if found.end <= n_ctx:
                 continue  # entirely released already: it was judged when it was held
+            m = found if self.arbiter is None else self._arbitrated(found, window, n_ctx, final)
+            if m is None:
+                continue
             if m.action == "block" or m.start < n_ctx:
                 # a block, or a redaction whose start already left: it cannot be unsent
                 return "", m if m.action == "block" else Match(m.filter, m.rule, "block", m.start, m.end)
@@ -183,6 +192,19 @@ class OutputWindow:
         self.held = [[pending, self.held_tokens]]
         return pending, None
 
+    def _arbitrated(self, m: Match, window: str, n_ctx: int, final: bool) -> Match | None:
+        """`m` as the constrained output allows it: redacted inside a free string value (span and
+        replacement made JSON-safe), a block anywhere else, None where it does not apply (a
+        quantity) or is judged once its number ends (held meanwhile)."""
+        assert self.arbiter is not None
+        tokens = self.arbiter.view(window[n_ctx:], final)
+        verdict, a, b, replacement = self.arbiter.judge(tokens, window, self.arbiter.state.pos - n_ctx, m)
+        if verdict in ("skip", "wait"):
+            return None
+        if verdict == "stop":
+            return replaced(m, action="block")
+        return replaced(m, start=a, end=b, replacement=replacement)
+
     def _release(self, pending: str, windows: list[tuple[str, int]]) -> str:
         """What no filter could still match across, then whatever is over the bound, oldest first."""
         keep = len(pending) if self._hold_all else 0
@@ -194,6 +216,11 @@ class OutputWindow:
                 begun_before |= k > len(pending)
                 keep = max(keep, min(k, len(pending)))
             self._cut = self._cut and begun_before
+        if self.arbiter is not None:  # an unfinished number waits whole
+            text = self.released_tail + pending
+            held = self.arbiter.hold(self.arbiter.view(pending, False), text, self.arbiter.state.pos - len(
+                self.released_tail))
+            keep = max(keep, min(held, len(pending)))
         out = self._take(len(pending) - keep)
         while self.held and self.held_tokens > self.holdback_tokens:
             out += self.held.pop(0)[0]  # a candidate grew past the bound: its start leaves
