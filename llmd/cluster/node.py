@@ -335,15 +335,19 @@ class ClusterNode:
             return out
         ranks = home_ranks(key, (t.candidate.node for t in out))
         shares: dict[str, float] = {}
+        shared: int | None = None  # of this prompt, the tokens its prefix's requests share (`home_credit`)
         if self.config.balanced_homes:
-            self.homes.observe(key, prompt.num_tokens)
+            self.homes.observe(key, prompt.num_tokens, hashes)
+            blocks = self.homes.shared_blocks(key)
+            shared = None if blocks is None else blocks * PREFIX_BLOCK_TOKENS
             serving = [t.candidate for t in out if not (t.candidate.load.draining or t.candidate.load.standby)]
             shares = self.homes.homes(key, {c.node: c.load.kv_capacity_tokens for c in serving})
             congested = bool(serving) and self.congestion.update(queued_prefill_s(serving))
             if self.config.homes_bind == "congested" and not congested:
                 shares = {}  # below capacity the score places it (`Congestion`): the homes are kept ready
         return [Target(replace(t.candidate, home_rank=ranks[t.candidate.node],
-                               home_share=shares.get(t.candidate.node, 0.0)), t.url) for t in out]
+                               home_share=shares.get(t.candidate.node, 0.0), shared_tokens=shared), t.url)
+                for t in out]
 
     @property
     def homes_bound(self) -> bool:

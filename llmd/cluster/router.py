@@ -27,11 +27,12 @@ from llmd.backends.base import Delta, Prompt, Sampling
 from llmd.cluster.forward import Forwarder, PeerLost
 from llmd.cluster.wire import RunRequest, encode_prompt_input, sampling_to_json
 from llmd.errors import unavailable
-from llmd.policy.placement import Candidate, RoutingPolicy
+from llmd.policy.placement import Candidate, RoutingPolicy, conversation_node
 from llmd.runtime import Choice, Job
 from llmd.telemetry import log
 
-MAX_SESSIONS = 100_000  # conversations remembered for affinity (least recent forgotten)
+MAX_SESSIONS = 100_000  # conversations remembered for affinity (least recent forgotten; any ingress
+# names the same node for one it does not remember: `conversation_node`)
 NODE_HEADER = "X-LLMD-Node"  # the node that ran the request (the first one, for a stream that failed over)
 Candidates = Callable[[Job, Prompt], list["Target"]]
 
@@ -59,9 +60,10 @@ class Router:
         self.placed: dict[str, int] = {}  # node -> choices placed there
 
     def pick(self, job: Job, prompt: Prompt, sampling: Sampling, excluded: set[str]) -> Target | None:
-        last = self._sessions.get(job.affinity) if job.affinity else None
+        targets = [t for t in self._candidates(job, prompt) if t.candidate.node not in excluded]
+        last = self.conversation(job.affinity, [t.candidate for t in targets]) if job.affinity else None
         targets = [Target(replace(t.candidate, sticky=True), t.url) if t.candidate.node == last else t
-                   for t in self._candidates(job, prompt) if t.candidate.node not in excluded]
+                   for t in targets]
         chosen = self.policy.choose([t.candidate for t in targets], prompt.num_tokens, sampling.max_tokens)
         if chosen is None:
             return None
@@ -73,6 +75,19 @@ class Router:
                 self._sessions.popitem(last=False)
         self.placed[chosen.node] = self.placed.get(chosen.node, 0) + 1
         return target
+
+    def conversation(self, key: str, cands: list[Candidate]) -> str | None:
+        """The node this conversation's turn sticks to: the node of its last turn routed here,
+        else the one every ingress names for it (`conversation_node`), so its turns meet on one
+        node whichever ingress they enter; either only while no candidate caches more of this
+        prompt than it does (then its history is elsewhere and the caches say where)."""
+        held = {c.node: c.cached_tokens for c in cands}
+        most = max(held.values(), default=0)
+        ready = [c.node for c in cands if not (c.load.draining or c.load.standby)]
+        for node in (self._sessions.get(key), conversation_node(key, ready)):
+            if node is not None and node in held and held[node] >= most:
+                return node
+        return None
 
     async def run(self, job: Job, choice: Choice) -> AsyncGenerator[Delta, None]:
         """The choice's deltas, from whichever node runs it; raises APIError as dispatch.run does."""

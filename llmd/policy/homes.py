@@ -31,7 +31,7 @@ second copy: a cost in hits, never in correctness. Pure: an injected clock, no I
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Final
 
@@ -46,6 +46,7 @@ KV_SHARE: Final = 0.75  # homed prefixes take at most this share of a node's KV:
 MIN_REQUESTS: Final = 2.0  # a prefix seen fewer times (decayed) than this is not repeated traffic
 REFRESH_S: Final = 1.0  # the assignment is recomputed at most this often (or when the nodes change)
 MAX_KEYS: Final = 512  # prefixes remembered; the least used are dropped beyond this
+MAX_SHARED_BLOCKS: Final = 1024  # a prefix's shared blocks are kept up to this many (64k tokens of 64-token blocks)
 PEER_TTL_S: Final = 10.0  # a peer's traffic unheard of for this long is left out (it stopped sending)
 EXPORT_KEYS: Final = 16  # the busiest prefixes a node tells its peers about
 LEVELS_PER_DOUBLING: Final = 8  # exported figures sit on a log grid, one byte each on the wire (±4.4 %)
@@ -84,24 +85,48 @@ class HomeTable:
         self.half_life_s, self.epsilon, self.kv_share = half_life_s, epsilon, kv_share
         self.min_requests, self.refresh_s, self.max_keys = min_requests, refresh_s, max_keys
         self._traffic: dict[int, _Traffic] = {}
+        self._shared: dict[int, list[int]] = {}  # key -> the block hashes its requests here all began with
         self._peers: dict[str, tuple[float, tuple[Shared, ...]]] = {}  # peer -> (heard at, its traffic then)
         self._sent: tuple[float, tuple[Shared, ...]] | None = None  # (when, what) this ingress last exported
         self._homes: dict[int, dict[str, float]] = {}  # key -> {node: share of its traffic}
         self._nodes: tuple[tuple[str, int], ...] = ()
         self._next = -math.inf
 
-    def observe(self, key: int, prompt_tokens: int) -> None:
-        """A request with this prefix key was routed."""
+    def observe(self, key: int, prompt_tokens: int, hashes: Sequence[int] = ()) -> None:
+        """A request with this prefix key was routed; `hashes`: its prompt's chain of block
+        hashes (prefixes.py), from which the blocks its prefix's requests share are kept."""
         now = self._clock()
         t = self._traffic.get(key)
         if t is None:
             if len(self._traffic) >= self.max_keys:
                 self._drop_least(now)
             self._traffic[key] = _Traffic(1.0, float(prompt_tokens), prompt_tokens, now)
+        else:
+            f = self._decay(now - t.at)
+            t.requests, t.tokens, t.at = t.requests * f + 1.0, t.tokens * f + prompt_tokens, now
+            t.size = min(t.size, prompt_tokens)
+        if hashes:
+            self._share(key, hashes)
+
+    def shared_blocks(self, key: int) -> int | None:
+        """How many leading blocks every request with this prefix key routed here began with
+        (a system prompt's, once two chats are seen; a first request's all); None: none seen
+        with its hashes. What every home of the prefix is counted as holding (placement's
+        `home_credit`): a node holding more of a prompt holds its chat's history."""
+        shared = self._shared.get(key)
+        return None if shared is None else len(shared)
+
+    def _share(self, key: int, hashes: Sequence[int]) -> None:
+        shared = self._shared.get(key)  # kept for the keys in `_traffic` (dropped with them)
+        if shared is None:
+            self._shared[key] = list(hashes[:MAX_SHARED_BLOCKS])
             return
-        f = self._decay(now - t.at)
-        t.requests, t.tokens, t.at = t.requests * f + 1.0, t.tokens * f + prompt_tokens, now
-        t.size = min(t.size, prompt_tokens)
+        n = 0
+        for a, b in zip(shared, hashes, strict=False):
+            if a != b:
+                break
+            n += 1
+        del shared[n:]
 
     def export(self, limit: int = EXPORT_KEYS) -> tuple[Shared, ...]:
         """This ingress's own traffic for its busiest prefixes, decayed to now, on the grid the
@@ -153,6 +178,7 @@ class HomeTable:
     def _drop_least(self, now: float) -> None:
         least = min(self._traffic, key=lambda k: self._traffic[k].requests * self._decay(now - self._traffic[k].at))
         del self._traffic[least]
+        self._shared.pop(least, None)
 
     def _assign(self, kv_tokens: dict[str, int], now: float) -> dict[int, dict[str, float]]:
         """Bounded-load consistent hashing over the repeated prefixes, in the order of their keys."""

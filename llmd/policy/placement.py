@@ -96,9 +96,12 @@ class Candidate:
     sticky: Final[bool]  # served this conversation's last turn
     home_rank: Final[int | None]  # this node's place in the prompt's order of homes (`home_ranks`; 0: its home)
     home_share: Final[float]  # of the prompt's prefix traffic, this node's in the balanced home table (policy/homes.py)
+    shared_tokens: Final[int | None]  # of this prompt, the part its prefix's requests share (`HomeTable.shared_blocks`;
+    # None: not known): what every home is counted as holding, so only a chat's history tells its node apart
 
     def __init__(self, node: str, load: VersionLoad, cached_tokens: int, age_s: float, local: bool,
-                 sticky: bool = False, home_rank: int | None = None, home_share: float = 0.0) -> None:
+                 sticky: bool = False, home_rank: int | None = None, home_share: float = 0.0,
+                 shared_tokens: int | None = None) -> None:
         self.node = node
         self.load = load
         self.cached_tokens = cached_tokens
@@ -107,6 +110,7 @@ class Candidate:
         self.sticky = sticky
         self.home_rank = home_rank
         self.home_share = home_share
+        self.shared_tokens = shared_tokens
 
 
 def uncached(c: Candidate, prompt_tokens: int) -> int:
@@ -177,11 +181,13 @@ def place(cands: Sequence[Candidate], prompt_tokens: int, expected_output: int,
 
     While balanced homes bind (`home_share` given; `[cluster] homes_bind`), the candidates narrow
     to the prompt's homes unless far slower (`_at_homes`), and a prompt no node caches half of goes
-    to a balanced home within the slack; a new chat on a prefix split over several homes, to one
-    of them by share and load (`_split`). Past capacity (queues, not only KV, full), one without
-    balanced homes goes to its first home (`home_rank`) within the same slack (every ingress
-    orders a prefix's homes alike); below capacity the score places it: homes dealt by hashing
-    are uneven, and an uneven queue costs more TTFT than a copy costs hits."""
+    to a balanced home within the slack; a later turn, to the node holding the most of it past
+    its prefix's shared part (its history: `_history`) unless far slower; a new chat on a
+    prefix split over several homes, to one of them by share and load (`_split`). Past capacity
+    (queues, not only KV, full), one without balanced homes goes to its first home (`home_rank`)
+    within the same slack (every ingress orders a prefix's homes alike); below capacity the score
+    places it: homes dealt by hashing are uneven, and an uneven queue costs more TTFT than a copy
+    costs hits."""
     reserved = {c.node: reservations.of(c.node) for c in cands}
     # fits(), eligible() and estimated_ttft(), each candidate's uncached tokens counted once (hot path)
     need = max(0, expected_output)
@@ -199,8 +205,12 @@ def place(cands: Sequence[Candidate], prompt_tokens: int, expected_output: int,
             / prefill_rate(c, default) + (0.0 if c.local else hop_s) for c, u in zip(fitting, unc, strict=True)}
     if any(c.home_share > 0 for c in fitting):  # the ingress gives shares only while homes bind
         fitting, unc = _at_homes(fitting, unc, ttft, prompt_tokens, default, saturated_slack)
-        if len(fitting) > 1 and all(c.home_share > 0 and not c.sticky for c in fitting):  # homes kept
-            return _split(fitting, unc, ttft, prompt_tokens, default, reservations, rng)  # a new chat
+        if not any(c.sticky for c in fitting):
+            chat = _history(fitting, ttft, default, affinity_slack)  # a later turn: where its history is
+            if chat:
+                return _reserve(reservations, _best(chat, ttft, gamma, near_best, rng), prompt_tokens)
+            if len(fitting) > 1 and all(c.home_share > 0 for c in fitting):  # homes kept: a new chat
+                return _split(fitting, ttft, default, reservations, rng, prompt_tokens)
     roomy = [c for c, u in zip(fitting, unc, strict=True) if c.load.kv_free_tokens - reserved[c.node] >= u + need]
     queued = saturated(fitting, prompt_tokens, reserved)
     full = queued or not roomy
@@ -215,13 +225,61 @@ def place(cands: Sequence[Candidate], prompt_tokens: int, expected_output: int,
     if sticky or (not holders and not balanced and homes):
         choice = (sticky or homes)[0]
     else:
-        pool = holders or balanced or ok
-        score = {c.node: ttft[c.node] * (1 + gamma * occupancy(c.load)) for c in pool}
-        best = min(score.values())
-        band = min(best * near_best, NEAR_BEST_MAX_S)
-        choice = draws.choice(rng, [c for c in pool if score[c.node] <= best + band])
+        choice = _best(holders or balanced or ok, ttft, gamma, near_best, rng)
+    return _reserve(reservations, choice, prompt_tokens)
+
+
+def _best(pool: Sequence[Candidate], ttft: dict[str, float], gamma: float, near_best: float,
+          rng: random.Random) -> Candidate:
+    """The pick by score (TTFT weighted by occupancy): uniform among those within `near_best`
+    of the best, at most NEAR_BEST_MAX_S apart."""
+    score = {c.node: ttft[c.node] * (1 + gamma * occupancy(c.load)) for c in pool}
+    best = min(score.values())
+    band = min(best * near_best, NEAR_BEST_MAX_S)
+    return draws.choice(rng, [c for c in pool if score[c.node] <= best + band])
+
+
+def _reserve(reservations: Reservations, choice: Candidate, prompt_tokens: int) -> Candidate:
     reservations.add(choice.node, uncached(choice, prompt_tokens))
     return choice
+
+
+def home_credit(cands: Sequence[Candidate]) -> int:
+    """The tokens of this prompt every home of its prefix is counted as holding: its shared
+    part (`shared_tokens`, the system prompt) as far as the best candidate holds it; all that
+    the best holds when the shared part is not known. A home gets the prefix with its first
+    request and its share keeps it there (`_split`); beyond it, only a chat's own history."""
+    most = max((c.cached_tokens for c in cands), default=0)
+    known = [c.shared_tokens for c in cands if c.shared_tokens is not None]
+    return min(most, *known) if known else most
+
+
+def home_tokens(cands: Sequence[Candidate]) -> dict[str, int]:
+    """The tokens of this prompt each candidate is counted as holding while homes bind: what its
+    prefix summary says, and at least `home_credit`. A candidate over the credit holds this
+    request's longer prefix: the history of its chat."""
+    credit = home_credit(cands)
+    return {c.node: max(c.cached_tokens, credit) for c in cands}
+
+
+def _history(cands: Sequence[Candidate], ttft: dict[str, float], default_tps: float,
+             slack: float) -> list[Candidate]:
+    """The nodes holding the most of this prompt past its prefix's shared part (a later turn:
+    its history is cached there), when their TTFT is within `slack` of the best TTFT counted as
+    if every candidate held what `home_tokens` credits it with, plus STICKY_FLOOR_S. Empty for a
+    new chat (nobody holds more than the shared part) or when they are far slower.
+
+    Why: with a hot prefix split over several homes, each home was counted as caching as much
+    as the best and a later turn went to a home by share; only 5-8 of 12 second turns entering
+    3 nodes in turn ran where their history was, the rest prefilled it again (issue M)."""
+    credit = home_credit(cands)
+    most = max(c.cached_tokens for c in cands)
+    if most <= credit:
+        return []
+    as_if = {c.node: ttft[c.node] - (max(c.cached_tokens, credit) - c.cached_tokens) / prefill_rate(c, default_tps)
+             for c in cands}
+    top = min(as_if.values())
+    return [c for c in cands if c.cached_tokens >= most and ttft[c.node] <= top * (1 + slack) + STICKY_FLOOR_S]
 
 
 def _at_homes(fitting: list[Candidate], unc: list[int], ttft: dict[str, float], prompt_tokens: int,
@@ -231,34 +289,38 @@ def _at_homes(fitting: list[Candidate], unc: list[int], ttft: dict[str, float], 
     is far slower than the best node: its TTFT over `slack` times the best's plus HOME_PREFILLS
     full prefills of this prompt there. A miss elsewhere costs one full prefill and evicts
     another prefix there, a cost later requests pay too, so a home is kept through a queue
-    (in one run with 4 prefills, at 70 % with one hot prefix, its homes queued 1.65x the mean)."""
+    (in one run with 4 prefills, at 70 % with one hot prefix, its homes queued 1.65x the mean).
+    A node that is no home but holds more of this prompt than its shared part (`home_credit`:
+    the chat's history, begun there before the homes were drawn as they are now) is kept too:
+    it holds the prefix already, and a home would prefill the history again."""
     best = min(ttft.values())
+    credit = home_credit(fitting)
 
     def near(c: Candidate) -> bool:
         return ttft[c.node] <= best * (1 + slack) + HOME_PREFILLS * prompt_tokens / prefill_rate(c, default_tps)
 
-    kept = [(c, u) for c, u in zip(fitting, unc, strict=True) if c.home_share > 0 and near(c)]
-    if not kept:
+    kept = [(c, u) for c, u in zip(fitting, unc, strict=True)
+            if (c.home_share > 0 or c.cached_tokens > credit) and near(c)]
+    if not any(c.home_share > 0 for c, _ in kept):
         return fitting, unc
     return [c for c, _ in kept], [u for _, u in kept]
 
 
-def _split(homes: list[Candidate], unc: list[int], ttft: dict[str, float], prompt_tokens: int,
-           default_tps: float, reservations: Reservations, rng: random.Random) -> Candidate:
+def _split(homes: list[Candidate], ttft: dict[str, float], default_tps: float, reservations: Reservations,
+           rng: random.Random, prompt_tokens: int) -> Candidate:
     """A new chat on a prefix split over several homes (`home_share`: more traffic than one
-    node's bound). Each home is taken to hold the prefix as well as the best of them does (the
-    first request a home gets copies it there, and its share keeps it), and the homes whose
-    TTFT so counted is within NEAR_BEST_MAX_S of the best are picked from by their shares.
-    The cache holder's slack kept a hot prompt on its first home, its second never holding it:
-    162 of its 162 requests in one 70 % run, where that home's share was 83 % (bench (a15))."""
-    best_unc = min(unc)
-    as_if = {c.node: ttft[c.node] - (u - best_unc) / prefill_rate(c, default_tps)
-             for c, u in zip(homes, unc, strict=True)}
+    node's bound). Each home is taken to hold the prefix as well as the best of them does
+    (`home_tokens`: the first request a home gets copies it there, and its share keeps it), and
+    the homes whose TTFT so counted is within NEAR_BEST_MAX_S of the best are picked from by
+    their shares. The cache holder's slack kept a hot prompt on its first home, its second
+    never holding it: 162 of its 162 requests in one 70 % run, where that home's share was 83 %
+    (bench (a15))."""
+    held = home_tokens(homes)
+    as_if = {c.node: ttft[c.node] - (held[c.node] - c.cached_tokens) / prefill_rate(c, default_tps) for c in homes}
     top = min(as_if.values())
     near = [c for c in homes if as_if[c.node] <= top + NEAR_BEST_MAX_S]
     choice = rng.choices(near, weights=[c.home_share for c in near])[0]
-    reservations.add(choice.node, uncached(choice, prompt_tokens))
-    return choice
+    return _reserve(reservations, choice, prompt_tokens)
 
 
 def saturated(cands: Sequence[Candidate], prompt_tokens: int, reserved: dict[str, int]) -> bool:
@@ -305,6 +367,17 @@ def home_ranks(key: int, nodes: Iterable[str]) -> dict[str, int]:
         return hashlib.blake2b(key.to_bytes(8, "little", signed=False) + node.encode(), digest_size=8).digest()
 
     return {node: i for i, node in enumerate(sorted(set(nodes), key=weight, reverse=True))}
+
+
+def conversation_node(key: str, nodes: Iterable[str]) -> str | None:
+    """The node a conversation (its `user` or X-Conversation-Id) runs on when nothing else says
+    where: rendezvous hashing of its key over the nodes, so every ingress names the same node
+    without sharing any state, and a node joining or leaving moves only the conversations that
+    are or become its own. None when there is no node."""
+    def weight(node: str) -> bytes:
+        return hashlib.blake2b(key.encode() + b"\0" + node.encode(), digest_size=8, person=b"llmd-conv").digest()
+
+    return max(set(nodes), key=weight, default=None)
 
 
 def home_key(block_hashes: Sequence[int]) -> int | None:

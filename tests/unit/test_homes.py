@@ -18,7 +18,15 @@ from llmd.policy.homes import (
     Congestion,
     HomeTable,
 )
-from llmd.policy.placement import Candidate, VersionLoad, home_ranks, place, queued_prefill_s
+from llmd.policy.placement import (
+    Candidate,
+    VersionLoad,
+    home_credit,
+    home_ranks,
+    home_tokens,
+    place,
+    queued_prefill_s,
+)
 from llmd.policy.reservations import Reservations
 
 NODES = {"n0": 6400, "n1": 6400, "n2": 6400}
@@ -366,3 +374,87 @@ def test_the_gate_reads_queued_prefill_in_seconds_of_each_nodes_measured_rate_an
     fresh = replace(cand("fresh"), load=replace(cand("fresh").load, waiting_prefill_tokens=1_800, prefill_tps=0.0))
     assert queued_prefill_s([fast, slow, fresh]) == (1.0 + 2.0) / 2  # its rate unknown: not read as 18 s at 100 tok/s
     assert queued_prefill_s([fresh]) == 0.0
+
+
+# -- a chat's later turns on a split prefix -----------------------------------------------------
+
+SYSTEM = 1536  # the shared system prompt's tokens (24 blocks of 64), what every home is credited with
+
+
+def chat_cands(history: str = "b", shared: int | None = SYSTEM, waiting: dict[str, int] | None = None,
+               homes: tuple[str, ...] = ("a", "b", "c")) -> list[Candidate]:
+    """Three nodes, each a home of a hot system prompt split over them (a third each); `a` holds
+    the system prompt, `history` holds it and the chat's first turn (1,920 tokens of the 2,000)."""
+    held = {"a": SYSTEM, "b": 0, "c": 0} | {history: 1920}
+    waits = waiting or {}
+    return [replace(cand(n, share=1 / len(homes) if n in homes else 0.0, waiting=waits.get(n, 0), cached=held[n]),
+                    shared_tokens=shared) for n in ("a", "b", "c")]
+
+
+def test_a_later_turn_on_a_split_prefix_goes_to_the_home_holding_its_history() -> None:
+    """Issue M: each home was counted as caching as much as the best, and a later turn went to a
+    home by share; 5-8 of 12 second turns ran where their history was, the rest prefilled it again."""
+    assert choose(chat_cands("b"), n=200) == Counter({"b": 200})
+    assert choose(chat_cands("c"), n=200) == Counter({"c": 200})
+    # its node busier by 1,000 tokens (0.1 s): the others would prefill the history (0.05 s) and
+    # the system prompt, if not held: within the slack, the chat stays
+    assert choose(chat_cands("b", waiting={"b": 1000}), n=100) == Counter({"b": 100})
+
+
+def test_a_chats_node_far_slower_than_the_other_homes_is_left_for_them_by_share() -> None:
+    # 30,000 tokens queued on the chat's node: 3 s against 0.05 s
+    got = choose(chat_cands("b", waiting={"b": 30_000}), n=300)
+    assert got["b"] == 0 and got["a"] > 60 and got["c"] > 60, got
+
+
+def test_new_chats_on_a_split_prefix_still_spread_over_its_homes_by_share() -> None:
+    # nobody holds more than the system prompt: every home counted as holding it
+    new = [replace(c, cached_tokens=min(c.cached_tokens, SYSTEM)) for c in chat_cands("a")]
+    got = choose(new, n=600)
+    assert all(150 <= got[n] <= 250 for n in "abc"), got
+
+
+def test_a_chats_node_that_is_no_home_keeps_its_later_turns() -> None:
+    """The chat began there before the homes were drawn as they are now: it holds the system
+    prompt and the history; a home would prefill the history again."""
+    got = choose(chat_cands("c", homes=("a", "b")), n=100)
+    assert got == Counter({"c": 100})
+
+
+def test_without_the_shared_part_known_every_home_counts_as_the_best_holder() -> None:
+    """An ingress that has seen no request of the prefix with its hashes cannot tell a history
+    from the system prompt: the split places it by share, as before."""
+    got = choose(chat_cands("b", shared=None), n=600)
+    assert all(got[n] >= 120 for n in "abc"), got
+
+
+def test_home_tokens_credit_every_candidate_with_the_shared_part_as_far_as_the_best_holds_it() -> None:
+    cands = chat_cands("b")
+    assert home_credit(cands) == SYSTEM
+    assert home_tokens(cands) == {"a": SYSTEM, "b": 1920, "c": SYSTEM}
+    # the best holds less than the shared part: nobody is credited more than it holds
+    few = [replace(c, cached_tokens=min(c.cached_tokens, 640)) for c in cands]
+    assert home_tokens(few) == {"a": 640, "b": 640, "c": 640}
+    assert home_credit([replace(c, shared_tokens=None) for c in cands]) == 1920
+
+
+def test_the_table_keeps_the_blocks_a_prefixs_requests_share() -> None:
+    clock = Clock()
+    table = HomeTable(clock, max_keys=2)
+    system = list(range(100, 124))  # 24 blocks
+    table.observe(1, 2000, [*system, 1, 2, 3])
+    assert table.shared_blocks(1) == 27  # one request: all of it
+    table.observe(1, 2100, [*system, 1, 2, 3, 4, 5])  # its next turn: still all of the first
+    assert table.shared_blocks(1) == 27
+    table.observe(1, 2000, [*system, 7, 8])  # another chat: the system prompt
+    assert table.shared_blocks(1) == 24
+    table.observe(1, 1600, system)
+    assert table.shared_blocks(1) == 24
+    assert table.shared_blocks(2) is None
+    table.observe(2, 900)  # no hashes given: traffic only
+    assert table.shared_blocks(2) is None
+    table.observe(2, 900, [5, 6])
+    assert table.shared_blocks(2) == 2
+    clock.t += 1
+    table.observe(3, 900, [9])  # a third key: the least used (2) is dropped with what it shared
+    assert table.shared_blocks(3) == 1 and table.shared_blocks(1) == 24 and table.shared_blocks(2) is None

@@ -16,6 +16,7 @@ from llmd.policy.placement import (
     RoundRobinRouting,
     ScoreRouting,
     VersionLoad,
+    conversation_node,
     estimated_ttft,
     home_key,
     home_ranks,
@@ -331,3 +332,15 @@ def test_past_capacity_a_prompt_no_node_caches_goes_to_its_home_not_to_the_least
     kv_full = [cand("idle", waiting_prefill_tokens=0, kv_free_tokens=0, home=1),
                cand("home", waiting_prefill_tokens=800, kv_free_tokens=0, home=0)]
     assert picks(kv_full, 30) == {"idle": 30}
+
+
+def test_every_ingress_names_the_same_node_for_a_conversation_and_a_leaving_node_moves_only_its_own() -> None:
+    nodes = ["n0", "n1", "n2"]
+    keys = [f"chat-{i}" for i in range(300)]
+    first = {k: conversation_node(k, nodes) for k in keys}
+    assert first == {k: conversation_node(k, reversed(nodes)) for k in keys}  # whoever asks, in any order
+    spread = Counter(first.values())
+    assert set(spread) == set(nodes) and min(spread.values()) >= 70, spread  # about a third each
+    after = {k: conversation_node(k, ["n0", "n2"]) for k in keys}
+    assert all(after[k] == first[k] for k in keys if first[k] != "n1")
+    assert conversation_node("chat-1", []) is None
