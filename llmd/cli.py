@@ -46,7 +46,7 @@ def serve(config_path: str, host: str | None, port: int | None) -> None:
     if port is not None:
         cfg.server.port = port
     from llmd.exposure import check_exposure
-    from llmd.gateway import PROTOCOL, create_app
+    from llmd.gateway import PROTOCOL, create_app, tls_protocol
     from llmd.gateway.control import add_controls
     from llmd.node import build_node
     from llmd.telemetry import configure_logging, log
@@ -70,8 +70,10 @@ def serve(config_path: str, host: str | None, port: int | None) -> None:
     add_controls(app, node, tls)  # SIGHUP / `llmd reload`
     log.info("serving", host=cfg.server.host, port=cfg.server.port, config=str(cfg.path),
              models=[m.name for m in cfg.models], tls=tls is not None)
+    # TLS is layered inside the protocol (not sanic's ssl=): counted at accept, handshake timed.
+    protocol = tls_protocol(tls.context, cfg.server.header_timeout_s) if tls is not None else PROTOCOL
     app.run(host=cfg.server.host, port=cfg.server.port, single_process=True, access_log=False, motd=False,
-            ssl=tls.context if tls is not None else None, protocol=PROTOCOL)
+            protocol=protocol)
 
 
 @main.command()

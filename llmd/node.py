@@ -120,6 +120,7 @@ class Node:
         filters = Filters(config, self.service.filters.ask)
         auth = Authenticator(config)
         prices = _prices(config)
+        secrets = _secrets(config) if self.cluster is not None else []
         self.config, self.auth, self.service.filters = config, auth, filters
         self.ledger.prices = self.lifecycle.ledger.prices = prices  # the same ledger, unless a bench swapped one in
         self.admission.reconfigure(config.tenants)
@@ -127,6 +128,8 @@ class Node:
             for rt in versions.values():
                 rt.set_tenants(config.tenants)
         self.batch_runner.config = config
+        if self.cluster is not None:
+            notes += self.cluster.rekey(config.cluster, secrets)
         return notes
 
     @property
@@ -135,6 +138,19 @@ class Node:
         no use as it is, so /health says so and an orchestrator restarts it."""
         rts = [rt for rt in self.registry.primaries().values() if rt is not None]
         return not rts or any(rt.backend.healthy or rt.watch.recoverable for rt in rts)
+
+
+def _secrets(config: Config) -> list[bytes]:
+    """The cluster secrets the files hold now (read before anything is swapped: a reload that
+    cannot read them is refused whole)."""
+    try:
+        secrets = config.cluster.secrets()
+    except OSError as e:
+        raise ConfigError(f"{config.path or 'config'}: invalid configuration\n  cluster.secret_files: "
+                          f"{e.filename}: {e.strerror}") from None
+    if not secrets:
+        raise ConfigError(f"{config.path or 'config'}: invalid configuration\n  cluster.secret_files: no secret")
+    return secrets
 
 
 def build_node(config: Config, store: WeightStore | None = None, ledger: Ledger | None = None) -> Node:

@@ -6,7 +6,8 @@ is refused whole and the config in force stays. The server writes the outcome to
 file beside the pid file, which `llmd reload` waits for, prints, and exits by.
 
 Models and engines are not reloaded (a changed engine needs a new engine: the registry's
-`llmd registry` commands or a restart); neither are `[server]` and `[batch]`.
+`llmd registry` commands or a restart); neither are `[server]`, `[batch]` and `[cluster]`, save
+the cluster's secrets and `rotation_window_s` (the node re-keys: llmd/cluster/keyring.py).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from llmd.config import Config, ModelConfig, load_config
+from llmd.config.cluster import ClusterConfig
 from llmd.store import home
 
 
@@ -53,9 +55,23 @@ def merge(old: Config, new: Config) -> tuple[Config, list[str]]:
         notes.append("[server] changes apply at the next start")
     if new.batch != old.batch:
         notes.append("[batch] changes apply at the next start")
-    merged = new.model_copy(update={"models": models, "server": old.server, "batch": old.batch})
+    cluster, note = _cluster(old, new)
+    notes += note
+    merged = new.model_copy(update={"models": models, "server": old.server, "batch": old.batch, "cluster": cluster})
     merged.path = old.path
     return merged, notes
+
+
+def _cluster(old: Config, new: Config) -> tuple[ClusterConfig, list[str]]:
+    """`[cluster]` after a reload: the secrets and the rotation window from the file (the node
+    re-keys from them), everything else as it started; a note names what else changed."""
+    reloadable = {"secret_files", "rotation_window_s"}
+    if not old.cluster.enabled:
+        return old.cluster, ["[cluster] changes apply at the next start"] if new.cluster != old.cluster else []
+    kept = old.cluster.model_copy(update={k: getattr(new.cluster, k) for k in reloadable})
+    changed = [k for k in type(kept).model_fields if getattr(kept, k) != getattr(new.cluster, k)]
+    return kept, [f"[cluster] {', '.join(changed)}: applied at the next start (a reload applies only "
+                  "secret_files and rotation_window_s)"] if changed else []
 
 
 def database(config: Config) -> Path:

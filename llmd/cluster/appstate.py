@@ -32,8 +32,14 @@ def _delta(key: bytes, state: bytes) -> bytes:
 
 
 def _undelta(key: bytes, blob: bytes) -> bytes:
+    """The state a delta holds, never more than MAX_STATE_BYTES of it: a small frame that would
+    expand past the limit is refused before its output is produced (no `flush()`, which would
+    inflate whatever input is left, unbounded)."""
     z = zlib.decompressobj(-15, zdict=key)
-    return z.decompress(blob, MAX_STATE_BYTES + 1) + z.flush()
+    state = z.decompress(blob, MAX_STATE_BYTES + 1)
+    if len(state) > MAX_STATE_BYTES or not z.eof:
+        raise zlib.error(f"a state frame expands past {MAX_STATE_BYTES} bytes (or is cut short)")
+    return state
 
 
 class Outbox:

@@ -56,7 +56,8 @@ async def fetch_missing(models: list[ModelConfig], store: WeightStore, states: C
         version, urls = max(found.items(), key=lambda kv: len(kv[1]))
         t0 = time.monotonic()
         try:
-            res = await pull(version, urls, http, signer, store=store, name=m.source)
+            nodes = {st.http_url: st.node for st in states()}
+            res = await pull(version, urls, http, signer, store=store, name=m.source, nodes=nodes)
         except PullError as e:
             log.error("cluster_weights_pull_failed", model=m.name, version=version[:12], error=str(e))
             continue

@@ -3,9 +3,10 @@ back as they come. A proxy, not a redirect: the ingress keeps the client's conne
 the request, and can resume it elsewhere if the node fails.
 
 `PeerLost` means "this node will not finish it; try another": the connection failed or broke,
-the node answered that it does not hold the version, or gossip declared it dead (or suspect
-and silent) while we waited for its next line. Closing the stream (the client went away)
-closes the connection, and the executor aborts the engine request.
+the node answered that it does not hold the version, a line came back not signed by it for
+this call, or gossip declared it dead (or suspect and silent) while we waited for its next
+line. Closing the stream (the client went away) closes the connection, and the executor
+aborts the engine request.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from collections.abc import AsyncGenerator, Iterator
 import httpx
 
 from llmd.backends.base import Delta
-from llmd.cluster.signing import Signer
+from llmd.cluster.signing import HEADER_NONCE, Signer
 from llmd.cluster.wire import RUN_PATH, RunRequest, error_from, parse_line
 from llmd.errors import APIError
 
@@ -66,7 +67,8 @@ class Forwarder:
 
     async def stream(self, node: str, url: str, req: RunRequest) -> AsyncGenerator[Delta, None]:
         body = req.model_dump_json().encode()
-        headers = self._signer.headers("POST", RUN_PATH, body) | {"content-type": "application/json"}
+        headers = self._signer.headers("POST", RUN_PATH, body, to=node) | {"content-type": "application/json"}
+        nonce, index = headers[HEADER_NONCE], 0  # each line back is signed for this call, in order
         started = False
         self.forwarded += 1
         try:
@@ -80,7 +82,11 @@ class Forwarder:
                             line = await anext(lines)
                     if not line:
                         continue
-                    item = parse_line(line)
+                    opened = self._signer.open_line(nonce, index, line.encode())
+                    if opened is None:
+                        raise ValueError("a line not signed for this call")  # injected or reordered: not this node's
+                    index += 1
+                    item = parse_line(opened)
                     if isinstance(item, Delta):
                         started = True
                         yield item

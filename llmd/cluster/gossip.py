@@ -1,8 +1,11 @@
 """`Gossip`: the UDP transport that drives `swim.py`, on a thread of its own (not the sanic
 event loop: on two cores a busy engine would starve it, and a starved detector declares healthy
 nodes dead). Every datagram is sealed with the cluster's `Signer(purpose="gossip")`; an
-unsigned, forged, stale or replayed one is dropped and counted. A genuine datagram from a node
-not yet known is processed: that is how a node joins through a seed.
+unsigned, forged, stale, replayed or misaddressed one is dropped and counted, and so is a genuine
+one that does not parse (a member holding the secret cannot stop this thread with one bad
+datagram). A genuine datagram from a node not yet known is processed: that is how a node joins
+through a seed. Every datagram names the key ids its sender holds (`kh`), so a rotated node
+signs with the new secret only once every peer holds it (`keyring.py`).
 
 A datagram's payload is one JSON line (the SWIM message, with piggybacked updates), then, for
 a state frame, the raw bytes of this node's state or its delta (`appstate.py`). The state is
@@ -75,6 +78,7 @@ class Gossip:
         self._out = Outbox(cfg.load_interval_s, cfg.load_heartbeat_s)
         self._in = Inbox()
         self._asked: dict[str, float] = {}  # peer -> when its keyframe was last asked for
+        self._names: dict[Addr, str] = {}  # a peer's gossip address -> its name, as heard from it
         self._lock = threading.RLock()
         self._stats = GossipStats()
         self._stopping = threading.Event()
@@ -149,9 +153,16 @@ class Gossip:
         for addr, msg in outs:
             self._sendto(addr, msg, blob)
 
+    def _name_at(self, addr: Addr) -> str:
+        """The member at `addr`, which the datagram names as its receiver ("": a seed not heard yet)."""
+        name = self._names.get(addr)
+        if name is None:
+            name = next((m.name for m in self._swim.members() if m.addr == addr), "")
+        return name
+
     def _sendto(self, addr: Addr, msg: dict[str, Any], blob: bytes = b"") -> None:
-        payload = json.dumps(msg, separators=(",", ":")).encode()
-        data = self._signer.seal(payload + b"\n" + blob if blob else payload)
+        payload = json.dumps({**msg, "kh": self._signer.keyring.held()}, separators=(",", ":")).encode()
+        data = self._signer.seal(payload + b"\n" + blob if blob else payload, to=self._name_at(addr))
         try:
             self._sock.sendto(data, addr)
         except OSError as e:  # unreachable, buffer full: UDP is lossy anyway, SWIM copes
@@ -171,7 +182,11 @@ class Gossip:
             with self._lock:
                 self._stats.recv_bytes += len(data)
                 self._stats.recv_msgs += 1
-                self._handle(data, (src[0], src[1]))
+                try:
+                    self._handle(data, (src[0], src[1]))
+                except Exception:  # genuine but malformed (a member with the secret, or a bug): drop it
+                    self._stats.dropped["malformed"] += 1
+                    log.debug("gossip datagram from %s dropped", src, exc_info=True)
 
     def _handle(self, data: bytes, src: Addr) -> None:
         v = self._signer.open(data)
@@ -185,6 +200,10 @@ class Gossip:
         if not isinstance(msg, dict) or v.sender == self.name:
             self._stats.dropped["malformed"] += 1
             return
+        self._names[src] = v.sender
+        held = msg.get("kh")
+        if isinstance(held, list):
+            self._signer.keyring.peer_holds(v.sender, held)
         self._swim.heard(v.sender)
         t, now = msg.get("t"), self._clock()
         if t == "st" and self._in.receive(v.sender, msg, blob, now) is None:
@@ -207,6 +226,10 @@ class Gossip:
     def _emit(self) -> None:
         with self._lock:
             changes, self._swim.changes = self._swim.changes, []
+            for m in changes:
+                if m.state in ("dead", "left"):
+                    self._signer.keyring.forget(m.name)
+                    self._names.pop(m.addr, None)
         cb = self._on_change
         if cb is None:
             return

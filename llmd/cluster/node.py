@@ -32,9 +32,10 @@ from llmd.cluster.load import NodeState, decode, encode, version_load
 from llmd.cluster.prefixes import PeerPrefixes, PrefixIndex, chain_hashes, delta_end, feeder, prefix_key
 from llmd.cluster.registry_sync import RegistrySync
 from llmd.cluster.router import Router, Target
-from llmd.cluster.signing import Signer
+from llmd.cluster.signing import HEADER_NONCE, Keyring, Signer
 from llmd.cluster.warm_pool import WarmPool
 from llmd.config import Config, ConfigError, ModelConfig
+from llmd.config.cluster import ClusterConfig
 from llmd.policy.admission import AdmissionController
 from llmd.policy.homes import Congestion, HomeTable, Shared
 from llmd.policy.placement import POLICIES, Candidate, home_key, home_ranks, queued_prefill_s
@@ -75,13 +76,14 @@ class ClusterNode:
         self.registry = registry
         self.admission = admission
         secrets = cc.secrets()
-        self.http_signer = Signer(self.name, secrets, time.time, cc.replay_window_s, purpose="http")
+        self.keyring = Keyring(secrets, time.time, cc.rotation_window_s)  # one for both signers: a reload re-keys both
+        self.http_signer = Signer(self.name, self.keyring, time.time, cc.replay_window_s, purpose="http")
         scheme = "https" if srv.tls is not None else "http"
         self.url = cc.advertise_url or f"{scheme}://{srv.host}:{srv.port}"
         try:
             self.gossip = Gossip(self.name, (cc.gossip_host, cc.gossip_port), self.url,
                                  [_addr(s) for s in cc.seeds],
-                                 Signer(self.name, secrets, time.time, cc.replay_window_s, purpose="gossip"), cc)
+                                 Signer(self.name, self.keyring, time.time, cc.replay_window_s, purpose="gossip"), cc)
         except OSError as e:  # the port is taken, or the address is not this host's
             raise ConfigError(f"{config.path or 'config'}: cluster.gossip_host/gossip_port "
                               f"{cc.gossip_host}:{cc.gossip_port}: cannot listen for gossip: {e.strerror}") from None
@@ -91,8 +93,8 @@ class ClusterNode:
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=1.0), verify=verify,
                                         limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
         self.forwarder = Forwarder(self.http_signer, self.client)
-        # Keyed by the oldest secret: during a rotation ([new, old] on some nodes, [old] on the
-        # rest) every node still names a prefix the same way.
+        # Keyed by the oldest secret at start: during a rotation ([new, old] on some nodes, [old]
+        # on the rest) every node still names a prefix the same way; a reload does not re-key it.
         self._prefix_key = prefix_key(secrets[-1])
         self.prefixes = PrefixIndex(PREFIX_CAPACITY_BLOCKS, PREFIX_BLOCK_TOKENS, self._prefix_key)
         self._chains: dict[int, KvChains] = {}  # id(backend) -> its KV events' adapter
@@ -118,6 +120,13 @@ class ClusterNode:
         self.warm_pool.start()
         log.info("cluster_started", node=self.name, url=self.url, gossip_port=self.gossip.bound_port,
                  seeds=self.config.seeds)
+
+    def rekey(self, cc: ClusterConfig, secrets: list[bytes]) -> list[str]:
+        """Hold `secrets` (what `cc`'s files or $LLMD_CLUSTER_SECRET hold now: `llmd reload`);
+        notes on what changed. The rest of `[cluster]` applies at a restart (`llmd.reload.merge`)."""
+        self.config = self.config.model_copy(update={"secret_files": cc.secret_files,
+                                                     "rotation_window_s": cc.rotation_window_s})
+        return self.keyring.rekey(secrets, cc.rotation_window_s)
 
     async def fetch_weights(self, models: list[ModelConfig]) -> list[str]:
         """Weights this node lacks, pulled from the peers serving them (before the models load)."""
@@ -184,11 +193,24 @@ class ClusterNode:
     def _registry_rev(self) -> int:
         return self.registry.revision
 
-    async def _fetch_registry(self, peer_url: str) -> dict[str, Any]:
-        path = "/internal/v1/registry"
-        r = await self.client.get(peer_url.rstrip("/") + path, headers=self.http_signer.headers("GET", path),
-                                  timeout=5.0)
+    def _name_at(self, url: str) -> str:
+        """The peer serving at `url` (a signed call names its receiver)."""
+        return next((p.info.name for p in self.peers.values() if p.info.http_url == url
+                     or (p.state is not None and p.state.http_url == url)), "")
+
+    async def signed_get(self, node: str, url: str, path: str) -> httpx.Response:
+        """GET a peer's internal route; raises ValueError unless its answer is signed by that node
+        for this very call (a response is signed like a call)."""
+        headers = self.http_signer.headers("GET", path, to=node)
+        r = await self.client.get(url.rstrip("/") + path, headers=headers, timeout=5.0)
         r.raise_for_status()
+        if self.http_signer.verify("RESPONSE", path, r.headers, r.content, reply_to=headers[HEADER_NONCE],
+                                   sender=node) is None:
+            raise ValueError(f"{node}'s answer to {path} is not signed for this call")
+        return r
+
+    async def _fetch_registry(self, peer_url: str) -> dict[str, Any]:
+        r = await self.signed_get(self._name_at(peer_url), peer_url, "/internal/v1/registry")
         data = r.json()
         if not isinstance(data, dict):
             raise ValueError("not a registry snapshot")
@@ -291,13 +313,10 @@ class ClusterNode:
             return
 
         async def fetch() -> None:
-            path = "/internal/v1/prefixes"
             try:
-                r = await self.client.get(peer.info.http_url.rstrip("/") + path,
-                                          headers=self.http_signer.headers("GET", path), timeout=5.0)
-                if r.status_code == 200:
-                    peer.prefixes.load(r.content)
-            except httpx.HTTPError as e:
+                r = await self.signed_get(peer.info.name, peer.info.http_url, "/internal/v1/prefixes")
+                peer.prefixes.load(r.content)
+            except (httpx.HTTPError, ValueError) as e:
                 log.warning("cluster_prefix_snapshot_failed", peer=peer.info.name, error=str(e))
 
         peer.snapshot_task = asyncio.get_running_loop().create_task(fetch())

@@ -20,7 +20,7 @@ import os
 import shutil
 import uuid
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -37,12 +37,13 @@ from llmd.cluster.manifest import (
     is_version_id,
     plain_name,
 )
-from llmd.cluster.signing import Signer
+from llmd.cluster.signing import HEADER_NONCE, Signer
 from llmd.store import MANIFEST, StoredModel, StoreError, WeightStore, sha256_file, version_id
 
 __all__ = ["CHUNK_BYTES", "RESPONSE", "STAGING_PREFIX", "ChunkRef", "Manifest", "PullError", "PullResult",
            "WeightServer", "WeightsUnavailable", "chunk_path", "is_version_id", "manifest_path", "pull"]
 
+HELLO_PATH = "/internal/v1/hello"  # unsigned: the node's name, for a caller that knows only its URL
 RESPONSE = "RESPONSE"  # the "method" a peer signs its manifest response under (never a request's)
 STAGING_PREFIX = ".pull-"
 DEFAULT_CONCURRENCY = 4
@@ -73,9 +74,10 @@ class PullResult:
 
 async def pull(version: str, peers: list[str], http: httpx.AsyncClient, signer: Signer, *, store: WeightStore,
                name: str | None = None, concurrency: int = DEFAULT_CONCURRENCY, max_peer_failures: int = 3,
-               progress: PullProgress | None = None) -> PullResult:
+               progress: PullProgress | None = None, nodes: Mapping[str, str] | None = None) -> PullResult:
     """Fetch `version` from `peers` (base URLs) into `store`, under `name` (default: the name
-    the peer stores it under). Already stored: nothing is fetched."""
+    the peer stores it under). Already stored: nothing is fetched. `nodes` names the node at
+    each URL (a signed call names its receiver); a URL not in it is asked (`HELLO_PATH`)."""
     if not peers:
         raise PullError("no peers to pull from")
     if not is_version_id(version):
@@ -83,7 +85,8 @@ async def pull(version: str, peers: list[str], http: httpx.AsyncClient, signer: 
     stored = next((m for m in store.list() if m.version == version and (name is None or m.name == name)), None)
     if stored is not None:
         return PullResult(stored, already_stored=True)
-    manifest = await _fetch_manifest(version, peers, http, signer)
+    addressed = _Addressed(signer, {p: (nodes or {}).get(p) or await node_at(http, p) for p in peers})
+    manifest = await _fetch_manifest(version, peers, http, addressed)
     try:
         name = plain_name(name or manifest.name)
     except ValueError as e:
@@ -97,7 +100,7 @@ async def pull(version: str, peers: list[str], http: httpx.AsyncClient, signer: 
     staging.mkdir()
     try:
         await asyncio.to_thread(_preallocate, staging, manifest)
-        fetch = _Fetch(manifest, staging, peers, http, signer, max_peer_failures, progress)
+        fetch = _Fetch(manifest, staging, peers, http, addressed, max_peer_failures, progress)
         async with asyncio.TaskGroup() as tg:
             for _ in range(max(1, concurrency)):
                 tg.create_task(fetch.worker())
@@ -110,21 +113,48 @@ async def pull(version: str, peers: list[str], http: httpx.AsyncClient, signer: 
     return PullResult(model, False, fetch.chunks, fetch.bytes_by_peer, fetch.chunks_by_peer, fetch.failures)
 
 
-async def _fetch_manifest(version: str, peers: list[str], http: httpx.AsyncClient, signer: Signer) -> Manifest:
+class _Addressed:
+    """A signer and the node at each peer URL: every call is signed for the node it goes to."""
+
+    def __init__(self, signer: Signer, nodes: Mapping[str, str]) -> None:
+        self.signer, self.nodes = signer, nodes
+
+    def call(self, peer: str, method: str, path: str) -> dict[str, str]:
+        return self.signer.headers(method, path, to=self.nodes[peer])
+
+    def verify(self, method: str, path: str, headers: Mapping[str, str], body: bytes, reply_to: str,
+               sender: str) -> str | None:
+        return self.signer.verify(method, path, headers, body, reply_to=reply_to, sender=sender)
+
+
+async def node_at(http: httpx.AsyncClient, url: str) -> str:
+    """The name of the node serving at `url` (its unsigned `HELLO_PATH`: names are no secret,
+    they travel in every datagram); "" if it does not say (its calls are then refused)."""
+    try:
+        r = await http.get(url.rstrip("/") + HELLO_PATH, timeout=5.0)
+        node = r.json().get("node") if r.status_code == 200 else None
+    except (httpx.HTTPError, ValueError, AttributeError):
+        return ""
+    return node if isinstance(node, str) else ""
+
+
+async def _fetch_manifest(version: str, peers: list[str], http: httpx.AsyncClient, signer: _Addressed) -> Manifest:
     """The first peer's manifest that is signed, well formed and hashes to `version`."""
     why: list[str] = []
     for peer in peers:
         url = peer.rstrip("/") + manifest_path(version)
         path = urlsplit(url).path
+        headers = signer.call(peer, "GET", path)
         try:
-            r = await http.get(url, headers=signer.headers("GET", path))
+            r = await http.get(url, headers=headers)
         except httpx.HTTPError as e:
             why.append(f"{peer}: {type(e).__name__}")
             continue
         if r.status_code != 200:
             why.append(f"{peer}: HTTP {r.status_code}")
             continue
-        if signer.verify(RESPONSE, path, r.headers, r.content) is None:
+        if signer.verify(RESPONSE, path, r.headers, r.content, reply_to=headers[HEADER_NONCE],
+                         sender=signer.nodes[peer]) is None:
             why.append(f"{peer}: manifest not signed by a member")
             continue
         try:
@@ -152,7 +182,7 @@ class _Fetch:
     peer that has not failed it."""
 
     def __init__(self, manifest: Manifest, staging: Path, peers: list[str], http: httpx.AsyncClient,
-                 signer: Signer, max_peer_failures: int, progress: PullProgress | None) -> None:
+                 signer: _Addressed, max_peer_failures: int, progress: PullProgress | None) -> None:
         self.manifest, self.staging, self.peers, self.http, self.signer = manifest, staging, peers, http, signer
         self.max_peer_failures, self.progress = max_peer_failures, progress
         self.places = manifest.chunk_places()
@@ -203,7 +233,7 @@ class _Fetch:
         url = peer.rstrip("/") + chunk_path(self.manifest.version, sha)
         buf = bytearray()
         try:
-            async with self.http.stream("GET", url, headers=self.signer.headers("GET", urlsplit(url).path)) as r:
+            async with self.http.stream("GET", url, headers=self.signer.call(peer, "GET", urlsplit(url).path)) as r:
                 if r.status_code != 200:
                     raise _ChunkFailed(f"http_{r.status_code}")
                 async for piece in r.aiter_bytes():

@@ -35,10 +35,12 @@ class ClusterConfig(_Strict):
     seeds: list[str] = Field(default_factory=list)  # "host:port" of other nodes' gossip
     # The base URL peers use for this node's internal HTTP (default: http(s)://server.host:server.port).
     advertise_url: str | None = None
-    # The shared secret(s): the first signs, every one verifies (rotate by putting the new one
-    # first, then dropping the old). Files hold the secret as text; without files,
-    # $LLMD_CLUSTER_SECRET is the one secret.
+    # The shared secret(s): the first is current (it signs once every peer holds it), every one
+    # verifies. Files hold the secret as text; without files, $LLMD_CLUSTER_SECRET is the one
+    # secret. `llmd reload` re-reads them: a secret replaced there is still accepted for
+    # rotation_window_s, then refused (docs/cluster.md, "Rotating the secret").
     secret_files: list[Path] = Field(default_factory=list, max_length=2)
+    rotation_window_s: Annotated[float, Field(gt=0)] = 900.0
     # Peers' HTTPS certificates are verified against the system's CAs, or this bundle (a private CA).
     ca_file: Path | None = None
     replay_window_s: Annotated[float, Field(gt=0)] = 5.0
@@ -100,6 +102,9 @@ class ClusterConfig(_Strict):
     def _timing(self) -> ClusterConfig:
         if self.probe_timeout_s >= self.probe_interval_s:
             raise ValueError("probe_timeout_s must be less than probe_interval_s")
+        if self.rotation_window_s <= self.replay_window_s:  # a call signed just before the switch still lands
+            raise ValueError(f"rotation_window_s ({self.rotation_window_s:g}) must be longer than "
+                             f"replay_window_s ({self.replay_window_s:g})")
         if self.enabled and not self.secret_files and len(os.environ.get(SECRET_ENV, "").encode()) < MIN_SECRET_BYTES:
             raise ValueError(f"a cluster needs a shared secret: set secret_files, or ${SECRET_ENV} "
                              f"(at least {MIN_SECRET_BYTES} bytes)")

@@ -4,5 +4,6 @@ Only this package imports sanic; everything it serves comes from a `Node` (llmd/
 """
 
 from llmd.gateway.app import PROTOCOL, create_app
+from llmd.gateway.connections import tls_protocol
 
-__all__ = ["PROTOCOL", "create_app"]
+__all__ = ["PROTOCOL", "create_app", "tls_protocol"]

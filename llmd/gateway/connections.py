@@ -18,8 +18,10 @@ else it is answered 503 and closed at once. sanic has no such limit, so `Guarded
 from __future__ import annotations
 
 import asyncio
+import asyncio.sslproto
 import contextlib
 import json
+import ssl
 from collections.abc import Iterable
 from time import monotonic
 from typing import Any
@@ -115,11 +117,12 @@ class GuardedProtocol(HttpProtocol):
     """sanic's HTTP/1.1 protocol, admitted by the app's ConnectionGuard (`app.ctx.connections`)
     and timed from each request's first byte."""
 
-    __slots__ = ("_cut_at", "_guard", "_handling", "_reading_since", "_received", "_refused")
+    __slots__ = ("_cut_at", "_guard", "_handling", "_raw", "_reading_since", "_received", "_refused")
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self._guard: ConnectionGuard | None = None
         self._refused = False
+        self._raw: Any = None  # under TLS: the socket's transport, admitted at accept (`accepted`)
         self._reading_since: float | None = None  # first byte of the request being read; None: none is
         self._received = 0  # bytes received since then
         self._handling = False  # its header is read: the handler runs (and reads the body first)
@@ -139,19 +142,30 @@ class GuardedProtocol(HttpProtocol):
 
         self.request_handler = handle
 
-    def connection_made(self, transport: Any) -> None:
+    def accepted(self, raw: Any) -> bool:
+        """Admit the connection as the socket is accepted (under TLS, before the handshake);
+        False: over the cap. Its first request's clock starts now."""
+        self._raw = raw
         self._guard = getattr(self.app.ctx, "connections", None)
-        self._reading_since, self._received = monotonic(), 0  # its first request starts now
+        self._reading_since, self._received = monotonic(), 0
         if self._guard is not None and not self._guard.admit(self):
             self._refused = True
+            return False
+        return True
+
+    def released(self) -> None:
+        if self._guard is not None:
+            self._guard.live.discard(self)
+
+    def connection_made(self, transport: Any) -> None:
+        if self._raw is None and not self.accepted(transport):  # plain HTTP: admitted here, at accept
             transport.write(BUSY)
             transport.close()
             return
         super().connection_made(transport)  # type: ignore[no-untyped-call]
 
     def connection_lost(self, exc: Exception | None) -> None:
-        if self._guard is not None:
-            self._guard.live.discard(self)
+        self.released()
         if not self._refused:
             super().connection_lost(exc)  # type: ignore[no-untyped-call]
 
@@ -183,6 +197,12 @@ class GuardedProtocol(HttpProtocol):
         since = self._reading_since
         if since is None:
             return False
+        if getattr(self, "transport", None) is None:  # still in its TLS handshake (not ours yet)
+            if now - since > guard.limit_s(False, 0) and self._raw is not None:
+                self._cut_at = now
+                self._raw.abort()
+                return True
+            return False
         http = self._conn_http()
         if self._handling and not (http is not None and http.request_body):
             self._reading_since = None  # read whole: from here its deadline governs, not these limits
@@ -199,3 +219,39 @@ class GuardedProtocol(HttpProtocol):
         else:
             self.abort()  # type: ignore[no-untyped-call]
         return True
+
+
+class _CountedHandshake(asyncio.sslproto.SSLProtocol):
+    """asyncio's TLS layer over one `GuardedProtocol`, counted by the guard at accept: the
+    connection holds its place from its first byte, and a handshake has `header_timeout_s`."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, inner: GuardedProtocol, context: ssl.SSLContext,
+                 handshake_s: float) -> None:
+        super().__init__(loop, inner, context, None, server_side=True,  # type: ignore[arg-type]
+                         ssl_handshake_timeout=handshake_s)  # type: ignore[arg-type]
+        self._inner = inner
+
+    def connection_made(self, transport: Any) -> None:
+        inner = self._inner
+        if not inner.accepted(transport):
+            transport.abort()  # over the cap before any TLS: nothing to answer in, so just closed
+            return
+        super().connection_made(transport)
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        self._inner.released()  # also when the handshake never finished (the inner never saw it)
+        if not self._inner._refused:
+            super().connection_lost(exc)
+
+
+def tls_protocol(context: ssl.SSLContext, handshake_s: float) -> type[GuardedProtocol]:
+    """The protocol `llmd serve` runs with `[server.tls]` (sanic then gets `ssl=None`): TLS is
+    layered inside it, so the connection cap and the header clock start at accept, not after
+    asyncio's handshake (whose own default timeout is 60 s)."""
+
+    class TLSGuardedProtocol(GuardedProtocol):
+        def __new__(cls, *args: Any, **kwargs: Any) -> Any:  # sanic builds it with its partial()
+            inner = GuardedProtocol(*args, **kwargs)
+            return _CountedHandshake(kwargs["loop"], inner, context, handshake_s)
+
+    return TLSGuardedProtocol

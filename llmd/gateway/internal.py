@@ -1,7 +1,9 @@
 """The routes nodes call on each other (`/internal/v1/...`), and the cluster's admin view.
 
-Every internal call is signed with the cluster secret (llmd/cluster/signing.py); an unsigned,
-forged, stale or replayed one is a 401 and counted. Mounted only when the cluster is on.
+Every internal call is signed with the cluster secret (llmd/cluster/signing.py) and names this
+node; an unsigned, forged, stale, replayed or misaddressed one is a 401 and counted. Answers are
+signed for the call they answer: a response's headers (`signed`), each line of a run's stream.
+Mounted only when the cluster is on.
 """
 
 from __future__ import annotations
@@ -11,7 +13,8 @@ from sanic.response import HTTPResponse, raw
 from sanic.response import json as json_response
 
 from llmd.cluster import executor
-from llmd.cluster.signing import Signer
+from llmd.cluster.signing import HEADER_NONCE, Signer
+from llmd.cluster.weights import HELLO_PATH, RESPONSE
 from llmd.cluster.wire import RUN_PATH, RunRequest, delta_line, end_line, error_line
 from llmd.errors import APIError, bad_request
 from llmd.gateway.types import App, RequireAdmin
@@ -29,6 +32,13 @@ def verified(signer: Signer, request: Request) -> str:
     return sender
 
 
+def signed(signer: Signer, request: Request, sender: str, body: bytes, content_type: str) -> HTTPResponse:
+    """`body`, signed for the call it answers (its sender and nonce)."""
+    nonce = request.headers.get(HEADER_NONCE, "")
+    return raw(body, content_type=content_type,
+               headers=signer.headers(RESPONSE, request.path, body, to=sender, reply_to=nonce))
+
+
 def add_routes(app: App, node: Node, admin: RequireAdmin) -> None:
     cluster = node.cluster
     if cluster is None:
@@ -36,29 +46,35 @@ def add_routes(app: App, node: Node, admin: RequireAdmin) -> None:
 
     @app.post(RUN_PATH)
     async def run(request: Request) -> None:
-        verified(cluster.http_signer, request)
+        signer = cluster.http_signer
+        verified(signer, request)
+        nonce = request.headers.get(HEADER_NONCE, "")  # the lines back are signed for this call
         try:
             req = RunRequest.model_validate_json(request.body)
         except ValueError as e:
             raise bad_request(f"not a run request: {e}") from None
         rt = executor.runtime_for(node.registry, req)  # a 404 before the stream: "not here, try another"
         response = await request.respond(content_type=NDJSON)
+        sent = 0
         try:
-            first = True
             async for d in executor.execute(rt, node.lifecycle, req, cluster.name):
-                if first:
+                if not sent:
                     cluster.ran_here(req.prompt(), d.cached_prompt_tokens)
-                    first = False
-                await response.send(delta_line(d))
-            await response.send(end_line())
+                await response.send(signer.sign_line(nonce, sent, delta_line(d)))
+                sent += 1
+            await response.send(signer.sign_line(nonce, sent, end_line()))
         except APIError as e:
-            await response.send(error_line(e))
+            await response.send(signer.sign_line(nonce, sent, error_line(e)))
         await response.eof()
+
+    @app.get(HELLO_PATH)
+    async def hello(request: Request) -> HTTPResponse:
+        return json_response({"node": cluster.name})  # unsigned: a caller with only a URL learns whom to sign for
 
     @app.get("/internal/v1/prefixes")
     async def prefixes(request: Request) -> HTTPResponse:
-        verified(cluster.http_signer, request)
-        return raw(cluster.prefixes.snapshot(), content_type="application/octet-stream")
+        sender = verified(cluster.http_signer, request)
+        return signed(cluster.http_signer, request, sender, cluster.prefixes.snapshot(), "application/octet-stream")
 
     @app.post("/admin/cluster/drain", name="cluster_drain")
     async def drain(request: Request) -> HTTPResponse:

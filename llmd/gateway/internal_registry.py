@@ -1,19 +1,20 @@
 """`GET /internal/v1/registry`: this node's splits with their revisions, for peers merging
 them (llmd/cluster/registry_sync.py). Only a member may read it: the call must be signed
-with the cluster secret (`Signer(purpose="http")`); otherwise a 401 `invalid_signature`,
-counted in the signer's `dropped`."""
+with the cluster secret (`Signer(purpose="http")`) for this node; otherwise a 401
+`invalid_signature`, counted in the signer's `dropped`. The answer is signed for the call."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from typing import Any
 
 from sanic import Request
 from sanic.response import HTTPResponse
-from sanic.response import json as json_response
 
 from llmd.cluster.signing import Signer
 from llmd.errors import APIError
+from llmd.gateway.internal import signed
 from llmd.gateway.types import App
 
 PATH = "/internal/v1/registry"
@@ -33,5 +34,6 @@ def mount(app: App, snapshot: Callable[[], dict[str, Any]], signer: Signer) -> N
 
     @app.get(PATH)
     async def registry_snapshot(request: Request) -> HTTPResponse:
-        require_member(signer, request)
-        return json_response(snapshot())
+        sender = require_member(signer, request)
+        body = json.dumps(snapshot(), separators=(",", ":")).encode()
+        return signed(signer, request, sender, body, "application/json")  # signed for this call

@@ -15,12 +15,12 @@ import asyncio
 from pathlib import Path
 
 from sanic import Request
-from sanic.response import HTTPResponse, raw
+from sanic.response import HTTPResponse
 
 from llmd.cluster.signing import Signer
-from llmd.cluster.weights import RESPONSE, WeightServer, WeightsUnavailable, chunk_path, manifest_path
+from llmd.cluster.weights import WeightServer, WeightsUnavailable, chunk_path, manifest_path
 from llmd.errors import APIError
-from llmd.gateway.internal import verified
+from llmd.gateway.internal import signed, verified
 from llmd.gateway.types import App
 
 SEND_BYTES = 1024 * 1024  # read and sent a MiB at a time: a 16 MiB chunk never sits whole in memory
@@ -34,12 +34,12 @@ def mount(app: App, weights: WeightServer, signer: Signer) -> None:
 
     @app.get(manifest_path("<version:str>"), name="internal_weights_manifest")
     async def manifest(request: Request, version: str) -> HTTPResponse:
-        verified(signer, request)  # 401 unless signed by a member
+        sender = verified(signer, request)  # 401 unless signed by a member, for this node
         try:
             body = await asyncio.to_thread(weights.manifest_bytes, version)  # the first call hashes the model
         except WeightsUnavailable as e:
             raise unavailable(e) from None
-        return raw(body, content_type="application/json", headers=signer.headers(RESPONSE, request.path, body))
+        return signed(signer, request, sender, body, "application/json")
 
     @app.get(chunk_path("<version:str>", "<sha256:str>"), name="internal_weights_chunk")
     async def chunk(request: Request, version: str, sha256: str) -> None:

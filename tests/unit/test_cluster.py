@@ -112,9 +112,9 @@ async def test_internal_calls_need_the_cluster_secret(make_server: Any, tmp_path
         assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_signature"
         forged = Signer("n0", [b"not-the-cluster-secret-at-all!!"], __import__("time").time, purpose="http")
         r = await h.post(b.url + "/internal/v1/run", content=body,
-                         headers=forged.headers("POST", "/internal/v1/run", body) | JSON)
+                         headers=forged.headers("POST", "/internal/v1/run", body, to="n1") | JSON)
         assert r.status_code == 401
-        signed = a.node.cluster.http_signer.headers("GET", "/internal/v1/prefixes")
+        signed = a.node.cluster.http_signer.headers("GET", "/internal/v1/prefixes", to="n1")
         assert (await h.get(b.url + "/internal/v1/prefixes", headers=signed)).status_code == 200
         assert (await h.get(b.url + "/internal/v1/prefixes", headers=signed)).status_code == 401  # replayed
     assert b.node.cluster.http_signer.dropped["unsigned"] >= 1
@@ -250,7 +250,7 @@ async def test_malformed_internal_and_admin_calls_get_openai_errors(make_server:
     a, b = await start_cluster(make_server, tmp_path, n=2)
     async with httpx.AsyncClient() as h:
         body = b'{"request_id": "x"}'  # signed, but not a run request
-        headers = a.node.cluster.http_signer.headers("POST", "/internal/v1/run", body) | JSON
+        headers = a.node.cluster.http_signer.headers("POST", "/internal/v1/run", body, to="n1") | JSON
         r = await h.post(b.url + "/internal/v1/run", content=body, headers=headers)
         assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
         admin = {"Authorization": f"Bearer {ADMIN}"} | JSON

@@ -43,9 +43,11 @@ def test_truncated_or_garbled_datagrams_are_dropped_never_raise() -> None:
     msg = Signer("a", [SECRET], clock).seal(b"load=1")
     for cut in range(len(msg)):
         assert b.open(msg[:cut]) is None
-    assert b.open(b"\xa7\xff" + msg[2:]) is None
-    assert b.open(msg[:2] + b"\xff" + msg[3:]) is None  # the name's byte garbled
-    assert sum(b.dropped.values()) == len(msg) + 2 and set(b.dropped) <= {"unsigned", "forged"}
+    assert b.open(b"\xa7\x02\xff" + msg[3:]) is None  # a name longer than the datagram
+    assert b.open(msg[:3] + b"\xff" + msg[4:]) is None  # the name's byte garbled
+    assert b.open(b"\xa7\x01" + msg[2:]) is None  # another format version
+    assert sum(b.dropped.values()) == len(msg) + 3 and set(b.dropped) <= {"unsigned", "forged", "version"}
+    assert b.dropped["version"] == 1
     assert b.open(msg) is not None  # the genuine one still opens: none of the above took its nonce
 
 
@@ -74,13 +76,32 @@ def test_rotation_new_key_signs_old_key_still_verifies() -> None:
 def test_http_headers_sign_method_path_and_body() -> None:
     clock = Clock()
     a, b = Signer("a", [SECRET], clock, purpose="http"), Signer("b", [SECRET], clock, purpose="http")
-    h = a.headers("POST", "/internal/v1/run", b'{"x": 1}')
+    h = a.headers("POST", "/internal/v1/run", b'{"x": 1}', to="b")
     assert b.verify("POST", "/internal/v1/run", h, b'{"x": 1}') == "a"
     assert b.verify("POST", "/internal/v1/run", h, b'{"x": 1}') is None  # replayed
-    h = a.headers("POST", "/internal/v1/run", b'{"x": 1}')
+    h = a.headers("POST", "/internal/v1/run", b'{"x": 1}', to="b")
     assert b.verify("POST", "/internal/v1/run", h, b'{"x": 2}') is None  # another body
-    assert b.verify("POST", "/internal/v1/other", a.headers("POST", "/internal/v1/run"), b"") is None
+    assert b.verify("POST", "/internal/v1/other", a.headers("POST", "/internal/v1/run", to="b"), b"") is None
     assert b.verify("GET", "/x", {}, b"") is None
-    assert b.dropped == {"replayed": 1, "forged": 2, "unsigned": 1}
+    c = Signer("c", [SECRET], clock, purpose="http")  # the same call, replayed to another node
+    assert c.verify("POST", "/internal/v1/run", a.headers("POST", "/internal/v1/run", to="b"), b"") is None
+    assert b.dropped == {"replayed": 1, "forged": 2, "unsigned": 1} and c.dropped == {"misaddressed": 1}
     gossip = Signer("b", [SECRET], clock)  # another purpose: another subkey
-    assert gossip.verify("POST", "/p", a.headers("POST", "/p"), b"") is None
+    assert gossip.verify("POST", "/p", a.headers("POST", "/p", to="b"), b"") is None
+
+
+def test_a_response_and_its_stream_lines_are_signed_for_the_call_they_answer() -> None:
+    clock = Clock()
+    a, b = Signer("a", [SECRET], clock, purpose="http"), Signer("b", [SECRET], clock, purpose="http")
+    call = a.headers("GET", "/internal/v1/registry", to="b")
+    nonce = call["X-LLMD-Nonce"]
+    answer = b.headers("RESPONSE", "/internal/v1/registry", b"{}", to="a", reply_to=nonce)
+    assert a.verify("RESPONSE", "/internal/v1/registry", answer, b"{}", reply_to="another", sender="b") is None
+    assert a.verify("RESPONSE", "/internal/v1/registry", answer, b"{}", reply_to=nonce, sender="c") is None
+    assert a.verify("RESPONSE", "/internal/v1/registry", answer, b"{}", reply_to=nonce, sender="b") == "b"
+    lines = [b.sign_line(nonce, i, x) for i, x in enumerate([b'{"t":"hi"}\n', b'{"end":true}\n'])]
+    assert [a.open_line(nonce, i, x) for i, x in enumerate(lines)] == [b'{"t":"hi"}', b'{"end":true}']
+    assert a.open_line(nonce, 0, lines[1]) is None  # out of order
+    assert a.open_line("another", 0, lines[0]) is None  # another call's
+    assert a.open_line(nonce, 0, b'{"t":"injected"}') is None
+    assert a.dropped == {"forged": 3, "misaddressed": 1, "unsigned": 1}

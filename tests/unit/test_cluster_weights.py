@@ -89,6 +89,9 @@ async def http() -> AsyncIterator[httpx.AsyncClient]:
         yield client
 
 
+A = "a"  # the node the direct calls below are signed for
+
+
 def signer(secret: bytes = SECRET) -> Signer:
     return Signer("c", [secret], time.time, purpose="http")
 
@@ -165,19 +168,19 @@ async def test_unsigned_forged_and_replayed_calls_get_401_unknown_ones_404(peers
     url = peers.a.url + path
     unsigned = await http.get(url)
     assert unsigned.status_code == 401 and unsigned.json()["error"]["code"] == "invalid_signature"
-    forged = await http.get(url, headers=signer(OTHER).headers("GET", path))
+    forged = await http.get(url, headers=signer(OTHER).headers("GET", path, to=A))
     assert forged.status_code == 401 and forged.json()["error"]["code"] == "invalid_signature"
-    headers = signer().headers("GET", path)
+    headers = signer().headers("GET", path, to=A)
     ok = await http.get(url, headers=headers)
     assert ok.status_code == 200 and ok.json()["version"] == peers.version
     assert (await http.get(url, headers=headers)).status_code == 401  # the same signature again: a replay
     sha = ok.json()["files"][0]["chunks"][0]["sha256"]
     cpath = chunk_path(peers.version, sha)
     assert (await http.get(peers.a.url + cpath)).status_code == 401
-    got = await http.get(peers.a.url + cpath, headers=signer().headers("GET", cpath))
+    got = await http.get(peers.a.url + cpath, headers=signer().headers("GET", cpath, to=A))
     assert got.status_code == 200 and got.content == (peers.src / "config.json").read_bytes()
     for p in (manifest_path("f" * 64), chunk_path(peers.version, "0" * 64), manifest_path("../../etc")):
-        r = await http.get(peers.a.url + p, headers=signer().headers("GET", p))
+        r = await http.get(peers.a.url + p, headers=signer().headers("GET", p, to=A))
         assert r.status_code == 404 and r.json()["error"]["type"] == "invalid_request_error", p
 
 

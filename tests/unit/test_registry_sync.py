@@ -358,7 +358,7 @@ async def test_over_signed_http_a_split_on_a_reaches_b_and_unsigned_calls_are_re
 
     async def fetch(url: str) -> dict[str, Any]:
         async with httpx.AsyncClient(base_url=url) as h:
-            r = await h.get("/internal/v1/registry", headers=signer.headers("GET", "/internal/v1/registry"))
+            r = await h.get("/internal/v1/registry", headers=signer.headers("GET", "/internal/v1/registry", to="a"))
             r.raise_for_status()
             return dict(r.json())
 

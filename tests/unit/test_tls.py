@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import ssl
 import sys
 import time
@@ -30,10 +31,7 @@ TOML = """
 host = "{host}"
 port = {port}
 db_path = "{db}"
-[server.tls]
-cert_file = "{cert}"
-key_file = "{key}"
-[[models]]
+{extra}{tls}[[models]]
 name = "fake"
 backend = "fake"
 [models.fake]
@@ -73,18 +71,20 @@ def write_pair(ca: trustme.CA, cert: Path, key: Path, *names: str) -> None:
 
 
 @contextmanager
-def tls_server(tmp: Path, ca: trustme.CA, host: str = "127.0.0.1") -> Iterator[TLSServer]:
+def tls_server(tmp: Path, ca: trustme.CA, host: str = "127.0.0.1", extra: str = "",
+               tls: bool = True) -> Iterator[TLSServer]:
     connect = "127.0.0.1" if host == "0.0.0.0" else host
     cert, keyfile, key, port = tmp / "cert.pem", tmp / "key.pem", generate_key(), free_port()
     write_pair(ca, cert, keyfile, connect, "localhost")
     cfg = tmp / "config.toml"
-    cfg.write_text(TOML.format(host=host, port=port, db=tmp / "llmd.db", cert=cert, key=keyfile,
+    files = f'[server.tls]\ncert_file = "{cert}"\nkey_file = "{keyfile}"\n' if tls else ""
+    cfg.write_text(TOML.format(host=host, port=port, db=tmp / "llmd.db", extra=extra, tls=files,
                                key_hash=hash_key(key)))
     log = tmp / "server.log"
     proc = spawn([sys.executable, "-m", "llmd", "serve", "--config", str(cfg)], log)
-    url = f"https://{connect}:{port}"
+    url = f"{'https' if tls else 'http'}://{connect}:{port}"
     try:
-        wait_ready(proc, url + "/ready", 60, log, context=trusting(ca))
+        wait_ready(proc, url + "/ready", 60, log, context=trusting(ca) if tls else None)
         end = time.monotonic() + 30
         while not (tmp / "llmd.pid").exists() and time.monotonic() < end:
             time.sleep(0.05)
@@ -168,3 +168,48 @@ def test_an_encrypted_key_is_refused_at_start_not_prompted_for(tmp_path: Path) -
     toml = f'[server.tls]\ncert_file = "{cert}"\nkey_file = "{key}"\n' + MODEL
     out = serve_refusal(tmp_path, toml, "127.0.0.1")
     assert "server.tls.key_file" in out and str(key) in out and "passphrase" in out
+
+
+def silent_closed(sock: socket.socket) -> bool:
+    """Whether the server has closed a socket this side never wrote to."""
+    try:
+        return sock.recv(1024) == b""
+    except BlockingIOError:
+        return False
+    except OSError:  # reset: closed too
+        return True
+
+
+def refused(srv: TLSServer, ca: trustme.CA) -> bool:
+    """Whether a fresh request is turned away (503 in plain HTTP; cut before the handshake under TLS)."""
+    try:
+        with httpx.Client(verify=trusting(ca), timeout=5) as c:
+            return c.get(srv.url + "/health").status_code == 503
+    except httpx.HTTPError:
+        return True
+
+
+@pytest.mark.parametrize("tls", [False, True], ids=["plain", "tls"])
+def test_silent_sockets_are_counted_at_accept_and_cut_at_the_header_timeout(tmp_path: Path, tls: bool) -> None:
+    """The reported repro (cap 20, sockets that never send a byte), with and without TLS: they
+    fill the cap at once (a real client is refused while they are open), and every one is
+    closed by the header timeout (asyncio's own TLS handshake timeout is 60 s)."""
+    ca = trustme.CA()
+    limits = "max_connections = 20\nheader_timeout_s = 1.0\n"
+    with tls_server(tmp_path, ca, extra=limits, tls=tls) as srv:
+        port = int(srv.url.rsplit(":", 1)[1])
+        held = [socket.create_connection(("127.0.0.1", port)) for _ in range(60)]
+        try:
+            for s in held:
+                s.setblocking(False)
+            assert refused(srv, ca)  # 20 silent sockets hold every place: counted before any TLS
+            end = time.monotonic() + 30  # a bound far past the 1 s header timeout, not a speed claim
+            open_ = held
+            while open_ and time.monotonic() < end:
+                open_ = [s for s in open_ if not silent_closed(s)]
+                time.sleep(0.1)
+            assert not open_, f"{len(open_)} of 60 silent sockets still open"
+            assert models_status(httpx.Client(verify=trusting(ca)), srv) == 200  # the places are free again
+        finally:
+            for s in held:
+                s.close()
