@@ -122,10 +122,12 @@ def models_pull(name: str, if_missing: bool) -> None:
 @models.command("import")
 @click.argument("path", type=click.Path(exists=True, path_type=Path))
 @click.option("--name", default=None, help="Model name (default: from the path).")
-def models_import(path: Path, name: str | None) -> None:
+@click.option("--link", is_flag=True, help="Hard-link the files instead of copying them (same filesystem); "
+              "re-binds a weights-only version of the store in place.")
+def models_import(path: Path, name: str | None, link: bool) -> None:
     """Store a local Hugging Face folder (safetensors) or a GGUF file."""
     try:
-        m = WeightStore().import_path(path, name, _progress)
+        m = WeightStore().import_path(path, name, _progress, link=link)
     except StoreError as e:
         raise click.ClickException(str(e)) from None
     click.echo(f"stored {m.name}@{m.short_version} ({m.size_bytes / 1e6:.0f} MB) at {m.path}")
@@ -159,7 +161,8 @@ def models_list(as_json: bool) -> None:
         return
     click.echo(f"{'NAME':<20} {'VERSION':<14} {'SIZE':>9}  SOURCE")
     for m in items:
-        click.echo(f"{m.name:<20} {m.short_version:<14} {m.size_bytes / 1e6:>7.0f}MB  {m.source}")
+        tag = "  (weights-only id: re-bind with `llmd models import ... --link`)" if m.legacy else ""
+        click.echo(f"{m.name:<20} {m.short_version:<14} {m.size_bytes / 1e6:>7.0f}MB  {m.source}{tag}")
 
 
 @models.command("verify")

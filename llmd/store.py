@@ -1,9 +1,15 @@
 """Content-addressed weight store under $LLMD_HOME (default ~/.cache/llmd).
 
-A version id is the sha256 over the names and sha256 digests of a model's weight
-files, so two copies with the same weights share an id and any changed byte gives
-a new one. Loading re-hashes the weights: a server never serves weights other
-than the version it names.
+A version id is the sha256 over the names and sha256 digests of every file of a
+model (weights, config, tokenizer, chat template: all of them shape what it answers),
+so two copies of the same files share an id and any changed byte gives a new one.
+Loading re-hashes them all and refuses a file added or missing: a server never serves
+anything other than the version it names.
+
+Stores written before issue M bound only the `.safetensors` files ("weights-only" ids,
+no `binds` key in their manifest): they still load, with a warning, but are never
+offered to peers; `llmd models import DIR --name N --link` re-binds one under an
+all-files id without copying it.
 """
 
 from __future__ import annotations
@@ -22,11 +28,16 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import structlog
+
 MANIFEST = "llmd-manifest.json"
 WEIGHT_SUFFIX = ".safetensors"
-HASH_CHUNK = 4 * 1024 * 1024
+STREAM_BYTES = 1024 * 1024  # hashed, served and pulled a MiB at a time: no file or chunk sits whole in memory
+HASH_CHUNK = STREAM_BYTES
+BINDS_FILES, BINDS_WEIGHTS = "files", "weights"  # what a version id covers: every file, or (legacy) weights only
 
 Progress = Callable[[str], None]
+log = structlog.get_logger("llmd.store")
 
 
 class StoreError(Exception):
@@ -56,10 +67,19 @@ class StoredModel:
     created: float
     files: dict[str, str]
     path: Path
+    binds: str = BINDS_FILES
 
     @property
     def short_version(self) -> str:
         return self.version[:12]
+
+    @property
+    def legacy(self) -> bool:
+        """A weights-only id (a store from before issue M): its tokenizer and config are unbound."""
+        return self.binds != BINDS_FILES
+
+    def rebind_hint(self) -> str:
+        return f"llmd models import {self.path} --name {self.name} --link"
 
 
 def home() -> Path:
@@ -74,15 +94,21 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
-def version_id(weight_digests: dict[str, str]) -> str:
+def version_id(digests: dict[str, str]) -> str:
+    """The id of a version whose files (name -> sha256) are `digests`."""
     h = hashlib.sha256()
-    for name in sorted(weight_digests):
-        h.update(f"{name}:{weight_digests[name]}\n".encode())
+    for name in sorted(digests):
+        h.update(f"{name}:{digests[name]}\n".encode())
     return h.hexdigest()
 
 
+def bound_files(folder: Path) -> list[str]:
+    """The files a version id binds: every regular file of its folder but the store's manifest."""
+    return sorted(p.name for p in folder.iterdir() if p.is_file() and p.name != MANIFEST)
+
+
 # What renders and counts a prompt: two versions that differ in any of these cannot share
-# token ids (the version id hashes the weights only).
+# token ids (a legacy, weights-only version id does not bind them).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "chat_template.json",
                    "special_tokens_map.json", "added_tokens.json", "tokenizer.model", "vocab.json", "merges.txt")
 
@@ -139,73 +165,87 @@ class WeightStore:
         return candidates[0]
 
     def verify(self, model: StoredModel, progress: Progress | None = None) -> None:
-        """Re-hash the weight files; refuse to serve anything that is not the named version."""
+        """Re-hash the version's files; refuse to serve anything that is not the named version
+        (a changed, missing or, for an all-files id, added file)."""
+        if model.legacy:
+            log.warning("weights_only_version", model=model.name, version=model.short_version,
+                        note="this id binds the weights only: its tokenizer, chat template and config are not "
+                             f"checked, and peers cannot pull it; re-bind it with `{model.rebind_hint()}`")
+        else:
+            extra = sorted(set(bound_files(model.path)) - set(model.files))
+            if extra:
+                raise StoreError(f"{model.name}@{model.short_version}: file {extra[0]} is not part of this version; "
+                                 "refusing to load (remove it, or import the folder as a new version)")
         digests: dict[str, str] = {}
         for name, expected in model.files.items():
             path = model.path / name
             if not path.is_file():
-                raise StoreError(f"{model.name}@{model.short_version}: weight file {name} is missing")
+                raise StoreError(f"{model.name}@{model.short_version}: file {name} is missing")
             if progress:
                 progress(f"verifying {name}")
             digests[name] = sha256_file(path)
             if digests[name] != expected:
                 raise StoreError(
-                    f"{model.name}@{model.short_version}: weight file {name} has sha256 {digests[name][:12]}, "
+                    f"{model.name}@{model.short_version}: file {name} has sha256 {digests[name][:12]}, "
                     f"expected {expected[:12]}; refusing to load mismatched weights"
                 )
         if version_id(digests) != model.version:
-            raise StoreError(f"{model.name}@{model.short_version}: weights do not hash to the version id")
+            raise StoreError(f"{model.name}@{model.short_version}: its files do not hash to the version id")
 
     def _read(self, d: Path) -> StoredModel:
         try:
             m = json.loads((d / MANIFEST).read_text())
             return StoredModel(
                 name=m["name"], version=m["version"], source=m["source"], size_bytes=int(m["size_bytes"]),
-                created=float(m["created"]), files=dict(m["files"]), path=d,
+                created=float(m["created"]), files=dict(m["files"]), path=d, binds=m.get("binds", BINDS_WEIGHTS),
             )
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise StoreError(f"{d}: unreadable manifest: {e}") from None
 
     # -- writing ---------------------------------------------------------
-    def add_hf_dir(self, src: Path, name: str, source: str, progress: Progress | None = None) -> StoredModel:
-        """Copy a Hugging Face folder (safetensors weights) into the store under its content hash."""
+    def add_hf_dir(self, src: Path, name: str, source: str, progress: Progress | None = None,
+                   link: bool = False) -> StoredModel:
+        """Copy a Hugging Face folder (safetensors weights) into the store under the content hash
+        of all its files. `link`: hard links instead of copies (same filesystem; e.g. to re-bind
+        a legacy version in place). Other weight formats and subfolders are left out."""
         src = Path(src)
         if not (src / "config.json").is_file():
             raise StoreError(f"{src}: not a Hugging Face model folder (no config.json)")
-        weights = sorted(p for p in src.iterdir() if p.is_file() and p.name.endswith(WEIGHT_SUFFIX))
-        if not weights:
+        files = [p for p in sorted(src.iterdir()) if p.is_file() and p.name != MANIFEST
+                 and p.suffix not in {".bin", ".pt", ".gguf", ".pth"} and not p.name.startswith(".")]
+        if not any(p.name.endswith(WEIGHT_SUFFIX) for p in files):
             raise StoreError(f"{src}: no {WEIGHT_SUFFIX} weight files (other weight formats are not supported)")
         self.root.mkdir(parents=True, exist_ok=True)
         staging = self.root / f".staging-{uuid.uuid4().hex}"
         staging.mkdir()
         try:
-            digests: dict[str, str] = {}
-            size = 0
-            for p in sorted(src.iterdir()):
-                if not p.is_file() or p.name == MANIFEST or p.suffix in {".bin", ".pt", ".gguf", ".pth"}:
-                    continue
+            for p in files:
                 if progress:
-                    progress(f"copying {p.name} ({p.stat().st_size / 1e6:.1f} MB)")
-                shutil.copy2(p, staging / p.name)
-                size += p.stat().st_size
-                if p.name.endswith(WEIGHT_SUFFIX):
-                    digests[p.name] = sha256_file(staging / p.name)
-            vid = version_id(digests)
-            manifest = {"name": name, "version": vid, "source": source, "size_bytes": size,
-                        "created": time.time(), "files": digests}
-            (staging / MANIFEST).write_text(json.dumps(manifest, indent=2))
-            final = self.root / name / vid
-            if final.exists():
-                shutil.rmtree(staging)
-                if progress:
-                    progress(f"{name}@{vid[:12]} already stored")
-                return self._read(final)
-            final.parent.mkdir(parents=True, exist_ok=True)
-            staging.rename(final)
-            return self._read(final)
+                    progress(f"{'linking' if link else 'copying'} {p.name} ({p.stat().st_size / 1e6:.1f} MB)")
+                _place(p, staging / p.name, link)
+            return self._install(staging, name, source, progress)
         finally:
             if staging.exists():
                 shutil.rmtree(staging, ignore_errors=True)
+
+    def _install(self, staging: Path, name: str, source: str, progress: Progress | None) -> StoredModel:
+        """Hash every file of `staging`, write its manifest and rename it into place (or keep
+        the copy already stored under the same id)."""
+        digests = {f: sha256_file(staging / f) for f in bound_files(staging)}
+        vid = version_id(digests)
+        manifest = {"name": name, "version": vid, "source": source, "binds": BINDS_FILES,
+                    "size_bytes": sum((staging / f).stat().st_size for f in digests),
+                    "created": time.time(), "files": digests}
+        (staging / MANIFEST).write_text(json.dumps(manifest, indent=2))
+        final = self.root / name / vid
+        if final.exists():
+            shutil.rmtree(staging)
+            if progress:
+                progress(f"{name}@{vid[:12]} already stored")
+            return self._read(final)
+        final.parent.mkdir(parents=True, exist_ok=True)
+        staging.rename(final)
+        return self._read(final)
 
     def add_gguf(self, gguf: Path, name: str, source: str, progress: Progress | None = None) -> StoredModel:
         from llmd.convert import gguf_to_hf
@@ -216,12 +256,14 @@ class WeightStore:
             gguf_to_hf(Path(gguf), Path(tmp))
             return self.add_hf_dir(Path(tmp), name, source, progress)
 
-    def import_path(self, path: Path, name: str | None = None, progress: Progress | None = None) -> StoredModel:
+    def import_path(self, path: Path, name: str | None = None, progress: Progress | None = None,
+                    link: bool = False) -> StoredModel:
+        """Store a GGUF file (converted) or a Hugging Face folder (copied, or hard-linked with `link`)."""
         path = Path(path).resolve()
         if path.is_file() and path.suffix == ".gguf":
             return self.add_gguf(path, name or path.stem.split(".")[0].lower(), f"gguf:{path}", progress)
         if path.is_dir():
-            return self.add_hf_dir(path, name or path.name.lower(), f"hf:{path}", progress)
+            return self.add_hf_dir(path, name or path.name.lower(), f"hf:{path}", progress, link)
         raise StoreError(f"{path}: expected a Hugging Face model folder or a .gguf file")
 
     def pull(self, name: str, progress: Progress | None = None) -> StoredModel:
@@ -290,6 +332,17 @@ class WeightStore:
 
     def remove(self, model: StoredModel) -> None:
         shutil.rmtree(model.path)
+
+
+def _place(src: Path, dst: Path, link: bool) -> None:
+    if not link:
+        shutil.copy2(src, dst)
+        return
+    try:
+        os.link(src, dst)
+    except OSError as e:
+        raise StoreError(f"cannot hard-link {src} into the store ({e.strerror}); --link needs the same "
+                         "filesystem: import without it to copy") from None
 
 
 def describe(m: StoredModel) -> dict[str, object]:

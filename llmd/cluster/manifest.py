@@ -21,7 +21,7 @@ from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from llmd.store import MANIFEST, WEIGHT_SUFFIX, StoredModel, StoreError, WeightStore, version_id
+from llmd.store import MANIFEST, STREAM_BYTES, StoredModel, StoreError, WeightStore, version_id
 
 CHUNK_BYTES = 16 * 1024 * 1024  # 16 MiB: a 1 GB model is ~60 chunks, a lost one costs well under a second
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
@@ -105,9 +105,9 @@ class Manifest(BaseModel):
             raise ValueError("a file is listed twice")
         return files
 
-    def weight_digests(self) -> dict[str, str]:
-        """The digests the version id is computed from (the store's rule: the weight files)."""
-        return {f.path: f.sha256 for f in self.files if f.path.endswith(WEIGHT_SUFFIX)}
+    def digests(self) -> dict[str, str]:
+        """The digests the version id is computed from (the store's rule: every file)."""
+        return {f.path: f.sha256 for f in self.files}
 
     @property
     def size(self) -> int:
@@ -124,23 +124,37 @@ class Manifest(BaseModel):
 
 
 def build_manifest(model: StoredModel, chunk_bytes: int = CHUNK_BYTES) -> Manifest:
-    """Hash every file of `model` in chunks; refuse (500) if its weights no longer verify, so a
-    node never offers peers weights other than the version it names."""
-    entries: list[FileEntry] = []
-    for path in sorted(p for p in model.path.iterdir() if p.is_file() and p.name != MANIFEST):
-        whole, chunks, at = hashlib.sha256(), [], 0
-        with path.open("rb") as f:
-            while data := f.read(chunk_bytes):
-                whole.update(data)
-                chunks.append(Chunk(sha256=hashlib.sha256(data).hexdigest(), offset=at, length=len(data)))
-                at += len(data)
-        entries.append(FileEntry(path=path.name, size=at, sha256=whole.hexdigest(), chunks=tuple(chunks)))
+    """Hash every file of `model` in chunks (read a MiB at a time); refuse if its files no longer
+    verify (500), or if its id binds the weights only (409): a node never offers peers anything
+    other than the version it names, tokenizer and config included."""
+    if model.legacy:
+        raise WeightsUnavailable(f"{model.name}@{model.short_version} has a weights-only id (its tokenizer and "
+                                 f"config are not bound); not offered to peers until re-bound: "
+                                 f"`{model.rebind_hint()}`", 409, "weights_only_version")
+    entries = [_file_entry(p, chunk_bytes)
+               for p in sorted(p for p in model.path.iterdir() if p.is_file() and p.name != MANIFEST)]
     m = Manifest(version=model.version, name=model.name, source=model.source, created=model.created,
                  chunk_bytes=chunk_bytes, files=tuple(entries))
-    if m.weight_digests() != model.files or version_id(m.weight_digests()) != model.version:
-        raise WeightsUnavailable(f"{model.name}@{model.short_version}: the stored weights do not verify; "
+    if m.digests() != model.files or version_id(m.digests()) != model.version:
+        raise WeightsUnavailable(f"{model.name}@{model.short_version}: the stored files do not verify; "
                                  "not serving them", 500, "weights_corrupt")
     return m
+
+
+def _file_entry(path: Path, chunk_bytes: int) -> FileEntry:
+    whole, chunks, at = hashlib.sha256(), [], 0
+    with path.open("rb") as f:
+        while True:
+            part, length = hashlib.sha256(), 0
+            while length < chunk_bytes and (data := f.read(min(STREAM_BYTES, chunk_bytes - length))):
+                whole.update(data)
+                part.update(data)
+                length += len(data)
+            if not length:
+                break
+            chunks.append(Chunk(sha256=part.hexdigest(), offset=at, length=length))
+            at += length
+    return FileEntry(path=path.name, size=at, sha256=whole.hexdigest(), chunks=tuple(chunks))
 
 
 def cache_path(model: StoredModel, chunk_bytes: int) -> Path:
@@ -152,7 +166,7 @@ def cached_manifest(model: StoredModel, chunk_bytes: int = CHUNK_BYTES) -> Manif
     path = cache_path(model, chunk_bytes)
     try:
         m = Manifest.model_validate_json(path.read_bytes())
-        if m.version == model.version and m.chunk_bytes == chunk_bytes and m.weight_digests() == model.files:
+        if m.version == model.version and m.chunk_bytes == chunk_bytes and m.digests() == model.files:
             return m
     except (OSError, ValidationError):
         pass
@@ -184,8 +198,8 @@ class WeightServer:
         self._served: dict[str, tuple[StoredModel, bytes, dict[str, ChunkRef]]] = {}
 
     def versions(self) -> list[str]:
-        """Version ids this node can serve (what it advertises as `stored`)."""
-        return sorted({m.version for m in self.store.list()})
+        """Version ids this node can serve (what it advertises as `stored`): weights-only ones are not."""
+        return sorted({m.version for m in self.store.list() if not m.legacy})
 
     def manifest_bytes(self, version: str) -> bytes:
         return self._get(version)[1]

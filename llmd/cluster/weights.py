@@ -1,11 +1,12 @@
 """A version's weights pulled from the peers that hold it, not every node from the origin.
 
 The manifest comes from one peer (its response signed with the cluster's HTTP key, and its
-weight files must hash to the version id before anything is fetched); then every chunk is
+files, every one of them, must hash to the version id before anything is fetched); then every chunk is
 fetched from all the given peers at once, a small pool of requests spread over the peers
 with the fewest in flight. A chunk that fails or does not hash to its sha256 is fetched again
 from another peer; that peer is dropped for that chunk only, and for everything once it has
-failed `max_peer_failures` times. The files are written into a staging folder inside the
+failed `max_peer_failures` times. A chunk is streamed into place a MiB at a time and hashed as
+it arrives, never held whole in memory. The files are written into a staging folder inside the
 store's root, re-hashed whole, checked against the version id, then renamed into place in one
 step: a pull that fails, is cancelled or is killed leaves no model in the store (a killed
 one's staging folder is invisible to the store and swept by the next pull).
@@ -38,7 +39,16 @@ from llmd.cluster.manifest import (
     plain_name,
 )
 from llmd.cluster.signing import HEADER_NONCE, Signer
-from llmd.store import MANIFEST, StoredModel, StoreError, WeightStore, sha256_file, version_id
+from llmd.store import (
+    BINDS_FILES,
+    MANIFEST,
+    STREAM_BYTES,
+    StoredModel,
+    StoreError,
+    WeightStore,
+    sha256_file,
+    version_id,
+)
 
 __all__ = ["CHUNK_BYTES", "RESPONSE", "STAGING_PREFIX", "ChunkRef", "Manifest", "PullError", "PullResult",
            "WeightServer", "WeightsUnavailable", "chunk_path", "is_version_id", "manifest_path", "pull"]
@@ -162,8 +172,8 @@ async def _fetch_manifest(version: str, peers: list[str], http: httpx.AsyncClien
         except ValidationError as e:
             why.append(f"{peer}: malformed manifest ({e.error_count()} errors)")
             continue
-        if m.version != version or version_id(m.weight_digests()) != version:
-            why.append(f"{peer}: manifest's weights do not hash to {version[:12]}")
+        if m.version != version or version_id(m.digests()) != version:
+            why.append(f"{peer}: manifest's files do not hash to {version[:12]}")
             continue
         return m
     raise PullError(f"no peer served the manifest of {version[:12]}: " + "; ".join(why))
@@ -212,7 +222,7 @@ class _Fetch:
             length = self.places[sha][0][2]
             self.inflight[peer] += 1
             try:
-                data = await self._get(peer, sha, length)
+                await self._get(peer, sha, length)
             except _ChunkFailed as e:
                 self.failures[(peer, e.reason)] += 1
                 self.peer_failures[peer] += 1
@@ -221,33 +231,33 @@ class _Fetch:
                 continue
             finally:
                 self.inflight[peer] -= 1
-            await asyncio.to_thread(_write, self.staging, self.places[sha], data)
             self.chunks += 1
-            self.bytes_by_peer[peer] += len(data)
+            self.bytes_by_peer[peer] += length
             self.chunks_by_peer[peer] += 1
-            self.done_bytes += len(data) * len(self.places[sha])
+            self.done_bytes += length * len(self.places[sha])
             if self.progress:
                 self.progress(self.done_bytes, self.total_bytes)
 
-    async def _get(self, peer: str, sha: str, length: int) -> bytes:
+    async def _get(self, peer: str, sha: str, length: int) -> None:
+        """Stream one chunk into every place it fills, a MiB at a time, hashing as it comes; a
+        chunk that fails leaves bytes there that its refetch overwrites (and the install re-hashes)."""
         url = peer.rstrip("/") + chunk_path(self.manifest.version, sha)
-        buf = bytearray()
+        h, got = hashlib.sha256(), 0
         try:
             async with self.http.stream("GET", url, headers=self.signer.call(peer, "GET", urlsplit(url).path)) as r:
                 if r.status_code != 200:
                     raise _ChunkFailed(f"http_{r.status_code}")
-                async for piece in r.aiter_bytes():
-                    buf += piece
-                    if len(buf) > length:
+                async for piece in r.aiter_bytes(STREAM_BYTES):
+                    if got + len(piece) > length:
                         raise _ChunkFailed("too_long")
+                    await asyncio.to_thread(_write, self.staging, self.places[sha], got, piece, h)
+                    got += len(piece)
         except httpx.HTTPError as e:
             raise _ChunkFailed(type(e).__name__) from None
-        if len(buf) != length:
+        if got != length:
             raise _ChunkFailed("short")
-        data = bytes(buf)
-        if await asyncio.to_thread(lambda: hashlib.sha256(data).hexdigest()) != sha:
+        if h.hexdigest() != sha:
             raise _ChunkFailed("sha256_mismatch")
-        return data
 
 
 def _preallocate(staging: Path, m: Manifest) -> None:
@@ -256,17 +266,19 @@ def _preallocate(staging: Path, m: Manifest) -> None:
             out.truncate(f.size)
 
 
-def _write(staging: Path, places: list[tuple[str, int, int]], data: bytes) -> None:
+def _write(staging: Path, places: list[tuple[str, int, int]], at: int, data: bytes, h: hashlib._Hash) -> None:
     # Opened by path each time: a write still running after a cancelled pull removed the
     # staging folder fails on its own instead of landing in a reused descriptor.
+    h.update(data)
     for rel, offset, _ in places:
         with (staging / rel).open("r+b") as f:
-            f.seek(offset)
+            f.seek(offset + at)
             f.write(data)
 
 
 def _install(store: WeightStore, staging: Path, m: Manifest, name: str) -> StoredModel:
-    """Re-hash every file, check the version id, write the store's manifest, rename into place."""
+    """Re-hash every file, check the version id over all of them, write the store's manifest,
+    rename into place."""
     digests: dict[str, str] = {}
     for f in m.files:
         path = staging / f.path
@@ -275,10 +287,10 @@ def _install(store: WeightStore, staging: Path, m: Manifest, name: str) -> Store
             raise PullError(f"{f.path}: the assembled file does not hash to the manifest's sha256")
         with path.open("rb") as fh:
             os.fsync(fh.fileno())  # on disk before the rename makes it visible
-    if version_id({p: digests[p] for p in m.weight_digests()}) != m.version:
-        raise PullError(f"the pulled weights do not hash to {m.version[:12]}")
-    entry = {"name": name, "version": m.version, "source": m.source, "size_bytes": m.size,
-             "created": m.created, "files": m.weight_digests()}
+    if version_id(digests) != m.version:
+        raise PullError(f"the pulled files do not hash to {m.version[:12]}")
+    entry = {"name": name, "version": m.version, "source": m.source, "binds": BINDS_FILES, "size_bytes": m.size,
+             "created": m.created, "files": digests}
     (staging / MANIFEST).write_text(json.dumps(entry, indent=2))
     final = store.root / name / m.version
     final.parent.mkdir(parents=True, exist_ok=True)

@@ -50,7 +50,7 @@ def load(api: Api, model: str, version: str, no_warm: bool, cpu_bind: str | None
 @click.argument("weights", nargs=-1, required=True)
 @click.pass_obj
 def split(api: Api, model: str, weights: tuple[str, ...]) -> None:
-    """Route MODEL's traffic by WEIGHTS, given as VERSION=WEIGHT (e.g. db23=90 7f1c=10)."""
+    """Route MODEL's traffic by WEIGHTS, given as VERSION=WEIGHT (e.g. f647=90 7f1c=10)."""
     parsed: dict[str, float] = {}
     for w in weights:
         version, sep, value = w.partition("=")

@@ -337,3 +337,56 @@ async def test_a_node_advertises_the_versions_it_stores_and_a_joiner_finds_a_pin
     # unpinned, a stored version id does not say which model it is: only a node serving the model counts
     assert holders([state], ModelConfig(name="tiny", backend="fake", source="tiny")) == {}
     assert holders([state], ModelConfig(name="tiny", backend="fake", source="tiny", version="0" * 12)) == {}
+
+
+async def test_a_peer_whose_tokenizer_is_not_its_versions_is_not_pulled_from(peers: Peers, http: httpx.AsyncClient,
+                                                                             tmp_path: Path) -> None:
+    # The id binds every file: A's tokenizer changed on disk (weights intact) makes A's copy
+    # another model under that id; A refuses to offer it and the puller takes B's.
+    (peers.store_a.resolve("tiny").path / "tokenizer.json").write_text('{"version": "evil"}')
+    url = peers.a.url + manifest_path(peers.version)
+    r = await http.get(url, headers=signer().headers("GET", manifest_path(peers.version)))
+    assert r.status_code == 500 and r.json()["error"]["code"] == "weights_corrupt"
+    store = WeightStore(tmp_path / "c")
+    res = await pull(peers.version, [peers.a.url, peers.b.url], http, signer(), store=store)
+    store.verify(res.model)
+    assert (res.model.path / "tokenizer.json").read_text() == '{"version": "1.0"}'
+    assert res.chunks_by_peer[peers.a.url] == 0
+
+
+async def test_a_weights_only_version_is_refused_to_peers(peers: Peers, http: httpx.AsyncClient) -> None:
+    from tests.unit.test_store import legacy_copy
+
+    old = legacy_copy(peers.store_a, peers.store_a.resolve("tiny"))
+    path = manifest_path(old.version)
+    r = await http.get(peers.a.url + path, headers=signer().headers("GET", path))
+    assert r.status_code == 409 and r.json()["error"]["code"] == "weights_only_version"
+    assert "llmd models import" in r.json()["error"]["message"]
+
+
+async def test_a_pull_streams_chunks_without_holding_one_whole(make_server: Any, tmp_path: Path,
+                                                               http: httpx.AsyncClient) -> None:
+    import tracemalloc
+
+    secret = tmp_path / "secret"
+    secret.write_bytes(SECRET)
+    src = tmp_path / "big"
+    src.mkdir()
+    (src / "config.json").write_text("{}")
+    (src / "model.safetensors").write_bytes(random.Random(3).randbytes(32 << 20))  # two 16 MiB chunks
+    store_a = WeightStore(tmp_path / "a")
+    version = store_a.import_path(src, "big").version
+    a = await make_server(node_toml("a", secret), store_a)
+    WeightServer(store_a).manifest_bytes(version)  # the manifest built (and cached) before the measure
+    store = WeightStore(tmp_path / "c")
+    tracemalloc.start()
+    try:
+        res = await pull(version, [a.url], http, signer(), store=store, concurrency=2)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    store.verify(res.model)
+    assert res.chunks == 3  # config.json and the two halves of the weights
+    # Two 16 MiB chunks in flight at once, server and puller in this process: together they
+    # never hold as much as one chunk (a buffered fetch holds each whole, and a copy of it).
+    assert peak < 16 << 20

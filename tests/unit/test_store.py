@@ -1,17 +1,22 @@
-"""Weight store: content-addressed versions, verification, CLI listing."""
+"""Weight store: content-addressed versions (every file bound to the id), verification, legacy
+weights-only versions and their re-binding, CLI listing."""
 
 from __future__ import annotations
 
 import json
+import shutil
+import tracemalloc
 from pathlib import Path
 
 import pytest
+import structlog
 import torch
 from click.testing import CliRunner
 from safetensors.torch import save_file
 
 from llmd.cli import main
-from llmd.store import StoreError, WeightStore, sha256_file, tokenizer_id, version_id
+from llmd.cluster.manifest import Manifest, WeightServer, WeightsUnavailable, build_manifest
+from llmd.store import MANIFEST, StoredModel, StoreError, WeightStore, sha256_file, tokenizer_id, version_id
 
 
 def hf_dir(root: Path, seed: int = 0) -> Path:
@@ -28,7 +33,7 @@ def test_import_is_content_addressed(tmp_path: Path) -> None:
     store = WeightStore(tmp_path / "home")
     src = hf_dir(tmp_path)
     m = store.import_path(src, "tiny")
-    assert m.version == version_id({"model.safetensors": sha256_file(src / "model.safetensors")})
+    assert m.version == version_id({f.name: sha256_file(f) for f in src.iterdir()}) and not m.legacy
     assert (m.path / "tokenizer.json").is_file() and m.source.startswith("hf:")
     again = store.import_path(src, "tiny")
     assert again.version == m.version and len(store.list()) == 1
@@ -114,7 +119,7 @@ def test_cast_copy_is_a_new_version_of_the_same_model(tmp_path: Path) -> None:
 
 
 def test_the_tokenizer_id_changes_with_the_tokenizer_or_template_and_only_with_them(tmp_path: Path) -> None:
-    """Versions hash their weights only; what renders their prompts is fingerprinted apart."""
+    """What renders their prompts is fingerprinted apart from the version (a cluster compares it)."""
     a, b = hf_dir(tmp_path, seed=0), hf_dir(tmp_path, seed=1)  # other weights, the same tokenizer
     assert tokenizer_id(a) == tokenizer_id(b) != tokenizer_id(None) == "simple"
     (b / "chat_template.jinja").write_text("{{ messages[0]['content'] }}")
@@ -125,3 +130,92 @@ def test_the_tokenizer_id_changes_with_the_tokenizer_or_template_and_only_with_t
     assert tokenizer_id(a) == tokenizer_id(b)
     assert tokenizer_id(a, "org/other-tokenizer") != tokenizer_id(a)  # the engine told to use another
     assert tokenizer_id(b, str(a)) == tokenizer_id(a)  # a folder named instead: hashed as that folder
+
+
+@pytest.mark.parametrize("name", ["tokenizer.json", "config.json", "chat_template.jinja", "generation_config.json"])
+def test_every_file_of_a_version_is_bound_to_its_id(tmp_path: Path, name: str) -> None:
+    store = WeightStore(tmp_path / "home")
+    src = hf_dir(tmp_path)
+    (src / "chat_template.jinja").write_text("{{ messages }}")
+    (src / "generation_config.json").write_text("{}")
+    m = store.import_path(src, "tiny")
+    assert set(m.files) == {f.name for f in src.iterdir()}
+    (src / name).write_text('{"changed": true}')
+    assert store.import_path(src, "tiny").version != m.version  # another tokenizer/config: another version
+    (m.path / name).write_text('{"changed": true}')  # the stored copy altered in place: refused
+    with pytest.raises(StoreError, match=f"file {name} has sha256 .* refusing to load"):
+        store.verify(m)
+
+
+def test_a_file_added_to_or_missing_from_a_version_is_refused(tmp_path: Path) -> None:
+    store = WeightStore(tmp_path / "home")
+    m = store.import_path(hf_dir(tmp_path), "tiny")
+    (m.path / "chat_template.jinja").write_text("{{ evil }}")  # vLLM would read it: not this version
+    with pytest.raises(StoreError, match=r"file chat_template\.jinja is not part of this version"):
+        store.verify(m)
+    (m.path / "chat_template.jinja").unlink()
+    store.verify(m)
+    (m.path / "tokenizer.json").unlink()
+    with pytest.raises(StoreError, match=r"file tokenizer\.json is missing"):
+        store.verify(m)
+
+
+def legacy_copy(store: WeightStore, m: StoredModel) -> StoredModel:
+    """`m` as a store from before issue M wrote it: the id over the weights only, no `binds`."""
+    weights = {f: d for f, d in m.files.items() if f.endswith(".safetensors")}
+    old = version_id(weights)
+    shutil.copytree(m.path, m.path.parent / old)
+    entry = json.loads((m.path / MANIFEST).read_text())
+    del entry["binds"]
+    (m.path.parent / old / MANIFEST).write_text(json.dumps({**entry, "version": old, "files": weights,
+                                                            "created": entry["created"] - 100}))
+    store.remove(m)
+    return store.resolve(m.name, old)
+
+
+def test_a_legacy_weights_only_version_loads_with_a_warning_and_is_rebound_in_place(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    home = tmp_path / "home"
+    store = WeightStore(home)
+    old = legacy_copy(store, store.import_path(hf_dir(tmp_path), "tiny"))
+    assert old.legacy and set(old.files) == {"model.safetensors"}
+    with structlog.testing.capture_logs() as logs:
+        store.verify(old)  # still loads: its weights verify
+    warned = [e for e in logs if e["event"] == "weights_only_version"]
+    assert warned and f"llmd models import {old.path} --name tiny --link" in warned[0]["note"]
+    ws = WeightServer(store)
+    assert ws.versions() == []  # never advertised to peers
+    with pytest.raises(WeightsUnavailable, match="weights-only id") as e:
+        ws.manifest_bytes(old.version)
+    assert e.value.status == 409 and e.value.code == "weights_only_version"
+
+    monkeypatch.setenv("LLMD_HOME", str(home))
+    runner = CliRunner()
+    assert "weights-only id" in runner.invoke(main, ["models", "list"]).output
+    r = runner.invoke(main, ["models", "import", str(old.path), "--name", "tiny", "--link"])
+    assert r.exit_code == 0, r.output
+    new = store.resolve("tiny")  # the newest: what an unpinned config now loads
+    assert not new.legacy and new.version != old.version and set(new.files) == {"config.json", "tokenizer.json",
+                                                                                "model.safetensors"}
+    assert (new.path / "model.safetensors").stat().st_ino == (old.path / "model.safetensors").stat().st_ino
+    store.verify(new)
+    assert ws.versions() == [new.version] and Manifest.model_validate_json(ws.manifest_bytes(new.version))
+    assert store.resolve("tiny", old.version[:12]).legacy  # a config pinned to the old id still loads it
+
+
+def test_hashing_a_version_streams_a_mib_at_a_time(tmp_path: Path) -> None:
+    src = tmp_path / "big"
+    src.mkdir()
+    (src / "config.json").write_text("{}")
+    (src / "model.safetensors").write_bytes(bytes(range(256)) * (24 * 4096))  # 24 MiB
+    store = WeightStore(tmp_path / "home")
+    m = store.import_path(src, "big")
+    tracemalloc.start()
+    try:
+        store.verify(m)
+        manifest = build_manifest(m, chunk_bytes=16 * 1024 * 1024)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert [c.length for f in manifest.files for c in f.chunks if f.path == "model.safetensors"] == [16 << 20, 8 << 20]
+    assert peak < 3 * 1024 * 1024  # a 16 MiB chunk is hashed without ever being held whole
