@@ -16,11 +16,14 @@ from llmd.cli import main
 from llmd.config import TenantConfig
 from llmd.config.parts import SchedulingConfig
 from llmd.plan.sim.builtin import poisson_trace
+from llmd.plan.sim.engine import Engine
 from llmd.plan.sim.fleet import Fleet
+from llmd.plan.sim.metrics import Recorder
 from llmd.plan.sim.report import simulate
 from llmd.plan.sim.request import Req
 from llmd.plan.sim.spec import Autoscale, EngineSpec, SimSpec
 from llmd.plan.sim.trace import Trace
+from llmd.policy.queue import QueuedRequest
 from llmd.stepmodel import StepModel, StepShape
 
 STEP = StepModel(coef={"c_step": 0.005, "c_seq": 0.001, "c_tok": 2e-5, "c_kv": 1e-7, "c_attn": 1e-9})
@@ -79,8 +82,12 @@ def test_every_request_ends_exactly_once() -> None:
     ended: list[int] = []
     completed = fleet.rec.completed
 
+    short: list[int] = []
+
     def count(r: Req, t: float) -> None:
         ended.append(r.i)
+        if r.generated < r.output:
+            short.append(r.i)
         completed(r, t)
 
     fleet.rec.completed = count  # type: ignore[method-assign]
@@ -90,7 +97,8 @@ def test_every_request_ends_exactly_once() -> None:
     assert c["arrived"] == len(trace)
     assert c["completed"] + c["shed"] + c["deadline_dropped"] + c["failed_lost"] == len(trace)
     assert len(ended) == len(set(ended)) == c["completed"]
-    assert fleet.in_flight == 0
+    assert short == []  # each with its whole output, KV preemptions (recomputes) and all
+    assert c["completed"] and fleet.in_flight == 0
     assert all(not r.reqs and r.engine.running == 0 for r in fleet.replicas)
 
 
@@ -283,3 +291,24 @@ def test_a_sequence_preempted_mid_segment_keeps_the_tokens_it_was_sent() -> None
     (t, generated), *_ = seen
     # first token after its prefill step (0.06 s), then a token every 0.05 s until the step under way at 5.0
     assert 5.0 <= t <= 5.06 and generated == 1 + int((5.0 - 0.06) / 0.05)
+
+
+def test_a_request_preempted_for_kv_finishes_with_its_whole_output() -> None:
+    """Out of KV, the engine recomputes its newest sequence. Its first attempt's place in the
+    finish heap (the step it would have ended at) once ended the recompute early, with fewer
+    tokens than asked: the replica then took it for unfinished, put it back in llmd's queue and
+    forgot it, and `llmd plan search` died of a KeyError (issue M). Each of three requests that
+    cannot all fit in 100 tokens of KV ends once, with its output."""
+    spec = EngineSpec(max_num_seqs=8, max_num_batched_tokens=64, kv_tokens=100, prefix_caching=False)
+    eng = Engine(spec, STEP, Recorder(("t",), 0.0, 0.0), 16)
+    reqs = [Req(i, 0, 0, 10, 40, -1, 0, 0.0, QueuedRequest(str(i), "t", "interactive", 10, 40, 1e9), True)
+            for i in range(3)]
+    for r in reqs:
+        eng.add(r)
+    now, done = 0.0, []
+    while (end := eng.plan(now)) is not None and len(done) < len(reqs):
+        now = end
+        done += eng.complete(now)[1]
+    assert eng.preempted > 0
+    assert sorted(r.i for r in done) == [0, 1, 2]
+    assert [r.generated for r in done] == [40, 40, 40]

@@ -163,12 +163,14 @@ class Engine:
         return self.cache.holds(prefix)
 
     def _preempt_newest(self, now: float) -> None:
-        """Out of KV: the newest sequence goes back to the head of the queue, to recompute."""
+        """Out of KV: the newest sequence goes back to the head of the queue, to recompute, as a
+        new attempt in the same place. The old attempt stays dead: its finish-heap entry (the step
+        it would have ended at) must not end the recompute early, with a stale token count."""
         newest = max([*self.prefill, *self.decoding.values()], key=lambda s: s.order)
         self.remove(newest, now)
-        newest.dead = False
-        newest.r.seq = newest
-        self.waiting.appendleft(newest)
+        again = Seq(newest.r, newest.order)
+        newest.r.seq = again
+        self.waiting.appendleft(again)
         self.preempted += 1
 
     # -- planning the next step(s) ---------------------------------------------
