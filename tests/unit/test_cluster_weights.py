@@ -345,7 +345,7 @@ async def test_a_peer_whose_tokenizer_is_not_its_versions_is_not_pulled_from(pee
     # another model under that id; A refuses to offer it and the puller takes B's.
     (peers.store_a.resolve("tiny").path / "tokenizer.json").write_text('{"version": "evil"}')
     url = peers.a.url + manifest_path(peers.version)
-    r = await http.get(url, headers=signer().headers("GET", manifest_path(peers.version)))
+    r = await http.get(url, headers=signer().headers("GET", manifest_path(peers.version), to=A))
     assert r.status_code == 500 and r.json()["error"]["code"] == "weights_corrupt"
     store = WeightStore(tmp_path / "c")
     res = await pull(peers.version, [peers.a.url, peers.b.url], http, signer(), store=store)
@@ -359,7 +359,7 @@ async def test_a_weights_only_version_is_refused_to_peers(peers: Peers, http: ht
 
     old = legacy_copy(peers.store_a, peers.store_a.resolve("tiny"))
     path = manifest_path(old.version)
-    r = await http.get(peers.a.url + path, headers=signer().headers("GET", path))
+    r = await http.get(peers.a.url + path, headers=signer().headers("GET", path, to=A))
     assert r.status_code == 409 and r.json()["error"]["code"] == "weights_only_version"
     assert "llmd models import" in r.json()["error"]["message"]
 
