@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from bench.lib.servers import LiveServer
+from llmd import telemetry
 from tests.matrix import client
 from tests.matrix.cluster import Servers, ledger_rows
 from tests.matrix.features import Case
@@ -67,6 +68,8 @@ class Run:
         return self.retry if self.retry is not None and self.reply.status is None else self.reply
     rows: list[dict[str, Any]] = field(default_factory=list)  # new usage rows where the client called
     peer_rows: int = 0  # new usage rows on the peers (must be none: metered at the ingress)
+    records: list[dict[str, Any]] = field(default_factory=list)  # the request records of its row's request
+    key: str = ""  # its X-Request-ID, and its Idempotency-Key where it has one
     struck: bool = False  # the fault or the cancellation was struck while tokens flowed
 
 
@@ -138,7 +141,9 @@ async def run_case(servers: Servers, case: Case) -> Run:
     live = _node(servers, case)
     db = live.node.config.server.db_path
     before, peer_before = len(ledger_rows(db)), servers.peer_rows()
-    run = Run(case, sc, client.Reply())
+    run = Run(case, sc, client.Reply(), key=key)
+    seen: list[dict[str, Any]] = []
+    telemetry.RECORD_SINKS.append(seen.append)
     try:
         if case["path"] == "batch_api":
             run.reply = await _batch(live, case, sc, run, servers)
@@ -148,9 +153,12 @@ async def run_case(servers: Servers, case: Case) -> Run:
                 run.retry = await client.call(live.base, case, sc, key)
         await _settled(servers, live, db, before)
     finally:
+        telemetry.RECORD_SINKS.remove(seen.append)
         if case["path"] == "forwarded":
             live.node.cluster.draining = True
     run.rows = ledger_rows(db)[before:]
+    ids = {r["request_id"] for r in run.rows}
+    run.records = [r for r in seen if r["request_id"] in ids]
     run.peer_rows = servers.peer_rows() - peer_before
     return run
 

@@ -43,6 +43,8 @@ def check(run: Run) -> None:
     assert run.peer_rows == 0, "the peer metered a request the ingress meters"
     (row,) = run.rows
     assert row["status"] == want.row, (row, run.reply)
+    (rec,) = run.records
+    features_seen(run, want, row, rec)
     for reply in filter(None, (run.reply, run.retry)):
         for piece in NEVER_SENT:
             assert piece.encode() not in reply.raw, f"{piece!r} was sent: {reply.raw[:2000]!r}"
@@ -63,6 +65,26 @@ def check(run: Run) -> None:
         assert choices and all(c["finish"] == "content_filter" for c in choices.values()), choices
     if run.retry is not None and run.answer is run.reply:
         assert same(run.retry, run) == same(run.reply, run), "the retry under the Idempotency-Key differs"
+
+
+def features_seen(run: Run, want: Expected, row: dict[str, Any], rec: dict[str, Any]) -> None:
+    """The ledger row and the request record name what the request went through."""
+    case = run.case
+    assert row["priority_class"] == ("batch" if case["path"] == "batch_api" else case["priority"]), row
+    if case["path"] == "batch_api":  # an item is idempotent under its batch and custom_id
+        assert row["idempotency_key"].endswith("/only"), row
+    else:
+        assert row["idempotency_key"] == (run.key if case["idempotency"] == "on" else None), row
+    if case["path"] == "forwarded":  # it ran on the peer first (the replica names the first node)
+        assert rec["replica"].startswith("p"), rec
+    if case["fault"] != "none" and want.outcome != "error":  # carried over the fault: resumed
+        assert rec["resumed"] >= 1, rec
+        mark = "failover:p" if case["fault"] == "node_death" else "resumed"
+        assert mark in (rec["marks"] or ""), rec
+    if case["filter"] == "redact" and want.outcome == "complete":
+        assert rec["redacted"] == "pii/email", rec
+    if want.outcome == "filtered":
+        assert rec["finish_reason"] == "content_filter" and rec["filter"], rec
 
 
 def complete(run: Run, c: dict[str, Any]) -> None:
