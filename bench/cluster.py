@@ -18,6 +18,8 @@ per uncached token): routing beside round robin, failover, a quota across nodes.
       both for each load, from the same kind of chats through LRUs without nodes).
   (b) failover: kill -9 of a node running >= 30 streams (bench/cluster_faults.py).
   (d) one tenant's tokens per minute across 3 nodes.
+  (h) chats on one hot system prompt entering the nodes in turn: later turns on their history's
+      node, and (a)'s 70 % beside the code before (`--baseline CHECKOUT`, `--rounds`).
 Gossip bandwidth and detection times (c): bench/cluster_gossip.py.
 
   .venv/bin/python bench/cluster.py [--parts a,d] [--seconds 120] [--workload pressure|light]
@@ -25,6 +27,7 @@ Gossip bandwidth and detection times (c): bench/cluster_gossip.py.
   .venv/bin/python bench/cluster.py --parts a --loads 0.3,0.5 --no-hot --save a1.json
   .venv/bin/python bench/cluster.py --parts a --loads 0.7,1.0 --capacity C --save a2.json
   .venv/bin/python bench/cluster.py --merge a1.json,a2.json
+  .venv/bin/python bench/cluster.py --parts h --capacity 4.5 --baseline ../before --rounds 2
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import subprocess
 import sys
 import tempfile
 import time
@@ -57,22 +61,31 @@ THINK_S = 3.0  # a user reads the answer before the next turn
 
 
 async def chats(nodes: list[Node], wl: Workload, sessions_per_s: float, seconds: float,
-                seed: int, log: list[tuple[dict[str, Any], Stream]]) -> None:
+                seed: int, log: list[tuple[dict[str, Any], Stream]], in_turn: bool = False,
+                later: list[tuple[float, bool]] | None = None) -> None:
     """Chat sessions arriving as a Poisson process, drawn before the run (`Workload.sessions`:
     every run of a seed sends the same chats, whatever the placement); each sends its turns one
     after another (THINK_S of reading between), every turn to its drawn node, as a load
-    balancer would. Sessions start at their drawn times, not after sleeps that a busy client
-    overshoots."""
+    balancer would (`in_turn`: to the nodes in turn, request by request, as a round-robin
+    balancer would). Sessions start at their drawn times, not after sleeps that a busy client
+    overshoots. `later` gets, for each turn after a chat's first, (its send time, whether it ran
+    on the node its previous turn ran on: where its history is cached)."""
     client = new_client(timeout=300)
+    sent = iter(range(10**9))
 
     async def session(plan: Session) -> None:
+        prev: str | None = None
         for question, ingress in zip(plan.questions, plan.ingress, strict=True):
             body = wl.next_turn(plan.chat, question)
             s = Stream("a", time.monotonic(), texts=[])
             log.append((body, s))
-            await stream(client, nodes[ingress].srv.url + "/v1/chat/completions", s, body)
+            node = nodes[next(sent) % len(nodes)] if in_turn else nodes[ingress]
+            await stream(client, node.srv.url + "/v1/chat/completions", s, body)
             if not s.ok:
                 return
+            if later is not None and prev is not None:
+                later.append((s.t_send, s.node == prev))
+            prev = s.node
             wl.answered(plan.chat, "".join(s.texts or []))
             await asyncio.sleep(THINK_S)
 
@@ -164,16 +177,21 @@ HOT_SEEDS = (1, 2, 3)
 
 async def one_run(tmp: Path, placement: str, req_per_s: float, seconds: float, hot: float | None = None,
                   seed: int = 1, warmup_s: float = 0.0, workload: str = "pressure",
-                  homes: bool | None = None) -> dict[str, Any]:
+                  homes: bool | None = None, root: Path | None = None, in_turn: bool = False) -> dict[str, Any]:
+    """One run; `root`: the nodes run that checkout's llmd (a baseline); `in_turn`: the requests
+    enter the nodes in turn (`chats`)."""
     # "single": one node with the three nodes' KV cache, prefill rate and seats together: the
     # single shared cache the issue compares with, measured (running sequences pin its KV too)
     n, scale = (1, 3) if placement == "single" else (3, 1)
     kv_blocks, wl_kw = _workload(workload)
-    nodes = await asyncio.to_thread(start_nodes, tmp / f"{placement}-{req_per_s:.1f}-{hot}", n,
-                                    "score" if placement == "single" else placement, 5.0, kv_blocks * scale,
+    turns = wl_kw.get("turns", (4, 7))
+    nodes = await asyncio.to_thread(start_nodes, tmp / f"{placement}-{req_per_s:.1f}-{hot}-{time.monotonic():.0f}",
+                                    n, "score" if placement == "single" else placement, 5.0, kv_blocks * scale,
                                     PREFILL_TPS * scale, seqs=32 * scale,
-                                    cluster_extra="" if homes is None else f"balanced_homes = {str(homes).lower()}")
+                                    cluster_extra="" if homes is None else f"balanced_homes = {str(homes).lower()}",
+                                    root=root)
     log: list[tuple[dict[str, Any], Stream]] = []
+    later: list[tuple[float, bool]] = []
     queues: dict[str, list[tuple[float, int]]] = {}
     bound: list[bool] = []
     inside: dict[str, list[tuple[float, int]]] = {}
@@ -181,7 +199,8 @@ async def one_run(tmp: Path, placement: str, req_per_s: float, seconds: float, h
     sampler = asyncio.create_task(sample_queues(nodes, stop, queues, bound=bound, inside=inside))
     try:
         wl = Workload(seed=seed, hot=hot, **wl_kw)
-        await chats(nodes, wl, req_per_s / 5.5, seconds, seed, log)
+        # a chat of t turns sends t requests: sessions per second from requests per second
+        await chats(nodes, wl, req_per_s / (sum(turns) / 2), seconds, seed, log, in_turn, later)
     finally:
         stop.set()
         await sampler
@@ -217,6 +236,8 @@ async def one_run(tmp: Path, placement: str, req_per_s: float, seconds: float, h
             # steady state: the requests sent per second while sessions still start, and TTFT p50
             # in each half of that window (a queue that keeps growing: the second far over the first)
             "sent_per_s": len(window) / (t_end - t_warm) if t_end > t_warm else None,
+            "later": len([1 for t, _ in later if t_warm <= t < t_end]),
+            "later_on_history": sum(same for t, same in later if t_warm <= t < t_end),
             "ttft_p50_halves": [stats.pct(h, 50) if h else None for h in halves]}
 
 
@@ -468,6 +489,76 @@ async def part_d(tmp: Path, seconds: float, quota: int = 6000) -> list[str]:
     return lines
 
 
+H_SECONDS = 120.0  # arrivals per (h) run, the first third not counted
+H_TITLE = "(h) Chats on one hot system prompt entering the nodes in turn, beside the code before"
+
+
+async def part_h(tmp: Path, seconds: float, capacity: float, baseline: Path | None, rounds: int,
+                 save: Path | None = None) -> dict[str, Any]:
+    """(h) as data: chats of 2-5 turns all on one hot system prompt (split over several homes),
+    every request entering the nodes in turn, at 70 % of round robin's capacity; then (a)'s
+    workload at 70 %, each request at its drawn node. Each in `rounds` rounds of this code and,
+    with `baseline` (a checkout of the code before), of that code, alternating in the same run.
+    `save`: the runs so far are written there after each one (`--h-from` reports them)."""
+    codes: list[tuple[str, Path | None]] = [("this", None)] + ([("before", baseline)] if baseline else [])
+    runs: list[dict[str, Any]] = []
+    out = {"capacity": capacity, "seconds": seconds, "runs": runs,
+           "baseline": _commit_of(baseline) if baseline else None, "command": report.command()}
+    for rnd in range(rounds):
+        for kind, workload, in_turn in (("chats", "chats", True), ("70 %", "pressure", False)):
+            for code, root in codes:
+                r = await one_run(tmp, "score", 0.7 * capacity, seconds, seed=1 + (rnd if in_turn else 0),
+                                  warmup_s=seconds / 3, workload=workload, root=root, in_turn=in_turn)
+                r.update(code=code, kind=kind, round=rnd + 1)
+                print("h", {k: r[k] for k in ("code", "kind", "round", "ok", "requests", "hit", "ttft_p90",
+                                              "later", "later_on_history")}, flush=True)
+                runs.append(r)
+                if save is not None:
+                    await asyncio.to_thread(save.write_text, json.dumps(out))
+    return out
+
+
+def _commit_of(root: Path) -> str:
+    """The short commit a checkout is at."""
+    r = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                       check=False)
+    return r.stdout.strip() or str(root)
+
+
+def report_h(data: dict[str, Any]) -> list[str]:
+    runs = data["runs"]
+    rows = [[r["kind"], r["code"], str(r["round"]), f"{r['ok']}/{r['requests']}",
+             f"{r['later_on_history']}/{r['later']}" if r["kind"] == "chats" else "-",
+             f"{r['hit']:.2f}", report.num(r["ttft_p50"], 3), report.num(r["ttft_p90"], 3)] for r in runs]
+
+    def mean(kind: str, code: str, key: str) -> float | None:
+        xs = [r[key] for r in runs if r["kind"] == kind and r["code"] == code and r[key] is not None]
+        return sum(xs) / len(xs) if xs else None
+
+    ours = [r for r in runs if r["kind"] == "chats" and r["code"] == "this"]
+    worst = min((r["later_on_history"] / r["later"] if r["later"] else 0.0 for r in ours), default=0.0)
+    lines = [" ".join([
+        f"3 nodes, fake engines as in (a) (prefill {PREFILL_TPS:.0f} tokens/s, 400 blocks of 16 tokens each).",
+        "`chats`: every chat (2-5 turns) on one system prompt of 1500 words, each request entering the next",
+        f"node in turn (a round-robin balancer), at 70 % of round robin's capacity ({data['capacity']:.2f} req/s);",
+        "`70 %`: (a)'s workload at 70 %, each request at its drawn node. `later on history`: turns after a",
+        "chat's first that ran on the node its previous turn ran on (where its history is cached).",
+        f"{data['seconds']:.0f} s of arrivals per run, the first third not counted; `before`: the code at",
+        f"{data.get('baseline') or '-'} (a checkout passed as `--baseline`), run alternately in the same run."]), "",
+        *report.table(["workload", "code", "round", "ok", "later on history", "hit rate", "TTFT p50 s",
+                       "TTFT p90 s"], rows), ""]
+    verdicts = [(f"later turns on their history's node >= 95 % in every `chats` run (worst {worst:.0%})",
+                 bool(ours) and worst >= 0.95)]
+    hit, hit0 = mean("70 %", "this", "hit"), mean("70 %", "before", "hit")
+    p90, p900 = mean("70 %", "this", "ttft_p90"), mean("70 %", "before", "ttft_p90")
+    if hit is not None and hit0 is not None and p90 is not None and p900 is not None:
+        verdicts += [(f"hit rate at 70 % no worse than before, means of the rounds ({hit:.2f} vs {hit0:.2f}, "
+                      "0.01 of spread allowed)", hit >= hit0 - 0.01),
+                     (f"TTFT p90 at 70 % no worse than before, means of the rounds ({p90:.3f} vs {p900:.3f} s, "
+                      "10 % of spread allowed)", p90 <= 1.1 * p900)]
+    return lines + report.verdict_lines(verdicts)
+
+
 A_TITLES = {"pressure": ("(a)", "(a) Routing by load and prefix, beside round robin: cache pressure"),
             "light": ("(a1)", "(a1) Routing by load and prefix, light cache pressure (the first workload), rerun")}
 
@@ -497,7 +588,18 @@ def main() -> None:
                     "file by hand)")
     ap.add_argument("--save", type=Path, help="(a): write its runs to this JSON file, not to the docs")
     ap.add_argument("--merge", help="(a): comma-separated --save files of one workload: write them as one")
+    ap.add_argument("--baseline", type=Path, help="(h): a checkout of the code before, run in the same run")
+    ap.add_argument("--rounds", type=int, default=1, help="(h): rounds of runs")
+    ap.add_argument("--h-seconds", type=float, default=H_SECONDS, help="(h): arrivals per run")
+    ap.add_argument("--h-from", type=Path, help="(h): write it from a --save file (its runs so far)")
     args = ap.parse_args()
+    if args.h_from:  # (h) from a save, as far as it got (a run cut short keeps its finished runs)
+        hd = json.loads(args.h_from.read_text())
+        lines = [f"### {H_TITLE}", "", report.stamp(cmd=hd["command"], took=f"{len(hd['runs'])} runs; written "
+                                                    f"from its save by `--h-from`"), "", *report_h(hd)]
+        print("\n".join(lines))
+        report.write_subsections(report.DOC, SECTION, [INTRO], {"(h)": lines})
+        return
     if args.merge:
         data = merge_a([json.loads(Path(f).read_text()) for f in args.merge.split(",")])
         key, lines = a_section(data)
@@ -523,6 +625,12 @@ def main() -> None:
             else:
                 key, lines = a_section(data)
                 subs[key] = lines
+        if "h" in parts:
+            if args.capacity is None:
+                raise SystemExit("--parts h needs --capacity (round robin's, from (a))")
+            t = time.monotonic()
+            hd = asyncio.run(part_h(tmp, args.h_seconds, args.capacity, args.baseline, args.rounds, args.save))
+            sections["(h)"] = (H_TITLE, report_h(hd), time.monotonic() - t)
         if "c" in parts:
             t = time.monotonic()
             lines = asyncio.run(part_c(tmp, args.seconds))

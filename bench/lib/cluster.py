@@ -20,7 +20,7 @@ INTRO = ("Issue J's cluster on llmd processes with fake engines on loopback (the
          "(a4): `bench/cluster.py --homes`; (a5): `bench/cluster_homes.py`; (a14), (a15): `bench/cluster_misses.py` "
          "(and (a15) `bench/cluster_hot.py`); (a20), (a21): `bench/cluster_hot.py --save`; "
          "(b): `bench/cluster_faults.py`; (c): `bench/cluster_gossip.py`; "
-         "(e): `bench/cluster_registry.py`; "
+         "(e): `bench/cluster_registry.py`; (h): `bench/cluster.py --parts h`; "
          "the real engine: tests/engine/test_cluster_engine.py. Each subsection names the run that produced it.")
 ADMIN_KEY = "sk-bench-cluster-admin"
 NODE_TOML = """
@@ -72,11 +72,14 @@ class Node:
 def start_nodes(tmp: Path, n: int, placement: str = "score", step_ms: float = 5.0, kv_blocks: int = 1024,
                 prefill_tps: float = 3000.0, tenants: str = "", cluster_extra: str = "",
                 names: list[str] | None = None, seqs: int = 32, model_extra: str = "", fake_extra: str = "",
-                env: dict[str, str] | None = None) -> list[Node]:
+                env: dict[str, str] | None = None, root: Path | None = None) -> list[Node]:
     """`n` llmd processes (fake engines) that find each other through the first one's gossip port;
     returned once every one is ready and sees the others. `model_extra`/`fake_extra`: more lines
     for the model's table and its `[models.fake]` (a stored source and version, sleep mode);
-    `env`: more environment (LLMD_HOME)."""
+    `env`: more environment (LLMD_HOME); `root`: another checkout whose llmd the nodes run (a
+    baseline measured in the same run)."""
+    if root is not None:
+        env = {**(env or {}), "PYTHONPATH": str(root)}
     gossip = [free_port() for _ in range(n)]
     names = names or [f"n{i}" for i in range(n)]
     procs = []
@@ -94,7 +97,7 @@ def start_nodes(tmp: Path, n: int, placement: str = "score", step_ms: float = 5.
         cfg.write_text(toml.format(port=port, db=d / "llmd.db"))
         log = d / "server.log"
         proc = spawn([sys.executable, "-m", "llmd", "serve", "--config", str(cfg)], log,
-                     {"LLMD_CLUSTER_SECRET": SECRET, **(env or {})})
+                     {"LLMD_CLUSTER_SECRET": SECRET, **(env or {})}, cwd=root)
         procs.append(Node(names[i], ServerProcess(f"http://127.0.0.1:{port}", proc, log), gossip[i]))
     try:
         for node in procs:
@@ -168,6 +171,8 @@ class Session:
 WORKLOADS: dict[str, dict[str, Any]] = {
     "pressure": {"n_systems": 10, "system_words": 1500, "zipf_s": 0.5, "kv_blocks": 400},
     "light": {"n_systems": 36, "system_words": 800, "zipf_s": 0.3, "kv_blocks": 900},
+    # (h): every chat on one hot system prompt (split over several homes), 2-5 turns each
+    "chats": {"n_systems": 1, "system_words": 1500, "zipf_s": 0.5, "kv_blocks": 400, "turns": (2, 5)},
 }
 
 

@@ -258,12 +258,15 @@ async def start_inprocess(cfg: Any, name: str, store: Any = None, port: int | No
 
 
 # -- subprocesses -----------------------------------------------------------------
-def spawn(argv: list[str], log: Path, env_extra: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+def spawn(argv: list[str], log: Path, env_extra: dict[str, str] | None = None,
+          cwd: Path | None = None) -> subprocess.Popen[bytes]:
     """Start `argv` in its own session (its PID is its process group's id, so `stop` can sweep
-    the engine processes it starts), output to `log`, from the repository root."""
+    the engine processes it starts), output to `log`, from the repository root (or `cwd`: another
+    checkout's, whose `llmd` then runs)."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env_extra or {})}
     with log.open("wb") as f:
-        return subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True)
+        return subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=cwd or ROOT,
+                                start_new_session=True)
 
 
 def wait_ready(proc: subprocess.Popen[bytes], url: str, timeout: float, log: Path, interval: float = 0.5,

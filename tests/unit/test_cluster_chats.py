@@ -7,6 +7,7 @@ at every ingress."""
 from __future__ import annotations
 
 import asyncio
+import random
 from pathlib import Path
 from typing import Any
 
@@ -79,3 +80,32 @@ async def test_a_conversation_runs_on_one_node_whichever_node_its_turns_enter(ma
             ran.setdefault(key, set()).add(raw.headers["x-llmd-node"])
     assert all(len(n) == 1 for n in ran.values()), ran
     assert len({next(iter(n)) for n in ran.values()}) >= 2, ran  # the conversations spread over the nodes
+
+
+def test_a_conversations_node_yields_to_a_node_caching_more_of_its_prompt() -> None:
+    """The node named for a conversation (remembered here, else by its key's rendezvous hash)
+    keeps its turn only while no other node caches more of the prompt: a turn routed elsewhere
+    (its node was busy) left the history there, and the cache rules follow it."""
+    from llmd.cluster.router import Router
+    from llmd.policy.placement import Candidate, ScoreRouting, VersionLoad, conversation_node
+    from llmd.policy.reservations import Reservations
+
+    def cand(node: str, cached: int = 0, draining: bool = False) -> Candidate:
+        load = VersionLoad("m", "ab" * 32, 100_000, 100_000, 0, 0, 0, 10_000.0, 500.0, draining=draining)
+        return Candidate(node, load, cached, 0.1, node == "n0")
+
+    router = Router("n0", lambda job, prompt: [], None, ScoreRouting(Reservations(lambda: 0.0, 2.0), random.Random(1)),
+                    2)  # type: ignore[arg-type]  # no forwarding here: only the choice of a sticky node
+    named = conversation_node("chat-7", ["n0", "n1", "n2"])
+    assert named is not None
+    nodes = [cand(n) for n in ("n0", "n1", "n2")]
+    assert router.conversation("chat-7", nodes) == named  # no cache says otherwise: the named node
+    other = next(n for n in ("n0", "n1", "n2") if n != named)
+    held = [cand(n, 640 if n == other else 0) for n in ("n0", "n1", "n2")]
+    assert router.conversation("chat-7", held) is None  # its history is elsewhere: the cache rules decide
+    router._sessions["chat-7"] = other  # its last turn, routed here, ran there
+    assert router.conversation("chat-7", held) == other
+    # the named node draining: the key is hashed over the others
+    drained = [cand(n, draining=n == named) for n in ("n0", "n1", "n2")]
+    assert router.conversation("chat-8", drained) == conversation_node("chat-8", [n for n in ("n0", "n1", "n2")
+                                                                               if n != named])
