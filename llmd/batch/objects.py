@@ -8,7 +8,22 @@ from typing import Any
 
 from llmd.auth import Principal
 from llmd.batch.runner import BatchRunner
-from llmd.batch.store import Batch, BatchStore
+from llmd.batch.store import Batch, BatchStore, TooManyOpen
+from llmd.config import BatchConfig
+from llmd.errors import APIError
+
+
+async def add_batch(store: BatchStore, cfg: BatchConfig, tenant: str, key_id: str | None, endpoint: str,
+                    input_file_id: str, window: str, metadata: dict[str, str] | None) -> str:
+    """A new batch, or a 429 `too_many_open_batches` at the tenant's limit of unfinished ones
+    (one tenant's backlog cannot hold the store and the runner for everyone)."""
+    try:
+        return await store.add_batch(tenant, key_id, endpoint, input_file_id, window, metadata,
+                                     cfg.max_open_batches_per_tenant)
+    except TooManyOpen:
+        raise APIError(429, f"the tenant already has {cfg.max_open_batches_per_tenant} unfinished batches "
+                       "([batch] max_open_batches_per_tenant); wait for one to finish or cancel one",
+                       "rate_limit_error", "too_many_open_batches") from None
 
 
 async def batch_object(store: BatchStore, b: Batch) -> dict[str, Any]:
@@ -31,15 +46,19 @@ async def batch_object(store: BatchStore, b: Batch) -> dict[str, Any]:
     return out
 
 
-async def submit_one(store: BatchStore, runner: BatchRunner, who: Principal, endpoint: str,
+async def submit_one(store: BatchStore, runner: BatchRunner, cfg: BatchConfig, who: Principal, endpoint: str,
                      body: dict[str, Any], custom_id: str) -> dict[str, Any]:
     """One request turned into a batch of one (a client that opted in, refused for overload)."""
     assert who.tenant is not None
     body = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
     line = json.dumps({"custom_id": custom_id, "method": "POST", "url": endpoint, "body": body})
     f = await store.add_file(who.tenant.name, "batch", f"{custom_id}.jsonl", line.encode("utf-8"))
-    batch_id = await store.add_batch(who.tenant.name, who.key_id, endpoint, f["id"], "24h",
-                                     {"converted_from": custom_id})
+    try:
+        batch_id = await add_batch(store, cfg, who.tenant.name, who.key_id, endpoint, f["id"], "24h",
+                                   {"converted_from": custom_id})
+    except APIError:
+        await store.delete_file(who.tenant.name, f["id"])
+        raise
     runner.kick(batch_id)
     b = await store.get_batch(batch_id)
     assert b is not None

@@ -27,7 +27,7 @@ import structlog
 
 from llmd import protocol, streaming
 from llmd.auth import Principal, principal_for
-from llmd.batch.lines import ENDPOINTS, MAX_ERRORS, Item, LineError, output_line, parse_file
+from llmd.batch.lines import ENDPOINTS, MAX_ERRORS, Item, LineError, parse_file
 from llmd.batch.store import Batch, BatchStore
 from llmd.config import Config
 from llmd.errors import APIError
@@ -134,6 +134,9 @@ class BatchRunner:
             for item in await self.store.pending(b.id):
                 if not await self._acquire(slots, cancel, b.expires_at):
                     break
+                if await self._over_quota(b):
+                    slots.release()
+                    break
                 t = asyncio.get_running_loop().create_task(self._item(b, item, cancel))
                 running.add(t)
 
@@ -148,6 +151,20 @@ class BatchRunner:
             for t in running:
                 t.cancel()
             await asyncio.gather(*running, return_exceptions=True)
+
+    async def _over_quota(self, b: Batch) -> bool:
+        """Stop starting items once the tenant stores its quota's worth (files, rows and results
+        so far): the batch ends `failed`, what ran delivered, the rest an error line each."""
+        quota = self.cfg.max_bytes_per_tenant
+        if quota is None or (used := await self.store.used_bytes(b.tenant)) < quota:
+            return False
+        err = {"code": "storage_quota_exceeded", "line": None, "param": None,
+               "message": f"the tenant stores {used} bytes, its quota ([batch] max_bytes_per_tenant) is {quota}: "
+                          "the batch stopped; delete files to make room"}
+        await self.store.set_status(b.id, "finalizing", only_from=("in_progress",),
+                                    errors=json.dumps({"object": "list", "data": [err]}))
+        log.warning("batch_over_quota", batch_id=b.id, tenant=b.tenant, used=used, quota=quota)
+        return True
 
     def _slots_for(self, b: Batch) -> asyncio.Semaphore:
         key = (b.model or "", b.tenant)
@@ -187,7 +204,7 @@ class BatchRunner:
             log.debug("batch_item_deferred", batch_id=b.id, line=item.line, code=result.code, wait_s=wait)
             await asyncio.sleep(wait)
         await self.lifecycle.ledger.flush()  # the bill first: a crash now must not run it unbilled
-        await self.store.save_result(b.id, item.line, result["status_code"], result)
+        await self.store.save_result(b, item.line, item.custom_id, result["status_code"], result)
 
     async def _attempt(self, life: RequestLife, b: Batch, item: Item, who: Principal | None,
                        cancel: asyncio.Event) -> dict[str, Any] | APIError:
@@ -224,23 +241,20 @@ class BatchRunner:
         final = "cancelled" if b.status == "cancelling" else "completed"
         if b.status == "in_progress":
             await self.store.set_status(b.id, "finalizing", only_from=("in_progress",))
-        outputs: dict[str, list[str]] = {"output": [], "errors": []}
-        for r in await self.store.results(b.id):
-            if r["state"] == "ok":
-                outputs["output"].append(output_line(b.id, r["line"], r["custom_id"], json.loads(r["result"])))
-            elif r["state"] == "failed":
-                outputs["errors"].append(output_line(b.id, r["line"], r["custom_id"], json.loads(r["result"])))
-            else:  # never ran to an end
-                if final == "completed":
-                    final = "expired"
-                code = "batch_cancelled" if final == "cancelled" else "batch_expired"
-                msg = ("the batch was cancelled before this request ran" if final == "cancelled"
-                       else "the batch's completion window ended before this request ran")
-                outputs["errors"].append(output_line(b.id, r["line"], r["custom_id"], None,
-                                                     {"code": code, "message": msg}))
-        await self.store.finish(b, final, outputs)
-        log.info("batch_finished", batch_id=b.id, status=final, output=len(outputs["output"]),
-                 errors=len(outputs["errors"]))
+        c = await self.store.counts(b.id)
+        unran = c.get("total", 0) - c.get("completed", 0) - c.get("failed", 0)
+        over = any(e.get("code") == "storage_quota_exceeded" for e in (b.errors or {}).get("data", []))
+        if over:
+            final = "failed"
+        elif unran and final == "completed":
+            final = "expired"
+        code = {"cancelled": "batch_cancelled", "failed": "storage_quota_exceeded"}.get(final, "batch_expired")
+        msg = {"cancelled": "the batch was cancelled before this request ran",
+               "failed": "the tenant's storage quota was reached before this request ran"}.get(
+                   final, "the batch's completion window ended before this request ran")
+        await self.store.finish(b, final, {"code": code, "message": msg})
+        log.info("batch_finished", batch_id=b.id, status=final, output=c.get("completed", 0),
+                 errors=c.get("failed", 0) + unran)
 
 
 def _model_error(line: int, model: str) -> LineError:

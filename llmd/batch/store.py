@@ -3,10 +3,11 @@
 A file's bytes are written to a temporary name, fsynced and renamed before its row is
 committed, so a row never names a missing or partial file. A batch's items are stored at
 validation; each item's result is stored once (`state` goes from `pending` exactly once,
-guarded in SQL), and the output and error files are assembled from those rows in line order
-at the end, so a batch resumed after a crash runs only what had no result, and its files
-come out complete and in a stable order. Output file ids are derived from the batch id, so
-assembling them twice (a crash while finalizing) writes the same files again, not new ones.
+guarded in SQL) and then appended to the batch's output or error file as it finishes
+(llmd/batch/results.py), so a batch resumed after a crash runs only what had no result, and
+its files come out complete. Once a batch ends its rows' bodies and results are dropped (the
+files hold them). A tenant's stored bytes (`[batch] max_bytes_per_tenant`) are its files plus
+the bodies and results its batches' rows hold.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ from typing import Any
 import aiosqlite
 import structlog
 
-from llmd.batch.lines import Item
+from llmd.batch.lines import Item, output_line
+from llmd.batch.results import ResultFiles, file_id
 from llmd.periodic import Periodic
 from llmd.sqlite import SqliteStore
 
@@ -69,7 +71,7 @@ class Batch:
     metadata: dict[str, str] | None
     model: str | None
     status: str
-    errors: list[dict[str, Any]] | None
+    errors: dict[str, Any] | None  # {"object": "list", "data": [...]}
     output_file_id: str | None
     error_file_id: str | None
     created_at: int
@@ -82,6 +84,10 @@ def window_seconds(window: str) -> int:
     return int(window[:-1]) * {"h": 3600, "m": 60, "s": 1}[window[-1]]
 
 
+class TooManyOpen(Exception):
+    """The tenant already has its limit of unfinished batches."""
+
+
 class BatchStore(SqliteStore):
     SCHEMA = SCHEMA
 
@@ -91,6 +97,8 @@ class BatchStore(SqliteStore):
         self.file_ttl_s = file_ttl_s  # a file's default life (None: until deleted)
         # One connection serves every coroutine: a transaction must not take in another's writes.
         self._lock = asyncio.Lock()
+        self._rows: dict[str, int] = {}  # tenant -> bytes its batches' rows hold (cached once read)
+        self.results = ResultFiles(self.dir)
         self._purger = Periodic("batch-files-purge", PURGE_EVERY_S, self.purge_expired, log,
                                 "batch_files_expired", "batch_files_purge_failed", "files")
 
@@ -146,10 +154,20 @@ class BatchStore(SqliteStore):
         return self.dir / f"{file_id}.tmp"
 
     async def used_bytes(self, tenant: str) -> int:
+        """The bytes `tenant` stores: its files and its batches' rows (bodies and results)."""
         async with self.db.execute("SELECT COALESCE(SUM(bytes), 0) FROM files WHERE tenant = ? AND deleted = 0",
                                    (tenant,)) as cur:
             row = await cur.fetchone()
-        return int(row[0]) if row else 0
+        return (int(row[0]) if row else 0) + await self._row_bytes(tenant)
+
+    async def _row_bytes(self, tenant: str) -> int:
+        if tenant not in self._rows:
+            async with self.db.execute(
+                    "SELECT COALESCE(SUM(LENGTH(CAST(i.body AS BLOB)) + COALESCE(LENGTH(CAST(i.result AS BLOB)), 0)), "
+                    "0) FROM items i JOIN batches b ON b.id = i.batch_id WHERE b.tenant = ?", (tenant,)) as cur:
+                row = await cur.fetchone()
+            self._rows[tenant] = int(row[0]) if row else 0
+        return self._rows[tenant]
 
     async def commit_upload(self, tenant: str, purpose: str, filename: str, file_id: str, size: int,
                             expires_after_s: int | None, quota: int | None) -> dict[str, Any] | None:
@@ -213,10 +231,19 @@ class BatchStore(SqliteStore):
 
     # -- batches -------------------------------------------------------------------------
     async def add_batch(self, tenant: str, key_id: str | None, endpoint: str, input_file_id: str,
-                        window: str, metadata: dict[str, str] | None) -> str:
+                        window: str, metadata: dict[str, str] | None, max_open: int | None = None) -> str:
+        """A new batch (validating); `TooManyOpen` if the tenant already has `max_open` unfinished
+        (counted under the lock: concurrent creates cannot together pass it)."""
         batch_id = f"batch_{uuid.uuid4().hex[:24]}"
         now = int(time.time())
+        q = ",".join("?" * len(UNFINISHED))
         async with self._lock:
+            if max_open is not None:
+                async with self.db.execute(f"SELECT COUNT(*) FROM batches WHERE tenant = ? AND status IN ({q})",
+                                           (tenant, *UNFINISHED)) as cur:
+                    row = await cur.fetchone()
+                if row is not None and row[0] >= max_open:
+                    raise TooManyOpen(f"tenant {tenant!r} has {row[0]} unfinished batches")
             await self.db.execute(
                 "INSERT INTO batches (id, tenant, key_id, endpoint, input_file_id, completion_window, metadata, "
                 "status, created_at, expires_at) VALUES (?, ?, ?, ?, ?, ?, ?, 'validating', ?, ?)",
@@ -272,22 +299,32 @@ class BatchStore(SqliteStore):
                 [(batch_id, i.line, i.custom_id, i.body) for i in items])
             await self.db.execute("UPDATE batches SET status = 'in_progress', in_progress_at = ?, model = ? "
                                   "WHERE id = ? AND status = 'validating'", (int(time.time()), model, batch_id))
+        self._rows.clear()  # re-read: the bodies now count
 
     async def pending(self, batch_id: str) -> list[Item]:
         async with self.db.execute("SELECT line, custom_id, body FROM items WHERE batch_id = ? AND state = 'pending' "
                                    "ORDER BY line", (batch_id,)) as cur:
             return [Item(r["line"], r["custom_id"], r["body"]) for r in await cur.fetchall()]
 
-    async def save_result(self, batch_id: str, line: int, status_code: int, response: dict[str, Any]) -> bool:
-        """Store an item's response once; False if it already had one."""
+    async def save_result(self, batch: Batch, line: int, custom_id: str, status_code: int,
+                          response: dict[str, Any]) -> bool:
+        """Store an item's response once, then append it to the batch's output (or error) file;
+        False if it already had one."""
         u = (response.get("body") or {}).get("usage") or {}
         cached = (u.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+        text = json.dumps(response, ensure_ascii=False)
         async with self._lock:
             cur = await self.db.execute(
                 "UPDATE items SET state = ?, status_code = ?, result = ?, input_tokens = ?, cached_tokens = ?, "
                 "output_tokens = ? WHERE batch_id = ? AND line = ? AND state = 'pending'",
-                ("ok" if status_code == 200 else "failed", status_code, json.dumps(response, ensure_ascii=False),
-                 u.get("prompt_tokens", 0), cached, u.get("completion_tokens", 0), batch_id, line))
+                ("ok" if status_code == 200 else "failed", status_code, text,
+                 u.get("prompt_tokens", 0), cached, u.get("completion_tokens", 0), batch.id, line))
+            if cur.rowcount and batch.tenant in self._rows:
+                self._rows[batch.tenant] += len(text.encode())
+        if cur.rowcount:
+            kind = "output" if status_code == 200 else "errors"
+            await asyncio.to_thread(self.results.append, batch.id, kind,
+                                    output_line(batch.id, line, custom_id, response))
         return bool(cur.rowcount)
 
     async def counts(self, batch_id: str) -> dict[str, int]:
@@ -299,30 +336,39 @@ class BatchStore(SqliteStore):
             row = await cur.fetchone()
         return dict(row) if row else {}
 
-    async def results(self, batch_id: str) -> list[aiosqlite.Row]:
-        async with self.db.execute("SELECT line, custom_id, state, result FROM items WHERE batch_id = ? "
-                                   "ORDER BY line", (batch_id,)) as cur:
-            return list(await cur.fetchall())
-
-    async def finish(self, batch: Batch, status: str, outputs: dict[str, list[str]]) -> None:
-        """Write the output and error files, then record them and the final status at once."""
-        ids: dict[str, str | None] = {}
-        rows = []
+    async def finish(self, batch: Batch, status: str, unran: dict[str, str]) -> None:
+        """Check the result files (rebuilt from the rows if a crash cut them short), add an error
+        line `unran` for each item that never ran, seal the files, then record them and the final
+        status and drop the rows' bodies and results, at once."""
+        c = await self.counts(batch.id)
+        if not await asyncio.to_thread(self.results.whole, batch.id, {"output": c.get("completed", 0),
+                                                                        "errors": c.get("failed", 0)}):
+            await asyncio.to_thread(self.results.discard, batch.id)
+            await self._rewrite(batch, "state != 'pending'", None)
+        await self._rewrite(batch, "state = 'pending'", unran)
+        sizes = await asyncio.to_thread(self.results.seal, batch.id, self.dir)
         now = int(time.time())
-        for kind, lines in outputs.items():
-            if not lines:
-                ids[kind] = None
-                continue
-            fid = f"file-{batch.id.removeprefix('batch_')}-{kind}"
-            # line by line: no second, joined copy of a large result file in memory
-            size = await asyncio.to_thread(self._write, fid, (f"{x}\n".encode() for x in lines))
-            ids[kind] = fid
-            rows.append((fid, batch.tenant, "batch_output", f"{batch.id}_{kind}.jsonl", size, now, self.expiry(now)))
+        rows = [(file_id(batch.id, k), batch.tenant, "batch_output", f"{batch.id}_{k}.jsonl", size, now,
+                 self.expiry(now)) for k, size in sizes.items() if size is not None]
         async with self._tx():
             await self.db.executemany("INSERT OR REPLACE INTO files (id, tenant, purpose, filename, bytes, "
                                       "created_at, expires_at) VALUES (?, ?, ?, ?, ?, ?, ?)", rows)
-            await self.set_status(batch.id, status, output_file_id=ids.get("output"), error_file_id=ids.get("errors"))
+            await self.db.execute("UPDATE items SET body = '', result = NULL WHERE batch_id = ?", (batch.id,))
+            await self.set_status(batch.id, status, output_file_id=sizes["output"] and file_id(batch.id, "output"),
+                                  error_file_id=sizes["errors"] and file_id(batch.id, "errors"))
+        self._rows.pop(batch.tenant, None)
 
+    async def _rewrite(self, batch: Batch, where: str, unran: dict[str, str] | None) -> None:
+        """Append the lines of the items `where` selects to the result files, a page at a time, in
+        line order: their stored results, or (`unran`) that error."""
+        async with self.db.execute(f"SELECT line, custom_id, state, result FROM items WHERE batch_id = ? AND {where} "
+                                   "ORDER BY line", (batch.id,)) as cur:
+            while page := await cur.fetchmany(1000):
+                lines = [("errors" if unran is not None or r["state"] == "failed" else "output",
+                          output_line(batch.id, r["line"], r["custom_id"],
+                                      None if unran is not None else json.loads(r["result"]), unran))
+                         for r in page]
+                await asyncio.to_thread(self.results.append_many, batch.id, lines)
 
     @contextlib.asynccontextmanager
     async def _tx(self) -> AsyncIterator[None]:

@@ -163,8 +163,11 @@ class BatchConfig(_Strict):
     # so the engine stays full when interactive traffic stops, without flooding the queue.
     max_in_flight: Annotated[int, Field(ge=0)] = 0
     completion_windows: list[str] = Field(default_factory=lambda: ["24h"])
-    # Bytes of files (uploads and batch results) a tenant may keep; unset: no limit.
+    # Bytes a tenant may keep: files (uploads, batch results) and its batches' stored rows
+    # (request bodies, results not yet in a file); unset: no limit.
     max_bytes_per_tenant: Annotated[int, Field(gt=0)] | None = None
+    # Batches a tenant may have unfinished (validating, in progress, finalizing, cancelling) at once.
+    max_open_batches_per_tenant: Annotated[int, Field(gt=0)] = 16
     # Files are deleted this long after they were made (OpenAI's batch files: 30 days), unless an
     # upload says otherwise (`expires_after`); unset: kept until deleted. Purged while serving.
     file_ttl_days: Annotated[float, Field(gt=0)] | None = 30.0

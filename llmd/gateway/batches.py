@@ -12,7 +12,7 @@ from sanic.response import HTTPResponse, ResponseStream, file_stream
 from sanic.response import json as json_response
 
 from llmd.batch.lines import ENDPOINTS
-from llmd.batch.objects import batch_object
+from llmd.batch.objects import add_batch, batch_object
 from llmd.batch.runner import BatchRunner
 from llmd.batch.store import Batch, BatchStore, new_file_id
 from llmd.batch.upload import Upload
@@ -161,7 +161,12 @@ def _batch_routes(app: App, sc: _Scope) -> None:
         f = await sc.file_or_404(tenant, fid)
         if f["purpose"] != "batch":
             raise bad_request(f"file {fid} has purpose {f['purpose']!r}, not 'batch'", "input_file_id", "invalid_value")
-        batch_id = await sc.store.add_batch(tenant, who.key_id, endpoint, fid, window, meta)
+        quota = sc.cfg.max_bytes_per_tenant
+        if quota is not None and await sc.store.used_bytes(tenant) + f["bytes"] > quota:
+            raise APIError(413, f"this batch's requests ({f['bytes']} bytes, held while it runs) would take the "
+                           f"tenant over its {quota}-byte storage quota ([batch] max_bytes_per_tenant); delete "
+                           "files first", code="storage_quota_exceeded", param="input_file_id")
+        batch_id = await add_batch(sc.store, sc.cfg, tenant, who.key_id, endpoint, fid, window, meta)
         sc.runner.kick(batch_id)
         b = await sc.store.get_batch(batch_id)
         assert b is not None

@@ -49,7 +49,8 @@ def add_routes(app: App, node: Node, principal: Authenticate) -> None:
             takes_batch = request.headers.get(BATCH_OK_HEADER, "").lower() in ("1", "true")
             if e.reason != "overloaded_use_batch" or not takes_batch:
                 raise
-            b = await batch_objects.submit_one(node.batches, node.batch_runner, principal(request), request.path,
+            b = await batch_objects.submit_one(node.batches, node.batch_runner, node.config.batch, principal(request),
+                                               request.path,
                                                json.loads(request.body), request.ctx.request_id)
             return json_response(b, status=202, headers={"Location": f"/v1/batches/{b['id']}",
                                                          "X-Request-ID": request.ctx.response_id})

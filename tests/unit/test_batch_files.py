@@ -15,7 +15,7 @@ import pytest
 from llmd.auth import hash_key
 from llmd.batch import store as batch_store
 from tests.conftest import async_wait_until, start_server_process, stop_process
-from tests.unit.test_batch import KEY_A, KEY_B, client, line, toml
+from tests.unit.test_batch import KEY_A, KEY_B, client, jsonl, line, toml, wait_batch
 
 MIB = 1024 * 1024
 BIG = 96 * MIB
@@ -138,3 +138,74 @@ async def test_malformed_uploads_are_400s_and_leave_nothing_on_disk(make_server)
         r = await h.post("/files", content=big, headers=ct)
         assert r.status_code == 413 and r.json()["error"]["code"] == "file_too_large"
     assert not list(live.node.batches.dir.iterdir())  # nothing staged, nothing kept
+
+
+async def test_a_batchs_rows_and_results_count_toward_the_quota(make_server) -> None:
+    """The rows a batch copies its input into, and its results, are the tenant's bytes too: a
+    batch that would not fit is refused at create, one whose results fill the quota stops (what
+    ran delivered), and once it ends only its files count."""
+    quota = 12_000
+    live = await make_server(toml().replace("[batch]\n", f"[batch]\nmax_bytes_per_tenant = {quota}\n"
+                                                         "max_in_flight = 1\n"))
+    a, store = client(live, KEY_A), live.node.batches
+    big = "\n".join(line(f"b{i}", "y" * 100) for i in range(40)).encode()  # ~7 KB: file + rows > quota
+    f = await a.files.create(file=("big.jsonl", big), purpose="batch")
+    with pytest.raises(openai.APIStatusError) as e:
+        await a.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
+    assert e.value.status_code == 413 and e.value.code == "storage_quota_exceeded"
+    assert e.value.body["param"] == "input_file_id"
+    await a.files.delete(f.id)
+
+    lines = [line(f"r{i}", "", max_tokens=200).replace("[[say:]]", "[[repeat:abcdefghij]]")
+             for i in range(12)]  # ~200 B each in, ~2.5 KB each out
+    f = await a.files.create(file=("in.jsonl", "\n".join(lines).encode()), purpose="batch")
+    b = await wait_batch(a, (await a.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
+                                                    completion_window="24h")).id)
+    assert b.status == "failed" and b.errors.data[0].code == "storage_quota_exceeded"
+    ran = b.request_counts.completed
+    assert 1 <= ran < 12 and b.request_counts.failed == 0
+    out = jsonl((await a.files.content(b.output_file_id)).text)
+    err = jsonl((await a.files.content(b.error_file_id)).text)
+    assert len(out) == ran and len(err) == 12 - ran
+    assert {x["error"]["code"] for x in err} == {"storage_quota_exceeded"}
+    files = (await a.files.list()).data
+    assert await store.used_bytes("a") == sum(x.bytes for x in files)  # the rows were dropped at the end
+    with pytest.raises(openai.APIStatusError) as e:  # full: nothing more goes in
+        await a.files.create(file=("more.jsonl", big), purpose="batch")
+    assert e.value.code == "storage_quota_exceeded"
+
+
+async def test_a_tenants_open_batches_are_limited(make_server) -> None:
+    live = await make_server(toml(step_ms=100).replace("[batch]\n", "[batch]\nmax_open_batches_per_tenant = 2\n"))
+    a, b = client(live, KEY_A), client(live, KEY_B)
+    f = await a.files.create(file=("in.jsonl", line("x", "y", max_tokens=400).encode()), purpose="batch")
+    open_ = [await a.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
+             for _ in range(2)]
+    with pytest.raises(openai.RateLimitError) as e:
+        await a.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
+    assert e.value.code == "too_many_open_batches" and "max_open_batches_per_tenant" in e.value.body["message"]
+    fb = await b.files.create(file=("in.jsonl", line("x", "y", model="other").encode()), purpose="batch")
+    assert await b.batches.create(input_file_id=fb.id, endpoint="/v1/chat/completions", completion_window="24h")
+    await a.batches.cancel(open_[0].id)
+    assert (await wait_batch(a, open_[0].id)).status == "cancelled"
+    third = await a.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
+    assert third.status == "validating"
+    for x in (open_[1], third):
+        await a.batches.cancel(x.id)
+
+
+async def test_results_are_written_as_items_finish_and_a_cut_file_is_rebuilt(make_server) -> None:
+    live = await make_server(toml(step_ms=20).replace("[batch]\n", "[batch]\nmax_in_flight = 1\n"))
+    a, store = client(live, KEY_A), live.node.batches
+    lines = [line(f"r{i}", f"answer {i}", max_tokens=10) for i in range(8)]
+    f = await a.files.create(file=("in.jsonl", "\n".join(lines).encode()), purpose="batch")
+    b = await a.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
+    part = store.results.part(b.id, "output")
+    assert await async_wait_until(lambda: part.exists() and part.read_bytes().count(b"\n") >= 2, 30)
+    assert (await a.batches.retrieve(b.id)).status == "in_progress"  # results on disk before the end
+    with part.open("r+b") as fh:  # a crash tore the last line
+        fh.truncate(part.stat().st_size - 5)
+    done = await wait_batch(a, b.id)
+    assert done.status == "completed" and done.request_counts.completed == 8
+    out = jsonl((await a.files.content(done.output_file_id)).text)  # rebuilt whole from the stored results
+    assert sorted(o["custom_id"] for o in out) == [f"r{i}" for i in range(8)] and not part.exists()
