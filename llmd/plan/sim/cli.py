@@ -17,7 +17,8 @@ from llmd.plan.sim.spec import Autoscale, SimSpec, default_engine, engine_from_m
 from llmd.plan.sim.trace import Trace
 from llmd.stepmodel import StepModel
 
-DEFAULT_STEP_MODEL = Path("bench/data/stepmodel-local-cpu.json")
+# The calibration shipped inside the package (pyproject's package-data), measured on the CI box
+DEFAULT_STEP_MODEL = Path(__file__).resolve().parents[1] / "data" / "stepmodel-local-cpu.json"
 
 
 class BadInput(click.ClickException):
@@ -53,7 +54,7 @@ def spec_of(cfg: Config, m: ModelConfig, replicas: int, block_size: int | None =
 
 def resolve_step_model(path: Path | None, model: str | None) -> tuple[StepModel, Path]:
     """--step-model; else this box's own `llmd plan calibrate` (its default output for the model);
-    else the calibration committed with the repository (bench/data, measured on its CI box).
+    else the calibration shipped inside the package (llmd/plan/data, measured on the CI box).
     Each is checked against this machine (`check_here`)."""
     given = path is not None
     mine: Path | None = None
@@ -61,11 +62,10 @@ def resolve_step_model(path: Path | None, model: str | None) -> tuple[StepModel,
         from llmd.store import home
 
         mine = home() / "plan" / f"stepmodel-vllm-{model or 'smollm2'}.json"
-        here = Path(__file__).resolve().parents[3] / DEFAULT_STEP_MODEL
-        path = next((p for p in (mine, DEFAULT_STEP_MODEL, here) if p.exists()), None)
+        path = next((p for p in (mine, DEFAULT_STEP_MODEL) if p.exists()), None)
         if path is None:
-            raise PlanError(f"no --step-model given, no {mine} and no {DEFAULT_STEP_MODEL}: run "
-                            "`llmd plan calibrate`, or pass a step model JSON")
+            raise PlanError(f"no --step-model given, no {mine}, and this llmd was installed without its "
+                            f"shipped {DEFAULT_STEP_MODEL.name}: run `llmd plan calibrate`, or pass a step model JSON")
     step = StepModel.load(path)
     check_here(step, path, "given" if given else "own" if path == mine else "shipped")
     return step, path
