@@ -1,6 +1,6 @@
 """Issue L's figures: `llmd plan` calibrated on this box, timed at seed scale, and checked end to end.
 
-  (a) the step-time model: `llmd plan calibrate`'s committed fit (bench/data/stepmodel-local-cpu.json),
+  (a) the step-time model: `llmd plan calibrate`'s committed fit (llmd/plan/data/stepmodel-local-cpu.json),
       its held-out error per grid point and the predicted-vs-measured plot (docs/img/plan-calibration.png);
   (b) simulator speed: seed-scale traffic (280 req/s) on 80 replicas with every policy on, timed
       over `--speed-s` simulated seconds (3600: the whole hour; less: extrapolated, and said so),

@@ -14,7 +14,8 @@ from typing import Any
 
 from bench.lib.report import ROOT
 
-MODEL = ROOT / "bench" / "data" / "stepmodel-local-cpu.json"
+MODEL = ROOT / "llmd" / "plan" / "data" / "stepmodel-local-cpu.json"  # shipped in the package: the default
+POINTS = ROOT / "bench" / "data" / "stepmodel-local-cpu.points.json"  # its held-out points and steps: bench only
 PLOT = ROOT / "docs" / "img" / "plan-calibration.png"
 UNITS = {"c_step": ("ms per step", 1e3), "c_seq": ("ms per sequence", 1e3), "c_tok": ("ms per token", 1e3),
          "c_kv": ("µs per context token read", 1e6), "c_attn": ("ns per (chunk × context) token pair", 1e9),
@@ -22,9 +23,12 @@ UNITS = {"c_step": ("ms per step", 1e3), "c_seq": ("ms per sequence", 1e3), "c_t
 KINDS = {"decode": "tab:blue", "prefill": "tab:orange", "mixed": "tab:green"}
 
 
-def load(model: Path = MODEL) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """The model's JSON and its held-out points."""
-    return json.loads(model.read_text()), json.loads(model.with_suffix(".points.json").read_text())["points"]
+def load(model: Path = MODEL, points: Path | None = None) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The model's JSON and its held-out points (`*.points.json` beside it; the shipped model's
+    live in bench/data, outside the package)."""
+    if points is None:
+        points = POINTS if model == MODEL else model.with_suffix(".points.json")
+    return json.loads(model.read_text()), json.loads(points.read_text())["points"]
 
 
 def scatter(points: list[dict[str, Any]], png: Path = PLOT) -> Path:

@@ -46,7 +46,7 @@ from llmd.stepmodel import StepTime
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "bench" / "data" / "plan-e2e.json"
-CALIBRATED = ROOT / "bench" / "data" / "stepmodel-local-cpu.json"  # `llmd plan calibrate` on this box
+CALIBRATED = ROOT / "llmd" / "plan" / "data" / "stepmodel-local-cpu.json"  # `llmd plan calibrate` on this box
 MODEL = "smollm2"  # config.toml's model
 ENGINES, VARIANTS = ("real", "fake"), ("", "noitl")
 PARTS = ("overhead", "capacity-fake", "capacity-real", "points-fake", "points-real", "simulate")  # and -noitl ones

@@ -28,7 +28,7 @@ from llmd.plan.sim.trace import Trace
 from llmd.stepmodel import StepModel, StepShape, StepTime
 
 # The real engine's step on this box as `llmd plan calibrate` fitted it (calib's
-# bench/data/stepmodel-local-cpu.json: 77.5 ms a step, 1.25 ms a sequence, 2.06 ms a token, so
+# llmd/plan/data/stepmodel-local-cpu.json: 77.5 ms a step, 1.25 ms a sequence, 2.06 ms a token, so
 # 3.3 ms a decoding sequence and 486 prefill tokens/s; its small KV and attention terms left
 # out) in the fake backend's own knobs: the fake's step function when no step model is given.
 FAKE_STEP = {"step_ms": 77.5, "step_ms_per_seq": 3.3, "prefill_tokens_per_s": 486.0}

@@ -22,7 +22,15 @@ import click
 from llmd.backends.base import Backend, BackendError, PromptError
 from llmd.calibrate.grid import FULL, QUICK, Grid
 from llmd.calibrate.runner import REFERENCE, REFERENCE_TOKENS, Calibrator
-from llmd.config import EngineConfig, FakeEngineConfig
+from llmd.calibrate.shapes import (
+    CPU_BUDGET,
+    CPU_MAX_MODEL_LEN,
+    CPU_MAX_NUM_SEQS,
+    EngineShape,
+    grid_for,
+    shape_from_options,
+)
+from llmd.config import FakeEngineConfig
 from llmd.plan.errors import PlanError
 from llmd.plan.fit import PointError, Sample, error_summary, error_table, fit, samples_from_json, samples_json
 from llmd.plan.gpus import get_gpu, local_box
@@ -46,35 +54,41 @@ def local_stamp(engine: str, model: str, dtype: str) -> dict[str, str]:
     """What a measured model is valid for: the engine and its version, the model, dtype and device.
     `StepModel.check_stamp(**{k: stamp[k] for k in STAMP_KEYS})` against this refuses a stale fit."""
     return {"kind": "measured", "engine": engine, "engine_version": engine_version(engine), "model": model,
-            "dtype": dtype, "device": local_box().name}
+            "dtype": dtype, "device": local_box().name, **SHAPE_DEFAULTS}
 
 
-STAMP_KEYS = ("engine", "engine_version", "model", "dtype", "device")
-MAX_MODEL_LEN = 3328  # the full grid's longest: 1024 cached + a 2048-token chunk + 1 (26 blocks of 128)
+STAMP_KEYS = ("engine", "engine_version", "model", "dtype", "device", "tp", "quantization", "kv_cache_dtype")
+# A run stamped before the engine's shape was: this CPU box's shape (merges with a new run of it)
+SHAPE_DEFAULTS = {"tp": "1", "quantization": "none", "kv_cache_dtype": "auto"}
 
 
-def build(backend: str, model: str, dtype: str, bind: str | None, step_model: Path | None) -> tuple[Backend, str]:
-    """The backend to calibrate, and the model's name for the stamp."""
+def stored_model(model: str) -> tuple[Path, str]:
+    """The stored model's directory and its name for the stamp (model@version)."""
+    try:
+        stored = WeightStore().resolve(model)
+    except StoreError as e:
+        raise PlanError(str(e)) from None
+    return stored.path, f"{model}@{stored.short_version}"
+
+
+def build(backend: str, model: str, shape: EngineShape, bind: str | None,
+          step_model: Path | None) -> tuple[Backend, str]:
+    """The backend to calibrate, in `shape`, and the model's name for the stamp."""
     if backend == "fake":
         if step_model is not None:
             StepModel.load(step_model)  # its own one-line error, before the config's
         from llmd.backends.fake import FakeBackend
         from llmd.backends.tokenizer import TiktokenTokenizer
-        fake = FakeEngineConfig(max_num_seqs=128, prefill_tokens_per_step=4096, step_model=step_model)
-        return FakeBackend("fake", "fake", MAX_MODEL_LEN, fake, TiktokenTokenizer.simple()), "fake"
-    try:
-        stored = WeightStore().resolve(model)
-    except StoreError as e:
-        raise PlanError(str(e)) from None
+        fake = FakeEngineConfig(max_num_seqs=shape.max_num_seqs, prefill_tokens_per_step=shape.max_num_batched_tokens,
+                                step_model=step_model)
+        return FakeBackend("fake", "fake", shape.max_model_len, fake, TiktokenTokenizer.simple()), "fake"
+    path, name = stored_model(model)
     try:
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # iteration details log every step at INFO
         from llmd.backends.vllm_engine import VllmBackend
     except ImportError as e:
         raise PlanError(f"no engine: cannot import vLLM ({e})") from None
-    cfg = EngineConfig.model_validate({
-        "max_model_len": MAX_MODEL_LEN, "kv_cache_gib": 2, "max_num_seqs": 128, "max_num_batched_tokens": 4096,
-        "dtype": dtype, "cpu_threads_bind": bind, "extra": {"enable_logging_iteration_details": True}})
-    return VllmBackend(model, stored.version, stored.path, cfg), f"{model}@{stored.short_version}"
+    return VllmBackend(model, name.split("@")[-1], path, shape.engine_config(bind)), name
 
 
 async def measure(b: Backend, grid: Grid, passes: int = 1,
@@ -123,7 +137,7 @@ def merge_runs(paths: tuple[Path, ...]) -> tuple[dict[str, str], list[Sample]]:
     stamp, samples = _read_samples(paths[0])
     for p in paths[1:]:
         other, more = _read_samples(p)
-        diff = [k for k in STAMP_KEYS if other.get(k) != stamp.get(k)]
+        diff = [k for k in STAMP_KEYS if other.get(k, SHAPE_DEFAULTS.get(k)) != stamp.get(k, SHAPE_DEFAULTS.get(k))]
         if diff:
             raise PlanError(f"{p}: measured on another {', '.join(diff)} than {paths[0]}; not merged")
         samples += more
@@ -149,9 +163,11 @@ def _grid(o: dict[str, Any]) -> Grid:
 
 
 def _measure(o: dict[str, Any]) -> tuple[dict[str, str], list[Sample]]:
-    grid = _grid(o)
-    b, name = build(o["backend"], o["model"], o["dtype"], o["cpu_bind"], o["fake_step_model"])
-    stamp = local_stamp(o["backend"] if o["backend"] == "fake" else "vllm", name, o["dtype"])
+    shape = shape_from_options(o, stored_model(o["model"])[0] if o["backend"] == "vllm" else None)
+    grid = grid_for(_grid(o), shape)
+    b, name = build(o["backend"], o["model"], shape, o["cpu_bind"], o["fake_step_model"])
+    stamp = {**local_stamp(o["backend"] if o["backend"] == "fake" else "vllm", name, shape.dtype), **shape.stamp()}
+    click.echo(f"grid: {grid.name}, {len(grid.points)} points", err=True)
     started = datetime.now(UTC)
     if grid.longest() > b.max_model_len:
         raise PlanError(f"the {grid.name} grid needs sequences of {grid.longest()} tokens; the engine holds "
@@ -224,7 +240,8 @@ def _prior(o: dict[str, Any]) -> None:
               help="Where to write the model (JSON). Default: $LLMD_HOME/plan/stepmodel-<backend>-<model>.json.")
 @click.option("--backend", type=click.Choice(["vllm", "fake"]), default="vllm", show_default=True)
 @click.option("--model", default="smollm2", show_default=True, help="The stored model to measure.")
-@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32", show_default=True)
+@click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default="float32",
+              show_default=True, help="Activations and unquantized weights (auto: the model's own).")
 @click.option("--cpu-bind", default=None,
               help="Cores for the engine worker's threads (VLLM_CPU_OMP_THREADS_BIND). Default: vLLM's auto, "
               "which pins them and keeps one core for its scheduler; binding every core makes "
@@ -236,8 +253,22 @@ def _prior(o: dict[str, Any]) -> None:
               help="Refit from earlier runs' *.points.json instead of measuring (repeatable: their steps merge).")
 @click.option("--prior", default=None, help="Write datasheet priors for this GPU (A100-80GB, H100-SXM, H200).")
 @click.option("--model-config", type=click.Path(path_type=Path), default=None, help="With --prior: config.json.")
-@click.option("--tp", type=int, default=1, show_default=True, help="With --prior: GPUs per replica.")
-@click.option("--weight-dtype", default=None, help="With --prior: weights as served (default: the config's).")
+@click.option("--tp", type=int, default=1, show_default=True,
+              help="GPUs per replica: the engine's tensor_parallel_size (or, with --prior, the prior's).")
+@click.option("--weight-dtype", default=None, help="Weights as served: with --prior a dtype (fp8, int4, ...); "
+              "measuring, a vLLM quantization (fp8: the same as --quantization fp8). Default: the model's.")
+@click.option("--quantization", default=None, help="vLLM's weight quantization for the engine measured "
+              "(fp8, awq, gptq, ...).")
+@click.option("--kv-cache-dtype", default=None, help="vLLM's KV cache dtype (auto, fp8, ...).")
+@click.option("--max-num-seqs", type=int, default=None,
+              help=f"The engine's sequences (default {CPU_MAX_NUM_SEQS}); the grid's batches double up to it.")
+@click.option("--max-model-len", default=None, help=f"The engine's context (default {CPU_MAX_MODEL_LEN}); "
+              "'model': the model's own (config.json). The grid's contexts double up to it.")
+@click.option("--max-num-batched-tokens", type=int, default=None,
+              help=f"The engine's token budget per step (default {CPU_BUDGET}); prefill chunks up to half of it.")
+@click.option("--kv-cache-gib", type=int, default=None, help="A CPU engine's KV space (default 2).")
+@click.option("--gpu-memory-utilization", type=float, default=None, help="A GPU engine's memory fraction.")
+@click.option("--cuda-graphs", is_flag=True, help="Run with CUDA graphs (not eager), as a GPU serves.")
 def calibrate(**o: Any) -> None:
     """Fit the step-time model on this box's engine (or write GPU priors), and report held-out error."""
     try:

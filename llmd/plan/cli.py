@@ -58,7 +58,8 @@ def _plan(o: dict[str, Any]) -> Plan:
     d = replace(d, **{f: o[k] for f, k in (("tp", "tp"), ("weight_dtype", "weight_dtype"), ("kv_dtype", "kv_dtype"),
                                              ("decode_tps", "decode_tps"), ("prefill_tps", "prefill_tps"),
                                              ("price_per_hour", "price"), ("peak_util", "peak_util"),
-                                             ("avg_util", "avg_util")) if o[k] is not None})
+                                             ("avg_util", "avg_util"), ("storage_gbps", "storage_gbps"),
+                                             ("init_s", "init_s"), ("util_goal", "util_goal")) if o[k] is not None})
     return Plan(model, w, d, seed=bool(o["seed"]))
 
 
@@ -82,6 +83,12 @@ def _plan(o: dict[str, Any]) -> Plan:
 @click.option("--price", type=float, default=None, help="$ per replica-hour (default: the GPU table's × GPUs).")
 @click.option("--peak-util", type=float, default=None, help="Fraction of a replica's rate planned at peak (0.875).")
 @click.option("--avg-util", type=float, default=None, help="Mean load as a fraction of peak, for cost (0.4).")
+@click.option("--storage-gbps", type=float, default=None,
+              help="GB/s the weights load at on a cold start (default 2, the seed's).")
+@click.option("--init-s", type=float, default=None,
+              help="The engine's start after its weights load, s (default 60, assumed: graph capture, warm-up).")
+@click.option("--util-goal", type=float, default=None,
+              help="A mean-utilisation goal (fraction) to check the cost's load against (the seed's 0.7).")
 @click.option("--json", "as_json", is_flag=True, help="The same lines as JSON: label, formula, value, unit.")
 def math_cmd(as_json: bool, **opts: Any) -> None:
     """The back-of-the-envelope fleet: every number with its derivation, then the inconsistencies."""

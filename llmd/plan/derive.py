@@ -7,7 +7,7 @@ roofline come first and the replicas follow from the estimate.
 
 from __future__ import annotations
 
-from llmd.plan import checks, cost, envelope, roofline
+from llmd.plan import checks, cost, envelope, goals, roofline
 from llmd.plan.errors import PlanError
 from llmd.plan.inputs import Plan
 from llmd.plan.seed import SEED_CLAIMS
@@ -31,22 +31,27 @@ def _validate(plan: Plan) -> None:
     w, d = plan.workload, plan.deploy
     for name, v in (("--rate", w.rate), ("--prompt-tokens", w.prompt_tokens), ("--output-tokens", w.output_tokens),
                     ("--decode-tps", d.decode_tps), ("--prefill-tps", d.prefill_tps), ("--itl-ms", w.itl_ms),
-                    ("--ttft-ms", w.ttft_ms), ("--price", d.price_per_hour), ("--tp", d.tp)):
+                    ("--ttft-ms", w.ttft_ms), ("--price", d.price_per_hour), ("--tp", d.tp),
+                    ("--storage-gbps", d.storage_gbps)):
         if v is not None and not v > 0:
             raise PlanError(f"{name} must be positive, not {v:g}")
-    for name, v in (("--peak-util", d.peak_util), ("--avg-util", d.avg_util)):
-        if not 0 < v <= 1:
-            raise PlanError(f"{name} must be in (0, 1], not {v:g}")
+    for name, u in (("--peak-util", d.peak_util), ("--avg-util", d.avg_util), ("--util-goal", d.util_goal)):
+        if u is not None and not 0 < u <= 1:
+            raise PlanError(f"{name} must be in (0, 1], not {u:g}")
+    if not d.init_s >= 0:
+        raise PlanError(f"--init-s must be ≥ 0, not {d.init_s:g}")
 
 
 def derive(plan: Plan) -> Sheet:
     """Every line and finding for `plan`."""
     _validate(plan)
     s = Sheet(claims=SEED_CLAIMS if plan.seed else {})
+    goals.target_lines(s, plan)
     rates_given = plan.deploy.decode_tps is not None and plan.deploy.prefill_tps is not None
     if rates_given:
         envelope.replica_lines(s, plan, *_rates(s, plan))
     envelope.memory_lines(s, plan)
+    goals.cold_start_lines(s, plan)
     known = roofline.step_lines(s, plan)
     roofline.concurrency_lines(s, plan, known)
     roofline.prefill_rate_line(s, plan)
@@ -56,4 +61,6 @@ def derive(plan: Plan) -> Sheet:
     checks.efficiency(s, plan)
     checks.ttft(s, plan)
     cost.cost_lines(s, plan)
+    goals.gpu_lines(s, plan)
+    goals.utilisation_goal(s, plan)
     return s

@@ -34,6 +34,9 @@ class Deployment:
     avg_util: mean load over the day as a fraction of peak (the seed's 40 %).
     bw_eff / mfu: achievable fractions of datasheet bandwidth and FLOPs (BLIS implies ~0.7 of
     bandwidth; prefill MFU is typically 0.3-0.6).
+    storage_gbps: GB/s the weights load at on a cold start (assumed 2, the seed's figure).
+    init_s: the engine's own start after the weights, seconds (assumed 60: graph capture, warm-up).
+    util_goal: a mean-utilisation goal to check the cost's load against; None: none stated.
     """
 
     gpu: Gpu
@@ -49,6 +52,9 @@ class Deployment:
     avg_util: float = 0.4
     bw_eff: float = 0.7
     mfu: float = 0.5
+    storage_gbps: float = 2.0
+    init_s: float = 60.0
+    util_goal: float | None = None
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ the search and its tests stand without it; a test swaps in a closed-form one.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import importlib
 import json
 from dataclasses import replace
@@ -19,9 +20,10 @@ import click
 
 from llmd.config.slo import DEFAULT_ITL_P95_S, DEFAULT_TTFT_P95_S
 from llmd.plan.errors import PlanError
+from llmd.plan.journal import Journal, inputs_digest, journal_path
 from llmd.plan.search import Candidate, Evaluator, Grid, Slo, Targets, Trial, render, search, to_json
 from llmd.plan.sim.cli import resolve_step_model
-from llmd.plan.sim.trace import Trace
+from llmd.plan.sim.trace import COLUMNS, Trace
 from llmd.plan.sim.workload_spec import KEYS, spec_from_options, workload_options
 from llmd.stepmodel import StepTime
 
@@ -126,15 +128,24 @@ def _trace(o: dict[str, Any]) -> Trace:
 @click.option("--json", "as_json", is_flag=True, help="Print the search as JSON.")
 @click.option("--out", type=click.Path(path_type=Path), default=None, help="Also write the JSON here.")
 @click.option("--plot", type=click.Path(path_type=Path), default=None, help="The winner's timeline as a PNG.")
+@click.option("--journal", type=click.Path(path_type=Path), default=None,
+              help="Where each evaluation is written as it finishes, and read back to resume (default: "
+              "OUT.evaluations.jsonl beside --out, else $LLMD_HOME/plan/searches/INPUTS.evaluations.jsonl).")
+@click.option("--fresh", is_flag=True, help="Start the journal again instead of resuming from it.")
 def search_cmd(as_json: bool, **o: Any) -> None:
     """The cheapest fleet (replicas, max_num_seqs, ITL target, warm pool) meeting the SLOs."""
+    journal: Journal | None = None
     try:
         targets = _targets(o)
         grid = Grid(_ints(o["max_num_seqs"], "max-num-seqs"), _itl_targets(o["itl_target_ms"]),
                     _ints(o["warm_pool"], "warm-pool"), o["min_replicas"], o["max_replicas"], o["start"])
         step, _ = resolve_step_model(o["step_model"], o["model"])
-        evaluate = evaluator_factory(_trace(o), step, o["price"], targets, o["config"], o["model"])
+        trace = _trace(o)
+        journal = _journal(o, trace, step)
+        evaluate = journal.wrap(evaluator_factory(trace, step, o["price"], targets, o["config"], o["model"]))
         res = search(evaluate, targets, grid, o["price"], progress=None if as_json else _progress)
+        if journal.reused:
+            click.echo(f"{journal.reused} of {len(res.trials)} evaluations read from {journal.path}", err=True)
         doc = to_json(res)
         if o["out"] is not None:
             Path(o["out"]).write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n")
@@ -145,6 +156,49 @@ def search_cmd(as_json: bool, **o: Any) -> None:
             plot_report(res.winner.report, o["plot"])
     except PlanError as e:
         raise click.ClickException(str(e)) from None
+    except KeyboardInterrupt:
+        if journal is None:
+            raise
+        click.echo(f"interrupted: {len(journal.reports)} evaluations kept in {journal.path}; "
+                   "the same command resumes from them", err=True)
+        raise SystemExit(130) from None
+    finally:
+        if journal is not None:
+            journal.close()
+
+
+def _journal(o: dict[str, Any], trace: Trace, step: StepTime) -> Journal:
+    """The search's journal (see llmd/plan/journal.py), keyed by what its reports depend on."""
+    h = hashlib.sha256()
+    for c in COLUMNS:
+        h.update(getattr(trace, c).tobytes())
+    h.update("\0".join(trace.tenants).encode())
+    config = o["config"]
+    try:
+        config_bytes = Path(config).read_bytes() if config is not None else b""
+    except OSError as e:
+        raise PlanError(f"--config {config}: {e.strerror}") from None
+    to_json_ = getattr(step, "to_json", None)
+    inputs = inputs_digest({"trace": h.digest(), "step_model": (to_json_() if to_json_ else repr(step)).encode(),
+                            "config": config_bytes, "model": str(o["model"]).encode(),
+                            "price": repr(float(o["price"])).encode()})
+    path = o["journal"]
+    if path is None and o["out"] is not None:
+        path = journal_path(Path(o["out"]))
+    if path is None:
+        from llmd.store import home
+
+        path = home() / "plan" / "searches" / f"{inputs['all']}.evaluations.jsonl"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if o["fresh"]:
+            path.unlink(missing_ok=True)
+        j = Journal(path, inputs)
+    except OSError as e:
+        raise PlanError(f"search journal {path}: {e.strerror or e}") from None
+    if j.reports:
+        click.echo(f"resuming from {path}: {len(j.reports)} evaluations", err=True)
+    return j
 
 
 def _progress(t: Trial) -> None:

@@ -4,11 +4,13 @@ The seed says: 280 req/s × 300 output tokens = 84 k tok/s ÷ 2,000 tok/s per re
 replicas; 280 k prompt tok/s ÷ 10 k = 28 prefill replicas; ~80 in all; 320 KB of KV per token,
 ~500 sequences per replica; $16/h per replica → $2.2 per million tokens at full use, ~$6 at 40 %.
 
-What it leaves unsaid and the planner must assume, each the reading that reproduces its figures:
-a Llama-3-70B-shaped model (80 layers, 8 KV heads, head_dim 128, bf16 KV: 320 KiB/token), served
-in fp8 on 4 × H100-SXM ($4/GPU-h = $16/h; fp8 weights are what leave room for ~500 sequences),
-1,000 prompt tokens a request (280 k / 280), and an interactive ITL target of 40 ms (the seed
-names none; MLPerf's Llama-2-70B Interactive scenario uses 40 ms TPOT and 450 ms TTFT).
+It states its targets: TTFT p95 < 500 ms and ITL p95 < 40 ms; a cold start of 70 GB ÷ 2 GB/s
+= 35 s; a utilisation goal above 70 % beside its cost at 40 % use; and it counts its ~80 replicas
+as "GPUs". What it leaves unsaid and the planner must assume, each the reading that reproduces
+its figures: a Llama-3-70B-shaped model (80 layers, 8 KV heads, head_dim 128, bf16 KV:
+320 KiB/token), served in fp8 on 4 × H100-SXM ($4/GPU-h = $16/h; fp8 weights are what leave room
+for ~500 sequences), 1,000 prompt tokens a request (280 k / 280), and the engine's start after
+its weights load (the planner's 60 s assumption).
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ SEED_CLAIMS: dict[str, str] = {
     "prefill_replicas": "28", "fleet_replicas": "~80", "kv_per_token": "320 KB",
     "max_seqs_kv": "~500 sequences per replica", "price_per_replica": "$16/h per replica",
     "seed_cost_full": "$2.2 per million tokens at full use", "seed_cost_at_util": "~$6 at 40 %",
+    "ttft_target": "TTFT p95 < 500 ms", "itl_target": "ITL p95 < 40 ms", "util_goal": "> 70 % utilisation",
+    "weight_load_s": "cold start 70 GB ÷ 2 GB/s = 35 s", "fleet_gpus": '~80 "GPUs"',
 }
 
 
@@ -38,7 +42,8 @@ def seed_model() -> ModelSpec:
 
 def seed_plan() -> Plan:
     """Exactly the seed's numbers, plus the stated assumptions above."""
-    workload = Workload(rate=280, prompt_tokens=1000, output_tokens=300, itl_ms=40, ttft_ms=450)
+    workload = Workload(rate=280, prompt_tokens=1000, output_tokens=300, itl_ms=40, ttft_ms=500)
     deploy = Deployment(gpu=GPUS["H100-SXM"], tp=4, weight_dtype="fp8", kv_dtype="bfloat16",
-                        decode_tps=2000, prefill_tps=10000, price_per_hour=16.0, avg_util=0.4)
+                        decode_tps=2000, prefill_tps=10000, price_per_hour=16.0, avg_util=0.4,
+                        storage_gbps=2.0, util_goal=0.7)
     return Plan(seed_model(), workload, deploy, seed=True)

@@ -37,3 +37,20 @@ def test_quick_calibration_on_the_engine(smollm2_path: Path, tmp_path: Path) -> 
     rows = json.loads(out.with_suffix(".points.json").read_text())["samples"]
     assert rows and all(row[7] > 0 for row in rows) and any(row[7] != 1.0 for row in rows)
     assert "held-out over 10 points" in r.stdout
+
+
+def test_a_gpu_shape_is_what_vllm_is_asked_for(smollm2_path: Path) -> None:
+    """The shape's arguments reach vLLM's own engine arguments, as a GPU box would start them
+    (the engine is not started: this box has no GPU for tensor parallel 4)."""
+    from llmd.calibrate.cli import build
+    from llmd.calibrate.shapes import shape_from_options
+
+    shape = shape_from_options({"tp": 4, "weight_dtype": "fp8", "kv_cache_dtype": "fp8", "max_num_seqs": 256,
+                                "max_model_len": "model", "max_num_batched_tokens": 8192, "cuda_graphs": True,
+                                "gpu_memory_utilization": 0.92, "dtype": "bfloat16"}, smollm2_path)
+    b, name = build("vllm", "smollm2", shape, None, None)
+    args = b._engine_args()  # type: ignore[attr-defined]  # (a VllmBackend)
+    assert name.startswith("smollm2@") and b.max_model_len == 8192  # SmolLM2's own context (config.json)
+    assert (args.tensor_parallel_size, args.quantization, args.kv_cache_dtype, args.max_num_seqs, args.max_model_len,
+            args.max_num_batched_tokens, args.enforce_eager, args.gpu_memory_utilization, args.dtype) == (
+        4, "fp8", "fp8", 256, 8192, 8192, False, 0.92, "bfloat16")

@@ -179,3 +179,46 @@ def test_bad_input_is_one_line_not_a_traceback(tmp_path: Path) -> None:
     assert "do not fit 8 × A100-80GB" in _error("--model-config", str(_seed_config_file()), "--params", "2e12",
                                                 "--gpu", "a100")
     assert "no such file" in _error("--model-config", str(tmp_path / "empty-dir-that-is-missing"))
+
+
+def test_seed_reads_its_own_targets_and_cold_start(seed: tuple[dict[str, float | None], dict[str, Any]]) -> None:
+    """The seed states TTFT p95 < 500 ms, ITL p95 < 40 ms, and a cold start of 70 GB ÷ 2 GB/s."""
+    v, doc = seed
+    assert v["ttft_target"] == 500 and v["itl_target"] == 40 and v["util_goal"] == 70
+    assert doc["inputs"]["workload"]["ttft_ms"] == 500
+    assert v["weights_gb"] == pytest.approx(70.55, abs=0.01)  # 70,553,706,496 params × 1 B (fp8)
+    assert v["weight_load_s"] == pytest.approx(35.3, abs=0.05)  # "70 ÷ 2 = 35 s"
+    assert v["cold_start_s"] == pytest.approx(v["weight_load_s"] + 60)  # plus the engine's own start
+    out = _run("--seed")
+    assert "seed: TTFT p95 < 500 ms" in out and "seed: ITL p95 < 40 ms" in out
+    assert "cold start: 35.3 s + 60 s = 95.3 s" in out
+    v2, _ = _json("--seed", "--storage-gbps", "10", "--init-s", "20")
+    assert v2["weight_load_s"] == pytest.approx(7.06, abs=0.01) and v2["cold_start_s"] == pytest.approx(27.06, abs=0.01)
+
+
+def test_seed_flags_gpus_counted_as_replicas_and_its_utilisation_goal(
+        seed: tuple[dict[str, float | None], dict[str, Any]]) -> None:
+    v, doc = seed
+    found = {f["key"]: f for f in doc["inconsistencies"]}
+    assert v["fleet_gpus"] == 320  # 80 replicas × 4 × H100
+    assert '~80 "GPUs" are replicas of 4 × H100-SXM: 320 GPUs' in found["gpus_vs_replicas"]["title"]
+    assert "20 replicas" in " ".join(found["gpus_vs_replicas"]["derivation"])
+    # > 70 % goal, but the cost is at 40 % mean load of a fleet sized for the peak at 87.5 %: 35 %
+    assert v["static_util"] == pytest.approx(35)
+    assert "70% utilisation goal beside a cost at 40% load" in found["util_goal"]["title"]
+    assert v["fleet_cost_output_goal"] == pytest.approx(1280 / (84_000 * 3600 / 1e6) * 0.875 / 0.7)
+    assert "40 replicas on average" in " ".join(found["util_goal"]["derivation"])
+
+
+def test_a_goal_the_load_meets_and_a_plan_without_the_seed_flag_nothing() -> None:
+    v, doc = _json("--seed", "--avg-util", "0.9", "--util-goal", "0.7")  # 0.9 × 0.875 = 79 % ≥ 70 %
+    assert v["static_util"] == pytest.approx(78.75)
+    assert "util_goal" not in {f["key"] for f in doc["inconsistencies"]}
+    v, doc = _json("--model-config", str(_seed_config_file()), "--weight-dtype", "fp8", "--tp", "4", "--rate", "280")
+    keys = {f["key"] for f in doc["inconsistencies"]}
+    assert v["fleet_gpus"] == v["fleet_replicas"] * 4  # (the line; the flag reads the seed's words)
+    assert "gpus_vs_replicas" not in keys and "util_goal" not in keys and "static_util" not in v
+    assert v["ttft_target"] is None and v["itl_target"] is None
+    assert "--util-goal must be in (0, 1]" in _error("--seed", "--util-goal", "1.5")
+    assert "--init-s must be ≥ 0" in _error("--seed", "--init-s", "-1")
+    assert "--storage-gbps must be positive" in _error("--seed", "--storage-gbps", "0")

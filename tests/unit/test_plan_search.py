@@ -148,12 +148,18 @@ def step_file(tmp_path: Path) -> Path:
 
 
 @pytest.fixture
-def injected(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+def injected(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> list[Any]:
     seen: list[Any] = []
+    monkeypatch.setenv("LLMD_HOME", str(tmp_path / "home"))  # the default journal's place
 
     def factory(trace: Any, step: Any, price: float, targets: Targets, config: Any, model: Any) -> Any:
         seen.append((trace, step, price, targets))
-        return lambda c: synthetic(c, rate=len(trace) / 60)
+
+        def evaluate(c: Candidate) -> dict[str, Any]:
+            seen.append(c)
+            return synthetic(c, rate=len(trace) / 60)
+
+        return evaluate
 
     monkeypatch.setattr(search_cli, "evaluator_factory", factory)
     return seen
@@ -220,3 +226,70 @@ def test_cli_without_a_step_model_uses_this_box_calibration(tmp_path: Path, inje
     r = _cli("--rate", "10", "--duration", "30")
     assert r.exit_code == 0, r.output
     assert injected[0][1].coef["c_step"] == 0.123  # `llmd plan calibrate`'s own output, as llmd plan sim
+
+
+# -- the journal: each evaluation on disk as it finishes ----------------------------------------
+
+SEARCH = ("--rate", "40", "--duration", "60", "--max-num-seqs", "32,64", "--itl-target-ms", "none,45",
+          "--ttft-ms", "500", "--itl-ms", "40")
+
+
+def _evaluated(seen: list[Any]) -> list[Candidate]:
+    return [c for c in seen if isinstance(c, Candidate)]
+
+
+def test_a_search_writes_each_evaluation_and_a_second_run_reuses_them(step_file: Path, injected: list[Any],
+                                                                        tmp_path: Path) -> None:
+    out = tmp_path / "s.json"
+    r = _cli(*SEARCH, "--step-model", str(step_file), "--out", str(out))
+    assert r.exit_code == 0, r.output
+    first = _evaluated(injected)
+    lines = (tmp_path / "s.json.evaluations.jsonl").read_text().splitlines()
+    assert json.loads(lines[0])["format"] == "llmd-plan-search-journal/1"
+    rows = [json.loads(x) for x in lines[1:]]
+    assert [Candidate(**row["candidate"]) for row in rows] == first  # in the order evaluated
+    assert rows[0]["report"]["cost"]["replica_hours"] == first[0].replicas
+    doc = out.read_text()
+    injected.clear()
+    r = _cli(*SEARCH, "--step-model", str(step_file), "--out", str(out))
+    assert r.exit_code == 0 and not _evaluated(injected), r.output
+    assert f"{len(first)} of {len(first)} evaluations read from" in r.output
+    assert out.read_text() == doc
+    # Other SLOs judge the same reports again: more replicas, the extra ones simulated
+    r = _cli(*SEARCH[:-4], "--ttft-ms", "60", "--itl-ms", "40", "--step-model", str(step_file), "--out", str(out))
+    assert r.exit_code == 0, r.output
+    assert json.loads(out.read_text())["winner"]["replicas"] > json.loads(doc)["winner"]["replicas"]
+    assert not set(_evaluated(injected)) & set(first)
+
+
+def test_a_journal_cut_short_resumes_from_its_whole_lines(step_file: Path, injected: list[Any],
+                                                          tmp_path: Path) -> None:
+    """A kill mid-write leaves half a line: it is dropped and that evaluation is run again."""
+    r = _cli(*SEARCH, "--step-model", str(step_file), "--json")
+    assert r.exit_code == 0, r.output
+    whole = json.loads(r.output)
+    journal = next((tmp_path / "home" / "plan" / "searches").glob("*.evaluations.jsonl"))
+    lines = journal.read_text().splitlines(keepends=True)
+    journal.write_text("".join(lines[:4]) + lines[4][: len(lines[4]) // 2])
+    injected.clear()
+    r = _cli(*SEARCH, "--step-model", str(step_file), "--json")
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout) == whole
+    assert _evaluated(injected) == [Candidate(**json.loads(x)["candidate"]) for x in lines[4:]]
+    assert journal.read_text().splitlines(keepends=True) == lines
+
+
+def test_a_journal_of_another_search_is_refused_not_overwritten(step_file: Path, injected: list[Any],
+                                                                tmp_path: Path) -> None:
+    journal = tmp_path / "j.jsonl"
+    assert _cli(*SEARCH, "--step-model", str(step_file), "--journal", str(journal)).exit_code == 0
+    before = journal.read_text()
+    r = _cli(*SEARCH, "--step-model", str(step_file), "--journal", str(journal), "--price", "20")
+    assert r.exit_code == 1 and "written for another search (price differ)" in r.output, r.output
+    assert journal.read_text() == before
+    r = _cli(*SEARCH, "--step-model", str(step_file), "--journal", str(journal), "--price", "20", "--fresh")
+    assert r.exit_code == 0, r.output
+    assert journal.read_text() != before and "read from" not in r.output
+    (tmp_path / "x.jsonl").write_text("hello\n")
+    r = _cli(*SEARCH, "--step-model", str(step_file), "--journal", str(tmp_path / "x.jsonl"))
+    assert r.exit_code == 1 and "not a search journal" in r.output

