@@ -162,8 +162,8 @@ class JsonArbiter:
         # unfinished ones are re-read: they are in `new`, finished or not
         self.tokens = [t for t in self.tokens if t.end is not None] + new
         floor = self.state.pos - self.KEEP
-        while self.tokens and (self.tokens[0].end or self.state.pos) < floor:
-            self.tokens.pop(0)
+        if self.tokens and (self.tokens[0].end or floor) < floor:
+            self.tokens = [t for t in self.tokens if t.end is None or t.end >= floor]
         self._view = None
 
     def view(self, pending: str, final: bool) -> list[Token]:
@@ -336,9 +336,9 @@ class JsonArbiter:
             return "stop", m.start, m.end, ""
         inside = tok.start < a and (tok.end is None or b < tok.end)  # within the quotes, for a string
         if tok.kind == "number" and tok.start <= a and (tok.end is None or b <= tok.end):
-            if tok.end is None:
-                return "wait", m.start, m.end, ""
-            return ("skip" if tok.quantity and m.rule in QUANTITY_EXEMPT else "stop"), m.start, m.end, ""
+            if m.rule not in QUANTITY_EXEMPT or (tok.end is not None and not tok.quantity):
+                return "stop", m.start, m.end, ""
+            return ("skip" if tok.quantity else "wait"), m.start, m.end, ""  # wait: its end tells
         if tok.kind != "string" or not tok.free or not inside:
             return "stop", m.start, m.end, ""
         lo, hi = _widen(text, tok.start - base + 1, m.start, m.end)
@@ -347,9 +347,9 @@ class JsonArbiter:
         return "redact", lo, hi, json.dumps(m.replacement, ensure_ascii=False)[1:-1]
 
     def hold(self, tokens: list[Token], text: str, base: int) -> int:
-        """Characters at the end of `text` to hold: an unfinished number (a quantity or not, only
-        its end says), so a match in it is judged whole."""
-        if tokens and tokens[-1].end is None and tokens[-1].kind == "number":
+        """Characters at the end of `text` to hold: an unfinished number not yet known to be a
+        quantity (only its end says), so a phone-like match in it is judged whole."""
+        if tokens and tokens[-1].end is None and tokens[-1].kind == "number" and not tokens[-1].quantity:
             return len(text) - max(0, tokens[-1].start - base)
         return 0
 

@@ -199,3 +199,14 @@ def test_auto_tool_calls_judge_the_json_inside_the_text() -> None:
     stopped(f'Sure. <<dial {{"{PHONE}": 1}}>>', schema=None, embedded=True)
     (out, hit), = every_split(f"{{not json}} {PHONE}", schema=None, embedded=True)  # braces in prose
     assert hit is None and out == "{not json} [REDACTED:phone]"
+
+
+def test_a_loop_inside_an_unfinished_number_still_stops() -> None:
+    """Only the phone rule waits for a number's end; the loop detector stops a runaway number."""
+    w, hit = window(schema=None), None
+    pieces = ['{"n": 1.', *["000"] * 100]
+    for p in pieces:
+        _, hit = w.feed(p, 1, False)
+        if hit is not None:
+            break
+    assert hit is not None and hit.label.startswith("loops/")
