@@ -14,6 +14,7 @@ from typing import Any
 import jsonschema
 import pytest
 
+from llmd.backends.fake_outputs import SAY_CHARS
 from tests.matrix import cluster
 from tests.matrix.client import choices_of, same
 from tests.matrix.features import Case, case_id, cases
@@ -60,6 +61,8 @@ def check(run: Run) -> None:
         assert sorted(choices) == list(range(int(case["n"])))
         for c in choices.values():
             complete(run, c)
+        # What the engine produced: the script, SAY_CHARS characters a token, for each choice.
+        assert row["output_tokens"] == int(case["n"]) * -(-len(run.script.say) // SAY_CHARS), row
         if case["logprobs"] == "on":
             assert sum(c["logprobs"] for c in choices.values()) == row["output_tokens"]
     if want.outcome == "filtered":
