@@ -149,6 +149,21 @@ def render() -> str:
     out += [f"| {f.name} | {', '.join(f.levels)} | {f.what} |" for f in FEATURES]
     out += ["", "## Pairs that cannot meet", "", "| features | why |", "| --- | --- |"]
     out += [f"| {' × '.join(reads)} | {why} |" for why, reads, _ in EXCLUDED]
+    out += ["", "## The outcome a case must have", "",
+            "The first of these that applies (`tests/matrix/runner.py`, `expected`):", "",
+            "1. `end=cancel` without an Idempotency-Key: the client is gone; the row says `cancelled`. With a key "
+            "the run outlives its client, and the client that comes back with the key gets the whole outcome.",
+            "2. `end=deadline`: `deadline_exceeded`, a 504 or, once tokens went out, the terminal event and "
+            "`[DONE]`.",
+            "3. A fault under a JSON grammar (`format=json` or a named tool): `engine_dead` or `node_failed`, "
+            "streamed or not, Batch API item too: the fault strikes once tokens flow, and a structured output "
+            "is not resumed (its grammar would restart).",
+            "4. `filter=stop`: the choice ends with `finish_reason: content_filter` (a stream: then the "
+            "terminal event); in JSON the match is a phone-length integer in an `integer` field, which no "
+            "replacement keeps valid.",
+            "5. Otherwise the whole script, resumed across a fault where there was one, with the e-mail address "
+            "redacted inside its JSON string (a `number` field's phone-like digits are a quantity, left alone); "
+            "`finish_reason` `stop` (`tool_calls` for a named tool); usage the script's tokens per choice.", ""]
     rows = cases()
     out += ["", f"## Cases ({len(rows)}, covering {len(possible_pairs())} pairs)", "",
             "| # | " + " | ".join(NAMES) + " |", "| --- " * (len(NAMES) + 1) + "|"]
