@@ -163,7 +163,7 @@ def render() -> str:
             "replacement keeps valid.",
             "5. Otherwise the whole script, resumed across a fault where there was one, with the e-mail address "
             "redacted inside its JSON string (a `number` field's phone-like digits are a quantity, left alone); "
-            "`finish_reason` `stop` (`tool_calls` for a named tool); usage the script's tokens per choice.", ""]
+            "`finish_reason` `stop` (`tool_calls` for a named tool); usage the script's tokens per choice."]
     rows = cases()
     out += ["", f"## Cases ({len(rows)}, covering {len(possible_pairs())} pairs)", "",
             "| # | " + " | ".join(NAMES) + " |", "| --- " * (len(NAMES) + 1) + "|"]
