@@ -182,8 +182,9 @@ class Service:
         life.admit(self._admit(record, rt, tenant, klass, record.prompt_tokens + len(prompts) * req.n * max_tokens,
                                deadline))
         prompt_only = isinstance(req, CompletionRequest) and req.prompt_only
+        auto = tools is not None and tools.auto
         choices = [self._choice(record, i * req.n + j, prompt, generation.for_choice(sampling, j), tenant, klass,
-                                deadline, rt, echo, prompt_only)
+                                deadline, rt, echo, prompt_only, auto)
                    for i, (prompt, echo) in enumerate(prompts) for j in range(req.n)]
         for c, reader in zip(choices, readers or (), strict=False):
             c.tools = reader
@@ -223,11 +224,13 @@ class Service:
         return ticket
 
     def _choice(self, record: RequestRecord, index: int, prompt: Prompt, sampling: Sampling, tenant: TenantConfig,
-                klass: str, deadline: float, rt: ModelRuntime, echo: str, prompt_only: bool) -> Choice:
+                klass: str, deadline: float, rt: ModelRuntime, echo: str, prompt_only: bool,
+                auto_tools: bool = False) -> Choice:
         flow = QueuedRequest(record.request_id, tenant.name, klass, prompt.num_tokens, sampling.max_tokens, deadline,
                              preemptible=sampling.structured is None)
-        return Choice(index, prompt, sampling, flow, f"{record.request_id}-{index}-{uuid.uuid4().hex[:8]}",
-                      self.filters.output_window(rt.cfg, tenant, sampling.ignore_eos, arbiter(sampling.structured)),
+        window = self.filters.output_window(rt.cfg, tenant, sampling.ignore_eos,
+                                            arbiter(sampling.structured, auto_tools))
+        return Choice(index, prompt, sampling, flow, f"{record.request_id}-{index}-{uuid.uuid4().hex[:8]}", window,
                       echo, prompt_only)
 
     def _overloaded(self, rt: ModelRuntime, tenant: str = "") -> bool:
@@ -264,12 +267,13 @@ class Service:
         return rt, cap
 
 
-def arbiter(structured: Structured | None) -> JsonArbiter | None:
+def arbiter(structured: Structured | None, auto_tools: bool = False) -> JsonArbiter | None:
     """Who judges the output filters' matches in a constrained output (one per choice: it reads
     the output as it goes): the JSON arbiter under a schema or json_object, a fixed-choice one
-    (no match may change it) under `choice`; None for free text."""
+    (no match may change it) under `choice`, an embedded one for `auto` tool calls (text with
+    the calls' JSON in it); None for free text."""
     if structured is None:
-        return None
+        return JsonArbiter(embedded=True) if auto_tools else None
     return JsonArbiter(structured.json_schema, choice=structured.choice is not None)
 
 

@@ -201,6 +201,8 @@ class OutputWindow:
         verdict, a, b, replacement = self.arbiter.judge(tokens, window, self.arbiter.state.pos - n_ctx, m)
         if verdict in ("skip", "wait"):
             return None
+        if verdict == "as_is":  # text around embedded JSON
+            return m
         if verdict == "stop":
             return replaced(m, action="block")
         return replaced(m, start=a, end=b, replacement=replacement)

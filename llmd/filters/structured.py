@@ -29,7 +29,7 @@ from typing import Any, Literal
 
 from llmd.filters.base import Match
 
-Verdict = Literal["redact", "stop", "skip", "wait"]
+Verdict = Literal["redact", "stop", "skip", "wait", "as_is"]
 QUANTITY_EXEMPT = frozenset({"phone"})  # rules that do not screen quantities (numbers with a fraction, etc.)
 _PINNING = ("enum", "const", "pattern", "format", "minLength", "maxLength", "contentEncoding", "not")
 _NUMBER_CHARS = frozenset("0123456789+-.eE")
@@ -43,7 +43,7 @@ ANY: Alts = ({},)
 class Token:
     """A key, string, number or literal of the document, in document offsets (end None: unfinished)."""
 
-    kind: Literal["key", "string", "number", "literal"]
+    kind: Literal["key", "string", "number", "literal", "json"]  # json: an object embedded in text
     start: int
     end: int | None
     free: bool = False  # a string value any replacement string keeps valid
@@ -68,6 +68,7 @@ class _State:
     tok: Token | None = None  # the token in progress
     escape: int = 0  # inside a string: 0 none, 1 after a backslash, 2-5 the \\u digits left + 1
     key_chars: list[str] = field(default_factory=list)
+    region: Token | None = None  # embedded: the JSON object being read (None: in text)
 
 
 class Schema:
@@ -138,13 +139,16 @@ def typed_number(alts: Alts) -> bool:
 class JsonArbiter:
     """One choice's constrained output: its JSON read so far, and each match's verdict.
 
-    `choice`: the output is one of fixed strings (nothing in it may change)."""
+    `choice`: the output is one of fixed strings (nothing in it may change). `embedded`: the output
+    is text with JSON objects in it (`auto` tool calls in a JSON-based format: hermes, llama3_json,
+    the fake's `<<name {...}>>`): a match in the text is the filter's to act on as usual, one that
+    touches an object is judged as in a constrained output, so a call's arguments still parse."""
 
     KEEP = 512  # finished tokens kept behind the released end (the filters' lookback is shorter)
 
-    def __init__(self, schema: dict[str, Any] | None = None, choice: bool = False) -> None:
+    def __init__(self, schema: dict[str, Any] | None = None, choice: bool = False, embedded: bool = False) -> None:
         self.schema = Schema(schema)
-        self.choice = choice
+        self.choice, self.embedded = choice, embedded
         self.state = _State()
         self.tokens: list[Token] = []  # finished or open tokens of the released text
         self._view: tuple[str, bool, list[Token], _State] | None = None
@@ -155,12 +159,11 @@ class JsonArbiter:
         if not released:
             return
         self.state, new = self._read(self.state, released)
-        if self.tokens and self.tokens[-1].end is None:
-            self.tokens.pop()  # re-read: it is in `new`, finished or not
-        self.tokens += new
+        # unfinished ones are re-read: they are in `new`, finished or not
+        self.tokens = [t for t in self.tokens if t.end is not None] + new
         floor = self.state.pos - self.KEEP
-        while self.tokens and (self.tokens[0].end or self.state.pos) < floor:
-            self.tokens.pop(0)
+        if self.tokens and (self.tokens[0].end or floor) < floor:
+            self.tokens = [t for t in self.tokens if t.end is None or t.end >= floor]
         self._view = None
 
     def view(self, pending: str, final: bool) -> list[Token]:
@@ -169,25 +172,42 @@ class JsonArbiter:
             return self._view[2]
         state, new = self._read(self.state, pending)
         toks = [t for t in self.tokens if t.end is not None] + new
-        if final and toks and toks[-1].end is None:
-            t = toks[-1]
-            toks[-1] = replace(t, end=state.pos)  # the output ends: so does its last token
+        if final:  # the output ends: so do its unfinished tokens
+            toks = [t if t.end is not None else replace(t, end=state.pos) for t in toks]
         self._view = (pending, final, toks, state)
         return toks
 
     def _read(self, s: _State, text: str) -> tuple[_State, list[Token]]:
         s = replace(s, key_chars=list(s.key_chars))
         out: list[Token] = []
-        if s.tok is not None:
-            out.append(s.tok)  # reopened: updated in place as it goes on
+        out += [t for t in (s.region, s.tok) if t is not None]  # reopened: updated as they go on
         i, n = 0, len(text)
         while i < n:
+            if self.embedded and (s.region is None or s.done or s.broken):
+                i = self._text(s, text, i, out)
+                continue
             if s.broken or (s.done and not text[i].isspace()):
                 s.broken = True
                 s.pos += n - i
                 break
             i = self._step(s, text, i, out)
         return s, out
+
+    def _text(self, s: _State, text: str, i: int, out: list[Token]) -> int:
+        """Embedded: end the object just read (or abandoned), then skip text to the next `{`."""
+        if s.region is not None:
+            done = replace(s.region, end=s.pos)
+            out[:] = [done if t is s.region else t for t in out]
+            if done not in out:
+                out.append(done)
+            s.region, s.stack, s.tok, s.done, s.broken = None, (), None, False, False
+        j = text.find("{", i)
+        j = len(text) if j < 0 else j
+        s.pos += j - i
+        if j < len(text):
+            s.region = Token("json", s.pos, None)
+            out.append(s.region)
+        return j
 
     def _step(self, s: _State, text: str, i: int, out: list[Token]) -> int:
         """Read from text[i]; return where reading goes on."""
@@ -308,14 +328,17 @@ class JsonArbiter:
         """What the window does with `m` (offsets in `text`, which starts at document offset
         `base`): redact (span widened to whole escapes, replacement escaped), stop, skip, wait."""
         a, b = base + m.start, base + m.end
-        tok = next((t for t in tokens if t.start < b and (t.end is None or a < t.end)), None)
+        overlaps = [t for t in tokens if t.start < b and (t.end is None or a < t.end)]
+        if self.embedded and not any(t.kind == "json" for t in overlaps):
+            return "as_is", m.start, m.end, m.replacement  # in the text around the objects
+        tok = next((t for t in overlaps if t.kind != "json"), None)
         if tok is None or self.choice:
             return "stop", m.start, m.end, ""
         inside = tok.start < a and (tok.end is None or b < tok.end)  # within the quotes, for a string
         if tok.kind == "number" and tok.start <= a and (tok.end is None or b <= tok.end):
-            if tok.end is None:
-                return "wait", m.start, m.end, ""
-            return ("skip" if tok.quantity and m.rule in QUANTITY_EXEMPT else "stop"), m.start, m.end, ""
+            if m.rule not in QUANTITY_EXEMPT or (tok.end is not None and not tok.quantity):
+                return "stop", m.start, m.end, ""
+            return ("skip" if tok.quantity else "wait"), m.start, m.end, ""  # wait: its end tells
         if tok.kind != "string" or not tok.free or not inside:
             return "stop", m.start, m.end, ""
         lo, hi = _widen(text, tok.start - base + 1, m.start, m.end)
@@ -324,9 +347,9 @@ class JsonArbiter:
         return "redact", lo, hi, json.dumps(m.replacement, ensure_ascii=False)[1:-1]
 
     def hold(self, tokens: list[Token], text: str, base: int) -> int:
-        """Characters at the end of `text` to hold: an unfinished number (a quantity or not, only
-        its end says), so a match in it is judged whole."""
-        if tokens and tokens[-1].end is None and tokens[-1].kind == "number":
+        """Characters at the end of `text` to hold: an unfinished number not yet known to be a
+        quantity (only its end says), so a phone-like match in it is judged whole."""
+        if tokens and tokens[-1].end is None and tokens[-1].kind == "number" and not tokens[-1].quantity:
             return len(text) - max(0, tokens[-1].start - base)
         return 0
 

@@ -46,10 +46,11 @@ class Quoting:
                      if "secret".startswith(text[i:])), 0)
 
 
-def window(schema: dict[str, Any] | None = CITY, choice: bool = False, email: bool = False) -> OutputWindow:
+def window(schema: dict[str, Any] | None = CITY, choice: bool = False, email: bool = False,
+           embedded: bool = False) -> OutputWindow:
     kinds = ("email", "phone", "card", "secret") if email else ("phone", "card", "secret")
     return OutputWindow([Blocklist("words", ["forbidden phrase"]), PII("pii", kinds), Quoting(), Degenerate("loops")],
-                        32, arbiter=JsonArbiter(schema, choice=choice))
+                        32, arbiter=JsonArbiter(schema, choice=choice, embedded=embedded))
 
 
 def run(text: str, size: int, **kw: Any) -> tuple[str, Match | None]:
@@ -184,3 +185,28 @@ def test_random_documents_and_splits_never_break_json_or_leak() -> None:
             assert all(got[k] == v for k, v in doc.items() if not isinstance(v, str) or PHONE not in v)
         else:
             assert hit.label in ("pii/phone", "words/word:0")
+
+
+def test_auto_tool_calls_judge_the_json_inside_the_text() -> None:
+    """`auto`: text with calls in it (here the fake parser's `<<name {...}>>`): the text is redacted
+    as usual, a call's string argument in place, its integer stops, its quantity is kept."""
+    text = f'Ring {PHONE} {{or}} <<dial {{"note": "ring {PHONE}", "m": 8.3360001234}}>> then {PHONE}.'
+    (out, hit), = every_split(text, schema=None, embedded=True)
+    assert hit is None
+    assert out == ('Ring [REDACTED:phone] {or} <<dial {"note": "ring [REDACTED:phone]", "m": 8.3360001234}>> '
+                   'then [REDACTED:phone].')
+    stopped('Sure. <<dial {"n": 5551234567}>>', schema=None, embedded=True)
+    stopped(f'Sure. <<dial {{"{PHONE}": 1}}>>', schema=None, embedded=True)
+    (out, hit), = every_split(f"{{not json}} {PHONE}", schema=None, embedded=True)  # braces in prose
+    assert hit is None and out == "{not json} [REDACTED:phone]"
+
+
+def test_a_loop_inside_an_unfinished_number_still_stops() -> None:
+    """Only the phone rule waits for a number's end; the loop detector stops a runaway number."""
+    w, hit = window(schema=None), None
+    pieces = ['{"n": 1.', *["000"] * 100]
+    for p in pieces:
+        _, hit = w.feed(p, 1, False)
+        if hit is not None:
+            break
+    assert hit is not None and hit.label.startswith("loops/")

@@ -56,7 +56,7 @@ def sdk(live: LiveServer) -> openai.AsyncOpenAI:
 
 
 def say(doc: Any) -> list[dict[str, str]]:
-    text = json.dumps(doc)
+    text = doc if isinstance(doc, str) else json.dumps(doc)
     if text.endswith("]"):
         text += "\n"  # the marker ends at the first "]]"
     return [{"role": "user", "content": f"[[say:{text}]]"}]
@@ -169,3 +169,28 @@ async def test_the_batch_api_gets_the_same_arbiter(make_server) -> None:
     out = json.loads((await c.files.content(b.output_file_id)).text)
     choices = out["response"]["body"]["choices"]
     assert [json.loads(ch["message"]["content"]) for ch in choices] == [WANT, WANT]
+
+
+async def test_auto_tool_calls_have_their_arguments_screened_as_json(make_server) -> None:
+    """`auto` (the fake's parser reads `<<name {json}>>`): the text around a call is redacted as any
+    text, its arguments as JSON (a string in place, a quantity kept), an integer phone stops."""
+    c = sdk(await make_server(TOML.replace("default_max_tokens = 16", 'default_max_tokens = 16\ntool_parser = "fake"')))
+    text = f'Call {PHONE}. <<dial {{"note": "ring {PHONE}", "minutes": 8.3360001234}}>>'
+    want = {"note": "ring [REDACTED:phone]", "minutes": 8.3360001234}
+    for stream in (False, True):
+        r = await c.chat.completions.create(model="fake", messages=say(text), tools=[DIAL], max_tokens=200,
+                                            stream=stream)
+        if stream:
+            _, finish, raw, err = await streamed(r)
+            deltas = [ch["delta"] for line in raw for ch in json.loads(line)["choices"]]
+            content = "".join(d.get("content") or "" for d in deltas)
+            args = "".join(tc["function"].get("arguments") or "" for d in deltas for tc in d.get("tool_calls") or [])
+            assert err is None and finish == {0: "tool_calls"}
+        else:
+            msg = r.choices[0].message
+            content, args = msg.content or "", msg.tool_calls[0].function.arguments
+            assert r.choices[0].finish_reason == "tool_calls"
+        assert content.strip() == "Call [REDACTED:phone]." and json.loads(args) == want
+    r = await c.chat.completions.create(model="fake", messages=say('Sure. <<dial {"note": "x", "n": 5551234567}>>'),
+                                        tools=[DIAL], max_tokens=200)
+    assert r.choices[0].finish_reason == "content_filter" and "5551234567" not in json.dumps(r.model_dump())
