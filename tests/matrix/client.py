@@ -67,22 +67,23 @@ def sdk(base: str, wire: Wire) -> openai.AsyncOpenAI:
                               http_client=httpx.AsyncClient(transport=wire, timeout=60))
 
 
-def body(case: Case, script: Script) -> dict[str, Any]:
+def body(case: Case, content: str, model: str = "fake", max_tokens: int = MAX_TOKENS,
+         schema: dict[str, Any] = SCHEMA, tool: dict[str, Any] = TOOL) -> dict[str, Any]:
     """The request body of a case (the SDK's keyword arguments; a Batch API line's body)."""
-    say = f"[[say:{script.say}]]"
-    b: dict[str, Any] = {"model": "fake", "max_tokens": MAX_TOKENS, "n": int(case["n"]), "temperature": 0}
+    b: dict[str, Any] = {"model": model, "max_tokens": max_tokens, "n": int(case["n"]), "temperature": 0}
     if case["api"] == "chat":
-        b["messages"] = [{"role": "user", "content": f"Tell me about a city. {say}"}]
+        b["messages"] = [{"role": "user", "content": content}]
         if case["logprobs"] == "on":
             b |= {"logprobs": True, "top_logprobs": 2}
         if case["tools"] == "named":
-            b |= {"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "record_city"}}}
+            b |= {"tools": [tool], "tool_choice": {"type": "function",
+                                                   "function": {"name": tool["function"]["name"]}}}
     else:
-        b["prompt"] = f"Tell me about a city. {say}"
+        b["prompt"] = content
         if case["logprobs"] == "on":
             b["logprobs"] = 2
     if case["format"] == "json":
-        b["response_format"] = {"type": "json_schema", "json_schema": {"name": "city", "schema": SCHEMA,
+        b["response_format"] = {"type": "json_schema", "json_schema": {"name": "city", "schema": schema,
                                                                        "strict": True}}
     if case["stream"] == "on":
         b |= {"stream": True, "stream_options": {"include_usage": True}}
@@ -129,12 +130,17 @@ def sse(raw: bytes) -> tuple[list[dict[str, Any]], bool]:
     return events, done
 
 
-async def call(base: str, case: Case, script: Script, key: str, on_chunk: Any = None) -> Reply:
+def say(script: Script) -> str:
+    """The fake engine's prompt for a script."""
+    return f"Tell me about a city. [[say:{script.say}]]"
+
+
+async def call(base: str, case: Case, b: dict[str, Any], key: str, on_chunk: Any = None) -> Reply:
     """Send the case with the SDK; `on_chunk(i)` after the i-th streamed chunk that has content
     (a fault or a cancellation is struck from it)."""
     wire = Wire(drain=case["end"] != "cancel")
     client = sdk(base, wire)
-    b, h = body(case, script), headers(case, key)
+    b, h = dict(b), headers(case, key)
     create = client.chat.completions.create if case["api"] == "chat" else client.completions.create
     if case["api"] != "chat" and "response_format" in b:  # a vLLM extension the SDK's completions lack
         b["extra_body"] = {"response_format": b.pop("response_format")}
@@ -175,3 +181,29 @@ def _has_content(c: Any) -> bool:
     if d is not None:
         return bool(d.content or d.tool_calls)
     return bool(getattr(c, "text", ""))
+
+
+def choices_of(bodies: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
+    """Text, tool-call arguments, finish_reason and logprob count per choice, from a body or chunks."""
+    out: dict[int, dict[str, Any]] = {}
+    for b in bodies:
+        for ch in b.get("choices") or ():
+            c = out.setdefault(ch["index"], {"text": "", "args": "", "finish": None, "logprobs": 0})
+            part = ch.get("delta") or ch.get("message")
+            if part is None:  # completions
+                c["text"] += ch.get("text") or ""
+                c["logprobs"] += len((ch.get("logprobs") or {}).get("tokens") or ())
+            else:
+                c["text"] += part.get("content") or ""
+                for call in part.get("tool_calls") or ():
+                    c["args"] += call["function"].get("arguments") or ""
+                c["logprobs"] += len((ch.get("logprobs") or {}).get("content") or ())
+            c["finish"] = ch.get("finish_reason") or c["finish"]
+    return out
+
+
+def same(reply: Reply, case: Case) -> Any:
+    """What a retry must repeat: the status and each choice's text, arguments and finish_reason."""
+    bodies = reply.events if case["stream"] == "on" else [reply.body]
+    return reply.status, reply.error and reply.error.get("code"), {
+        i: (c["text"], c["args"], c["finish"]) for i, c in choices_of([b for b in bodies if b]).items()}

@@ -79,17 +79,28 @@ def excluded_by(case: Case) -> list[str]:
     return [why for why, reads, rule in EXCLUDED if all(k in case for k in reads) and rule(case)]
 
 
+Levels = dict[str, tuple[str, ...]]
+# The real engine's subset: what needs no scripted output, fault or second node (the engine
+# death and cluster tests under tests/engine/ drive those on it).
+ENGINE: Levels = {"path": ("direct", "batch_api"), "fault": ("none",), "filter": ("none", "redact")}
+
+
+def _levels(only: Levels | None) -> list[tuple[str, ...]]:
+    return [(only or {}).get(f.name, f.levels) for f in FEATURES]
+
+
 def _allowed(row: list[str]) -> bool:
     return not excluded_by(dict(zip(NAMES, row, strict=False)))
 
 
-def cases() -> list[Case]:
-    """Every allowed pair of levels in at least one case: allpairspy's greedy cover (deterministic),
-    then, for the pairs its filter made it miss, the allowed request that holds most of them."""
-    params = OrderedDict((f.name, list(f.levels)) for f in FEATURES)
+def cases(only: Levels | None = None) -> list[Case]:
+    """Every allowed pair of levels (of those in `only`, where given) in at least one case:
+    allpairspy's greedy cover (deterministic), then, for the pairs its filter made it miss, the
+    allowed request that holds most of them."""
+    params = OrderedDict((n, list(levels)) for n, levels in zip(NAMES, _levels(only), strict=True))
     out = [dict(zip(NAMES, row, strict=True)) for row in AllPairs(params, filter_func=_allowed)]
-    missing = possible_pairs() - set().union(*(pairs(c) for c in out))
-    allowed = list(_all_allowed())
+    missing = possible_pairs(only) - set().union(*(pairs(c) for c in out))
+    allowed = list(_all_allowed(only))
     while missing:
         best = max(allowed, key=lambda c: len(pairs(c) & missing))
         out.append(best)
@@ -97,8 +108,8 @@ def cases() -> list[Case]:
     return out
 
 
-def _all_allowed() -> Iterator[Case]:
-    for row in itertools.product(*(f.levels for f in FEATURES)):
+def _all_allowed(only: Levels | None = None) -> Iterator[Case]:
+    for row in itertools.product(*_levels(only)):
         case = dict(zip(NAMES, row, strict=True))
         if not excluded_by(case):
             yield case
@@ -108,10 +119,10 @@ def pairs(case: Case) -> set[tuple[str, str, str, str]]:
     return {(a, case[a], b, case[b]) for a, b in itertools.combinations(NAMES, 2)}
 
 
-def possible_pairs() -> set[tuple[str, str, str, str]]:
+def possible_pairs(only: Levels | None = None) -> set[tuple[str, str, str, str]]:
     """The pairs some allowed request has (a pair only a three-way exclusion rules out stays in)."""
     out: set[tuple[str, str, str, str]] = set()
-    for case in _all_allowed():
+    for case in _all_allowed(only):
         out |= pairs(case)
     return out
 
@@ -138,8 +149,30 @@ def render() -> str:
     out += [f"| {f.name} | {', '.join(f.levels)} | {f.what} |" for f in FEATURES]
     out += ["", "## Pairs that cannot meet", "", "| features | why |", "| --- | --- |"]
     out += [f"| {' × '.join(reads)} | {why} |" for why, reads, _ in EXCLUDED]
+    out += ["", "## The outcome a case must have", "",
+            "The first of these that applies (`tests/matrix/runner.py`, `expected`):", "",
+            "1. `end=cancel` without an Idempotency-Key: the client is gone; the row says `cancelled`. With a key "
+            "the run outlives its client, and the client that comes back with the key gets the whole outcome.",
+            "2. `end=deadline`: `deadline_exceeded`, a 504 or, once tokens went out, the terminal event and "
+            "`[DONE]`.",
+            "3. A fault under a JSON grammar (`format=json` or a named tool): `engine_dead` or `node_failed`, "
+            "streamed or not, Batch API item too: the fault strikes once tokens flow, and a structured output "
+            "is not resumed (its grammar would restart).",
+            "4. `filter=stop`: the choice ends with `finish_reason: content_filter` (a stream: then the "
+            "terminal event); in JSON the match is a phone-length integer in an `integer` field, which no "
+            "replacement keeps valid.",
+            "5. Otherwise the whole script, resumed across a fault where there was one, with the e-mail address "
+            "redacted inside its JSON string (a `number` field's phone-like digits are a quantity, left alone); "
+            "`finish_reason` `stop` (`tool_calls` for a named tool); usage the script's tokens per choice."]
     rows = cases()
     out += ["", f"## Cases ({len(rows)}, covering {len(possible_pairs())} pairs)", "",
+            "| # | " + " | ".join(NAMES) + " |", "| --- " * (len(NAMES) + 1) + "|"]
+    out += [f"| {i} | " + " | ".join(c[n] for n in NAMES) + " |" for i, c in enumerate(rows)]
+    rows = cases(ENGINE)
+    out += ["", f"## The real engine's cases ({len(rows)}, covering {len(possible_pairs(ENGINE))} pairs)", "",
+            "`tests/engine/test_matrix_engine.py`, on SmolLM2: the levels that need no scripted output, fault "
+            "or second node (" + "; ".join(f"{k}: {', '.join(v)}" for k, v in ENGINE.items()) + "). The "
+            "model's own text stands in for the script: its prompt invites an e-mail address.", "",
             "| # | " + " | ".join(NAMES) + " |", "| --- " * (len(NAMES) + 1) + "|"]
     out += [f"| {i} | " + " | ".join(c[n] for n in NAMES) + " |" for i, c in enumerate(rows)]
     out += ["", "New request features join the matrix: a `Feature` in `FEATURES`, its setting in "

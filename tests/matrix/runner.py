@@ -106,10 +106,10 @@ async def _online(base: str, servers: Servers, case: Case, live: LiveServer, sc:
             if i == 1 and strike is not None:
                 await strike()
         try:
-            return await client.call(base, case, sc, key, on_chunk)
+            return await client.call(base, case, client.body(case, client.say(sc)), key, on_chunk)
         except GoAway:
             return client.Reply(status=None)
-    task = asyncio.ensure_future(client.call(base, case, sc, key))
+    task = asyncio.ensure_future(client.call(base, case, client.body(case, client.say(sc)), key))
     await asyncio.wait([task, asyncio.ensure_future(_tokens_flow(live))], return_when=asyncio.FIRST_COMPLETED)
     if not task.done():
         try:
@@ -150,7 +150,7 @@ async def run_case(servers: Servers, case: Case) -> Run:
         else:
             run.reply = await _online(live.base, servers, case, live, sc, key, run)
             if case["idempotency"] == "on":
-                run.retry = await client.call(live.base, case, sc, key)
+                run.retry = await client.call(live.base, case, client.body(case, client.say(sc)), key)
         await _settled(servers, live, db, before)
     finally:
         telemetry.RECORD_SINKS.remove(seen.append)
@@ -167,7 +167,7 @@ async def _batch(live: LiveServer, case: Case, sc: Script, run: Run, servers: Se
     """The case as the one line of a Batch API file; its reply is the output (or error) file's line."""
     wire = client.Wire()
     c = client.sdk(live.base, wire)
-    b = client.body(case, sc)
+    b = client.body(case, client.say(sc))
     if case["priority"] != "interactive":
         b["priority_class"] = case["priority"]
     url = "/v1/chat/completions" if case["api"] == "chat" else "/v1/completions"

@@ -14,7 +14,9 @@ from typing import Any
 import jsonschema
 import pytest
 
+from llmd.backends.fake_outputs import SAY_CHARS
 from tests.matrix import cluster
+from tests.matrix.client import choices_of, same
 from tests.matrix.features import Case, case_id, cases
 from tests.matrix.runner import Expected, Run, expected, run_case
 from tests.matrix.scripts import NEVER_SENT, SCHEMA, structured
@@ -59,12 +61,14 @@ def check(run: Run) -> None:
         assert sorted(choices) == list(range(int(case["n"])))
         for c in choices.values():
             complete(run, c)
+        # What the engine produced: the script, SAY_CHARS characters a token, for each choice.
+        assert row["output_tokens"] == int(case["n"]) * -(-len(run.script.say) // SAY_CHARS), row
         if case["logprobs"] == "on":
             assert sum(c["logprobs"] for c in choices.values()) == row["output_tokens"]
     if want.outcome == "filtered":
         assert choices and all(c["finish"] == "content_filter" for c in choices.values()), choices
     if run.retry is not None and run.answer is run.reply:
-        assert same(run.retry, run) == same(run.reply, run), "the retry under the Idempotency-Key differs"
+        assert same(run.retry, run.case) == same(run.reply, run.case), "the retry under the Idempotency-Key differs"
 
 
 def features_seen(run: Run, want: Expected, row: dict[str, Any], rec: dict[str, Any]) -> None:
@@ -114,32 +118,6 @@ def outcome(run: Run, want: Expected) -> tuple[dict[int, dict[str, Any]], int | 
         return {}, None
     assert r.status == 200 and r.body is not None, (r.status, r.body)
     return choices_of([r.body]), r.body["usage"]["completion_tokens"]
-
-
-def choices_of(bodies: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
-    """Text, tool-call arguments, finish_reason and logprob count per choice, from a body or chunks."""
-    out: dict[int, dict[str, Any]] = {}
-    for b in bodies:
-        for ch in b.get("choices") or ():
-            c = out.setdefault(ch["index"], {"text": "", "args": "", "finish": None, "logprobs": 0})
-            part = ch.get("delta") or ch.get("message")
-            if part is None:  # completions
-                c["text"] += ch.get("text") or ""
-                c["logprobs"] += len((ch.get("logprobs") or {}).get("tokens") or ())
-            else:
-                c["text"] += part.get("content") or ""
-                for call in part.get("tool_calls") or ():
-                    c["args"] += call["function"].get("arguments") or ""
-                c["logprobs"] += len((ch.get("logprobs") or {}).get("content") or ())
-            c["finish"] = ch.get("finish_reason") or c["finish"]
-    return out
-
-
-def same(reply: Any, run: Run) -> Any:
-    """What a retry must repeat: the status and each choice's text, arguments and finish_reason."""
-    bodies = reply.events if run.case["stream"] == "on" else [reply.body]
-    return reply.status, reply.error and reply.error.get("code"), {
-        i: (c["text"], c["args"], c["finish"]) for i, c in choices_of([b for b in bodies if b]).items()}
 
 
 def test_the_cases_hold_every_pair() -> None:

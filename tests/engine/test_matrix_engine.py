@@ -1,0 +1,188 @@
+"""The feature-interaction matrix's real-engine subset: SmolLM2 on vLLM behind llmd, with the
+shipped PII filter and a tenant, each case one request (or Batch API item) combining the levels
+of tests/matrix/features.py's ENGINE subset (every pair of them at least once). The model's own
+text stands in for the fake's script (its prompt invites an e-mail address), so each case checks
+the invariants that hold whatever it writes: valid, schema-conforming JSON where promised, one
+usage row, no byte of an address sent, a terminal event or an error after a deadline, the
+finish_reason, usage equal to what was sent and to the ledger."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+
+from llmd.auth import hash_key
+from tests.conftest import ENGINE_TOML, EngineServer, start_server_process, stop_process
+from tests.matrix import client
+from tests.matrix.client import choices_of, same
+from tests.matrix.cluster import KEY, ledger_rows
+from tests.matrix.features import ENGINE, Case, case_id, cases
+
+pytestmark = pytest.mark.engine
+CASES = cases(ENGINE)
+TOML = ENGINE_TOML + f"""
+[models.filters]
+output = ["pii"]
+[[filters]]
+name = "pii"
+type = "pii"
+action = "redact"
+[[tenants]]
+name = "a"
+keys = ["{hash_key(KEY)}"]
+"""
+SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {"city": {"type": "string"}, "contact": {"type": "string"}, "population": {"type": "number"},
+                   "kind": {"enum": ["town", "city"]}},
+    "required": ["city", "contact", "population", "kind"], "additionalProperties": False}
+TOOL = {"type": "function", "function": {"name": "record_city", "description": "Record a city and its contact.",
+                                         "parameters": SCHEMA}}
+PROMPT = ("Describe the town of Springfield in two sentences. Its tourist office answers at "
+          "john.doe@example.com; mention that address.")
+
+
+@pytest.fixture(scope="module")
+def server(smollm2_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[EngineServer, Path]]:
+    d = tmp_path_factory.mktemp("matrix-engine")
+    srv = start_server_process(TOML, d)
+    yield srv, d / "llmd.db"
+    stop_process(srv.proc)
+
+
+def structured(case: Case) -> bool:
+    return case["format"] == "json" or case["tools"] != "none"
+
+
+def body(case: Case) -> dict[str, Any]:
+    long = case["end"] != "complete"  # a deadline or a cancellation must find it still running
+    b = client.body(case, PROMPT, "smollm2", 400 if long else 200, SCHEMA, TOOL)
+    if long and not structured(case):
+        b["extra_body"] = {"ignore_eos": True}
+    return b
+
+
+async def _ask(srv: EngineServer, case: Case, key: str) -> client.Reply:
+    """The call; a `cancel` case's client goes away after its first streamed chunk, or 0.3 s
+    into a non-streamed call (a stimulus: the outcome is the same whether tokens had come)."""
+    b = body(case)
+    if case["end"] != "cancel":
+        return await client.call(srv.base, case, b, key)
+    if case["stream"] == "on":
+        async def away(i: int) -> None:
+            raise GoAway
+        try:
+            return await client.call(srv.base, case, b, key, away)
+        except GoAway:
+            return client.Reply(status=None)
+    task = asyncio.ensure_future(client.call(srv.base, case, b, key))
+    await asyncio.sleep(0.3)
+    task.cancel()
+    try:
+        return await task
+    except asyncio.CancelledError:
+        return client.Reply(status=None)
+
+
+class GoAway(Exception):
+    pass
+
+
+async def _batch(srv: EngineServer, case: Case) -> client.Reply:
+    wire = client.Wire()
+    c = client.sdk(srv.base, wire)
+    b = body(case)
+    b |= b.pop("extra_body", {})
+    if case["priority"] != "interactive":
+        b["priority_class"] = case["priority"]
+    url = "/v1/chat/completions" if case["api"] == "chat" else "/v1/completions"
+    line = json.dumps({"custom_id": "only", "method": "POST", "url": url, "body": b})
+    try:
+        f = await c.files.create(file=("matrix.jsonl", line.encode()), purpose="batch")
+        batch = await c.batches.create(input_file_id=f.id, endpoint=url, completion_window="24h")  # type: ignore[arg-type]
+        while batch.status not in ("completed", "failed", "expired", "cancelled"):
+            await asyncio.sleep(0.1)
+            batch = await c.batches.retrieve(batch.id)
+        assert batch.status == "completed", batch
+        start = len(wire.raw)
+        await c.files.content(batch.output_file_id or batch.error_file_id or "")
+        (out,) = [json.loads(x) for x in bytes(wire.raw[start:]).decode().splitlines() if x.strip()]
+    finally:
+        await c.close()
+    resp = out["response"] or {}
+    reply = client.Reply(status=resp.get("status_code"), body=resp.get("body"), raw=bytes(wire.raw))
+    return reply
+
+
+async def _rows(db: Path, before: int) -> list[dict[str, Any]]:
+    for _ in range(600):  # a cancelled or deadlined request's row is written as its life ends
+        if len(ledger_rows(db)) > before:
+            break
+        await asyncio.sleep(0.05)
+    await asyncio.sleep(0.3)  # a second row, were there one, would be written by now
+    return ledger_rows(db)[before:]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[case_id(c) for c in CASES])
+async def test_case_on_the_engine(server: tuple[EngineServer, Path], case: Case) -> None:
+    srv, db = server
+    key = f"matrix-{uuid.uuid4().hex}"
+    before = len(ledger_rows(db))
+    reply = await (_batch(srv, case) if case["path"] == "batch_api" else _ask(srv, case, key))
+    retry = await client.call(srv.base, case, body(case), key) if case["idempotency"] == "on" else None
+    rows = await _rows(db, before)
+    assert len(rows) == 1, rows
+    for r in filter(None, (reply, retry)):
+        assert b"@example" not in r.raw, r.raw  # an address the model wrote was redacted
+    gone = case["end"] == "cancel"
+    if gone:
+        assert reply.status is None
+        if retry is None:
+            assert rows[0]["status"] == "cancelled", rows
+            return
+    answer = retry if gone and retry is not None else reply
+    if case["end"] == "deadline":
+        deadlined(case, answer, rows[0])
+    else:
+        completed(case, answer, rows[0])
+    if retry is not None and not gone:
+        assert same(retry, case) == same(reply, case)
+
+
+def deadlined(case: Case, r: client.Reply, row: dict[str, Any]) -> None:
+    """Past its deadline: a 504, or, once tokens went out, the terminal event and [DONE]."""
+    assert row["status"] == "deadline", row
+    if case["stream"] == "on" and r.status == 200:
+        assert r.done and r.events[-1]["error"]["code"] == "deadline_exceeded", r.events[-2:]
+    else:
+        assert r.status == 504 and r.error is not None and r.error["code"] == "deadline_exceeded", r
+
+
+def completed(case: Case, r: client.Reply, row: dict[str, Any]) -> None:
+    """Whole: the finish_reason its form calls for, valid JSON where promised, usage = ledger."""
+    assert r.status == 200 and row["status"] == "ok", (r.status, r.body, row)
+    if case["stream"] == "on":
+        assert r.done and r.error is None, r.events[-2:]
+        bodies = r.events
+        usage = next(e["usage"]["completion_tokens"] for e in r.events if e.get("usage") and not e.get("choices"))
+    else:
+        assert r.body is not None
+        bodies, usage = [r.body], r.body["usage"]["completion_tokens"]
+    assert usage == row["output_tokens"], (usage, row)
+    choices = choices_of(bodies)
+    assert sorted(choices) == list(range(int(case["n"])))
+    for c in choices.values():
+        if structured(case):
+            assert c["finish"] == ("tool_calls" if case["tools"] != "none" else "stop"), c
+            jsonschema.validate(json.loads(c["args"] or c["text"]), SCHEMA)
+        else:
+            assert c["finish"] in ("stop", "length") and c["text"], c
+    if case["logprobs"] == "on":
+        assert sum(c["logprobs"] for c in choices.values()) == usage
