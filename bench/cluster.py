@@ -494,7 +494,7 @@ H_TITLE = "(h) Chats on one hot system prompt entering the nodes in turn, beside
 
 
 async def part_h(tmp: Path, seconds: float, capacity: float, baseline: Path | None, rounds: int,
-                 save: Path | None = None) -> dict[str, Any]:
+                 save: Path | None = None, kinds: tuple[str, ...] = ("chats", "70 %")) -> dict[str, Any]:
     """(h) as data: chats of 2-5 turns all on one hot system prompt (split over several homes),
     every request entering the nodes in turn, at 70 % of round robin's capacity; then (a)'s
     workload at 70 %, each request at its drawn node. Each in `rounds` rounds of this code and,
@@ -505,7 +505,8 @@ async def part_h(tmp: Path, seconds: float, capacity: float, baseline: Path | No
     out = {"capacity": capacity, "seconds": seconds, "runs": runs,
            "baseline": _commit_of(baseline) if baseline else None, "command": report.command()}
     for rnd in range(rounds):
-        for kind, workload, in_turn in (("chats", "chats", True), ("70 %", "pressure", False)):
+        for kind, workload, in_turn in (k for k in (("chats", "chats", True), ("70 %", "pressure", False))
+                                        if k[0] in kinds):
             for code, root in codes:
                 r = await one_run(tmp, "score", 0.7 * capacity, seconds, seed=1 + (rnd if in_turn else 0),
                                   warmup_s=seconds / 3, workload=workload, root=root, in_turn=in_turn)
@@ -523,6 +524,19 @@ def _commit_of(root: Path) -> str:
     r = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                        check=False)
     return r.stdout.strip() or str(root)
+
+
+def merge_h(saves: list[dict[str, Any]]) -> dict[str, Any]:
+    """(h)'s saves of one capacity and baseline as one: each later save's rounds numbered after
+    the earlier saves' rounds of the same workload."""
+    out = {**saves[0], "runs": [], "commands": [s["command"] for s in saves]}
+    for save in saves:
+        last: dict[str, int] = {}
+        for r in out["runs"]:
+            last[r["kind"]] = max(last.get(r["kind"], 0), r["round"])
+        base = dict(last)
+        out["runs"] += [{**r, "round": r["round"] + base.get(r["kind"], 0)} for r in save["runs"]]
+    return out
 
 
 def report_h(data: dict[str, Any]) -> list[str]:
@@ -591,12 +605,14 @@ def main() -> None:
     ap.add_argument("--baseline", type=Path, help="(h): a checkout of the code before, run in the same run")
     ap.add_argument("--rounds", type=int, default=1, help="(h): rounds of runs")
     ap.add_argument("--h-seconds", type=float, default=H_SECONDS, help="(h): arrivals per run")
-    ap.add_argument("--h-from", type=Path, help="(h): write it from a --save file (its runs so far)")
+    ap.add_argument("--h-from", help="(h): write it from comma-separated --save files (their runs so far)")
+    ap.add_argument("--h-kinds", default="chats,70", help="(h): which workloads: chats, 70 (a)'s at 70 %%")
     args = ap.parse_args()
-    if args.h_from:  # (h) from a save, as far as it got (a run cut short keeps its finished runs)
-        hd = json.loads(args.h_from.read_text())
-        lines = [f"### {H_TITLE}", "", report.stamp(cmd=hd["command"], took=f"{len(hd['runs'])} runs; written "
-                                                    f"from its save by `--h-from`"), "", *report_h(hd)]
+    if args.h_from:  # (h) from saves, as far as each got (a run cut short keeps its finished runs)
+        hd = merge_h([json.loads(Path(f).read_text()) for f in args.h_from.split(",")])
+        lines = [f"### {H_TITLE}", "", report.stamp(cmd="; ".join(hd["commands"]),
+                                                    took=f"{len(hd['runs'])} runs; written from their saves by "
+                                                    f"`--h-from`"), "", *report_h(hd)]
         print("\n".join(lines))
         report.write_subsections(report.DOC, SECTION, [INTRO], {"(h)": lines})
         return
@@ -629,7 +645,8 @@ def main() -> None:
             if args.capacity is None:
                 raise SystemExit("--parts h needs --capacity (round robin's, from (a))")
             t = time.monotonic()
-            hd = asyncio.run(part_h(tmp, args.h_seconds, args.capacity, args.baseline, args.rounds, args.save))
+            hd = asyncio.run(part_h(tmp, args.h_seconds, args.capacity, args.baseline, args.rounds, args.save,
+                                    tuple(k.replace("70", "70 %") for k in args.h_kinds.split(","))))
             sections["(h)"] = (H_TITLE, report_h(hd), time.monotonic() - t)
         if "c" in parts:
             t = time.monotonic()

@@ -290,18 +290,16 @@ def _at_homes(fitting: list[Candidate], unc: list[int], ttft: dict[str, float], 
     full prefills of this prompt there. A miss elsewhere costs one full prefill and evicts
     another prefix there, a cost later requests pay too, so a home is kept through a queue
     (in one run with 4 prefills, at 70 % with one hot prefix, its homes queued 1.65x the mean).
-    A node that is no home but holds more of this prompt than its shared part (`home_credit`:
-    the chat's history, begun there before the homes were drawn as they are now) is kept too:
-    it holds the prefix already, and a home would prefill the history again."""
+    A chat that began on a node that is no home (its home was far slower then) comes home at its
+    next turn: kept there, every such chat would hold a second copy of its system prompt on a node
+    whose KV holds the homes of other prefixes."""
     best = min(ttft.values())
-    credit = home_credit(fitting)
 
     def near(c: Candidate) -> bool:
         return ttft[c.node] <= best * (1 + slack) + HOME_PREFILLS * prompt_tokens / prefill_rate(c, default_tps)
 
-    kept = [(c, u) for c, u in zip(fitting, unc, strict=True)
-            if (c.home_share > 0 or c.cached_tokens > credit) and near(c)]
-    if not any(c.home_share > 0 for c, _ in kept):
+    kept = [(c, u) for c, u in zip(fitting, unc, strict=True) if c.home_share > 0 and near(c)]
+    if not kept:
         return fitting, unc
     return [c for c, _ in kept], [u for _, u in kept]
 
