@@ -66,7 +66,7 @@ async def signed_fetch(h: httpx.AsyncClient, node: Node) -> float:
     from llmd.cluster.signing import Signer
 
     path = "/internal/v1/registry"
-    headers = Signer("bench", [SECRET.encode()], time.time, purpose="http").headers("GET", path)
+    headers = Signer("bench", [SECRET.encode()], time.time, purpose="http").headers("GET", path, to=node.name)
     t = time.monotonic()
     (await h.get(node.srv.url + path, headers=headers)).raise_for_status()
     return time.monotonic() - t

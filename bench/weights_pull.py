@@ -66,7 +66,8 @@ async def main(mb: int, concurrency: int) -> None:
                 for srv in servers:  # the first manifest hashes the whole model (then it is cached)
                     t0 = time.perf_counter()
                     path = manifest_path(model.version)
-                    r = await http.get(srv.url + path, headers=signer.headers("GET", path))
+                    to = srv.node.config.server.node  # a call names the node it is for
+                    r = await http.get(srv.url + path, headers=signer.headers("GET", path, to=to))
                     r.raise_for_status()
                     files = r.json()["files"]
                     print(f"manifest on {srv.url}: {time.perf_counter() - t0:.2f} s "

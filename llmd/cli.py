@@ -84,8 +84,9 @@ def serve(config_path: str, host: str | None, port: int | None) -> None:
 @click.option("--timeout", default=30.0, show_default=True, help="Seconds to wait for the server's answer.")
 def reload(config_path: str, pid_path: Path | None, timeout: float) -> None:
     """Make the running server re-read its config file (SIGHUP): tenants, keys, quotas, filters,
-    prices and the TLS files, all at once; a file it refuses leaves the config in force (exit 1).
-    Models, engines, [server] and [batch] change only at a restart."""
+    prices, the TLS files and the cluster secret files, all at once; a file it refuses leaves the
+    config in force (exit 1). Models, engines, [server], [batch] and the rest of [cluster] change
+    only at a restart (the notes name them)."""
     from llmd.reload import ReloadError, locate, request_reload
 
     try:
