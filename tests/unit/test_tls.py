@@ -33,6 +33,8 @@ db_path = "{db}"
 [server.tls]
 cert_file = "{cert}"
 key_file = "{key}"
+[auth]
+public_metrics = true
 [[models]]
 name = "fake"
 backend = "fake"
