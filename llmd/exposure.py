@@ -1,7 +1,8 @@
 """Who may reach a node: what a bind address allows, and the loopback-only rules of open mode.
 
 A node on a non-loopback address is reachable by its network, so it must authenticate (no
-open mode, not the example config's published demo key) and encrypt (TLS, or a TLS-
+open mode, not the example config's published demo key, a metrics key for /metrics unless
+the config publishes them on purpose) and encrypt (TLS, or a TLS-
 terminating proxy in front that the config names with `allow_plaintext`). Open mode on
 loopback still faces one caller that is not its user: a web page in the user's browser,
 which can send requests to 127.0.0.1 (CSRF) or resolve its own host name to it (DNS
@@ -42,7 +43,8 @@ def is_loopback_address(host: str) -> bool:
 
 def check_exposure(config: Config, host: str, where: str = "server.host") -> None:
     """Refuse, naming the keys, a config that would serve its network without authentication
-    (open mode, the demo key) or without encryption (no `[server.tls]`, no `allow_plaintext`)."""
+    (open mode, the demo key, /metrics without a metrics key nor `public_metrics`) or without
+    encryption (no `[server.tls]`, no `allow_plaintext`)."""
     if is_loopback_address(host):
         return
     path = config.path or "config"
@@ -64,6 +66,11 @@ def check_exposure(config: Config, host: str, where: str = "server.host") -> Non
                           "key_file are set: keys and prompts would cross the network in plaintext. Set them, or "
                           "set server.allow_plaintext = true when a TLS-terminating proxy runs in front "
                           "(docs/deploy.md)")
+    if not config.auth.metrics_keys and not config.auth.public_metrics:
+        raise ConfigError(f"{path}: invalid configuration\n  auth.metrics_keys: {bind} and no metrics key is set: "
+                          "/metrics (tenant names, token counts, costs) would be open to anyone who reaches the "
+                          "port. Add one under [auth] (`llmd keys new prometheus --metrics` prints the key and "
+                          "the line), or set auth.public_metrics = true to publish them on purpose")
 
 
 def _loopback_host(host: str) -> bool:

@@ -263,7 +263,7 @@ class WeightStore:
         if path.is_file() and path.suffix == ".gguf":
             return self.add_gguf(path, name or path.stem.split(".")[0].lower(), f"gguf:{path}", progress)
         if path.is_dir():
-            return self.add_hf_dir(path, name or path.name.lower(), f"hf:{path}", progress, link)
+            return self.add_hf_dir(path, name or path.name.lower(), _source_of(path), progress, link)
         raise StoreError(f"{path}: expected a Hugging Face model folder or a .gguf file")
 
     def pull(self, name: str, progress: Progress | None = None) -> StoredModel:
@@ -332,6 +332,14 @@ class WeightStore:
 
     def remove(self, model: StoredModel) -> None:
         shutil.rmtree(model.path)
+
+
+def _source_of(folder: Path) -> str:
+    """Where a folder's model came from: a stored version's own source (re-binding keeps it), else the folder."""
+    try:
+        return str(json.loads((folder / MANIFEST).read_text())["source"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return f"hf:{folder}"
 
 
 def _place(src: Path, dst: Path, link: bool) -> None:

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Annotated, Literal
 
 import regex
-from pydantic import AfterValidator, Field, field_validator, model_validator
+from pydantic import AfterValidator, Field, ValidationInfo, field_validator, model_validator
 
 from llmd.config.base import _Strict
 from llmd.config.engines import EngineConfig, FakeEngineConfig
@@ -326,5 +326,16 @@ class AuthConfig(_Strict):
     # Set: /metrics needs one of these keys (or an admin key), and /ready answers only its status
     # without one: tenant names and costs are business data.
     metrics_keys: list[Annotated[str, Field(pattern=KEY_HASH)]] = Field(default_factory=list)
+    # On a non-loopback bind /metrics needs metrics_keys, unless this says it is public on purpose
+    # (a scraper on a trusted network that cannot send a key).
+    public_metrics: bool = False
     # Keys that open only the dashboard (/dashboard): read-only views for on-call people (an admin key opens it too).
     dashboard_keys: list[Annotated[str, Field(pattern=KEY_HASH)]] = Field(default_factory=list)
+
+    @field_validator("public_metrics")
+    @classmethod
+    def _metrics(cls, v: bool, info: ValidationInfo) -> bool:
+        if v and info.data.get("metrics_keys"):
+            raise ValueError("public_metrics = true and metrics_keys are both set: /metrics is either open or "
+                             "guarded by the keys; drop one")
+        return v

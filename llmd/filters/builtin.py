@@ -234,24 +234,34 @@ GUARD_PROMPT = ("You are a content safety classifier. Answer with one word: 'uns
 class Classifier:
     """Asks a guard model served by this llmd whether a prompt is unsafe. Its answer is
     unsafe when it starts with `unsafe_answer`; a timeout or an error applies `on_error`:
-    'open' lets the prompt through (logged), 'closed' refuses it."""
+    'open' lets the prompt through (logged), 'closed' refuses it. An `ask` with a `windows`
+    method (llmd/filters/guard.py) cuts a prompt longer than the guard's context into
+    overlapping windows, asked at once (each within `timeout_ms`); any unsafe window refuses
+    the prompt, and a windowed prompt whose screening fails is refused whatever `on_error`
+    says: a prompt is never passed unscreened because it was too long to read."""
 
     def __init__(self, name: str, model: str, ask: Ask, timeout_ms: float = 2000, on_error: str = "open",
                  unsafe_answer: str = "unsafe") -> None:
         self.name, self.model, self.ask = name, model, ask
         self.timeout_s, self.on_error, self.unsafe = timeout_ms / 1000, on_error, unsafe_answer.lower()
+        self.windows: Callable[[str, str], list[str]] | None = getattr(ask, "windows", None)
         self.last_error: str | None = None
 
     async def check_prompt(self, text: str) -> Match | None:
         try:
-            async with asyncio.timeout(self.timeout_s):
-                answer = await self.ask(self.model, text, self.timeout_s)
+            parts = [text] if self.windows is None else self.windows(self.model, text)  # the loop's tokenizer
+        except Exception as e:  # the guard cannot read it at all: refused, never passed unscreened
+            self.last_error = f"{type(e).__name__}: {e}"
+            return Match(self.name, "unscreenable", "block")
+        try:
+            async with asyncio.timeout(self.timeout_s * len(parts)):
+                answers = await asyncio.gather(*(self.ask(self.model, p, self.timeout_s) for p in parts))
         except Exception as e:  # a timeout, FilterError or the model's failure: the policy decides
             self.last_error = "timeout" if isinstance(e, TimeoutError) else f"{type(e).__name__}: {e}"
-            if self.on_error == "closed":
+            if self.on_error == "closed" or len(parts) > 1:
                 return Match(self.name, "unavailable", "block")
             return None
         self.last_error = None
-        if answer.strip().lower().startswith(self.unsafe):
+        if any(a.strip().lower().startswith(self.unsafe) for a in answers):
             return Match(self.name, "unsafe", "block")
         return None

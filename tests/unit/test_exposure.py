@@ -1,7 +1,7 @@
 """Who may reach a node: `llmd serve` refuses a non-loopback bind that would serve its network
-without keys (open mode, the demo key) or in plaintext; open mode refuses foreign Host and
-Origin headers (DNS rebinding, CSRF); JSON routes want `Content-Type: application/json`; and
-`[auth] metrics_keys` guards /metrics and /ready's details."""
+without keys (open mode, the demo key, /metrics without a metrics key) or in plaintext; open
+mode refuses foreign Host and Origin headers (DNS rebinding, CSRF); JSON routes want
+`Content-Type: application/json`; and `[auth] metrics_keys` guards /metrics and /ready's details."""
 
 from __future__ import annotations
 
@@ -83,12 +83,24 @@ def test_tls_files_are_checked_at_start(tmp_path: Path) -> None:
     assert "server.tls.cert_file" in out and str(junk) in out and "PEM" in out
 
 
+@pytest.mark.timeout(60)
+def test_open_metrics_on_a_non_loopback_address_are_refused(tmp_path: Path) -> None:
+    toml = "allow_plaintext = true\n" + MODEL + tenant("a", hash_key(generate_key()))
+    out = serve_refusal(tmp_path, toml, non_loopback_ip())
+    assert "auth.metrics_keys" in out and "/metrics" in out and "public_metrics" in out
+    admin_only = toml + f'[auth]\nadmin_keys = ["{hash_key(generate_key())}"]\n'  # /metrics would still be open
+    assert "auth.metrics_keys" in serve_refusal(tmp_path, admin_only, non_loopback_ip())
+    both = toml + f'[auth]\npublic_metrics = true\nmetrics_keys = ["{hash_key(generate_key())}"]\n'
+    assert "auth.public_metrics" in serve_refusal(tmp_path, both, "127.0.0.1")
+
+
 def test_plaintext_on_a_non_loopback_address_when_allowed(tmp_path: Path) -> None:
-    """Behind a TLS-terminating proxy: `allow_plaintext = true` serves on the network address."""
+    """Behind a TLS-terminating proxy: `allow_plaintext = true` serves on the network address;
+    `public_metrics = true` says its /metrics are open on purpose."""
     host, key, port = non_loopback_ip(), generate_key(), free_port()
     cfg = tmp_path / "config.toml"
     cfg.write_text(f'[server]\nhost = "{host}"\nport = {port}\ndb_path = "{tmp_path / "llmd.db"}"\n'
-                   "allow_plaintext = true\n" + MODEL + tenant("a", hash_key(key)))
+                   "allow_plaintext = true\n[auth]\npublic_metrics = true\n" + MODEL + tenant("a", hash_key(key)))
     log = tmp_path / "server.log"
     proc = spawn([sys.executable, "-m", "llmd", "serve", "--config", str(cfg)], log)
     try:
@@ -97,6 +109,7 @@ def test_plaintext_on_a_non_loopback_address_when_allowed(tmp_path: Path) -> Non
         c = openai.OpenAI(base_url=url + "/v1", api_key=key)
         r = c.completions.create(model="fake", prompt="hi", max_tokens=3)
         assert r.usage is not None and r.usage.completion_tokens == 3
+        assert httpx.get(url + "/metrics", timeout=10).status_code == 200
     finally:
         stop(proc)
 

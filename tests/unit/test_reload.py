@@ -153,13 +153,17 @@ def test_merge_keeps_models_server_and_batch_and_names_what_it_leaves() -> None:
 
 def test_reload_on_a_network_address_refuses_open_mode() -> None:
     key = generate_key()
+    metrics = {"metrics_keys": [hash_key(generate_key())]}
     cfg = Config.model_validate({"server": {"host": "0.0.0.0", "allow_plaintext": True}, "models": MODELS,
-                                 "tenants": [{"name": "t", "keys": [hash_key(key)]}]})
+                                 "auth": metrics, "tenants": [{"name": "t", "keys": [hash_key(key)]}]})
     node = build_node(cfg)
     with pytest.raises(ConfigError, match="open mode"):
-        node.reload(Config.model_validate({"models": MODELS}))
+        node.reload(Config.model_validate({"models": MODELS, "auth": metrics}))
+    with pytest.raises(ConfigError, match=r"auth\.metrics_keys: .* /metrics"):  # the metrics key dropped
+        node.reload(Config.model_validate({"models": MODELS, "tenants": [{"name": "t", "keys": [hash_key(key)]}]}))
     assert node.auth.authenticate(f"Bearer {key}").tenant is not None  # the old keys stay
-    node.reload(Config.model_validate({"models": MODELS, "tenants": [{"name": "u", "keys": [hash_key("x" * 40)]}]}))
+    node.reload(Config.model_validate({"models": MODELS, "auth": metrics,
+                                       "tenants": [{"name": "u", "keys": [hash_key("x" * 40)]}]}))
     assert isinstance(node.auth, Authenticator) and node.auth.authenticate("Bearer " + "x" * 40).tenant.name == "u"
 
 

@@ -198,6 +198,7 @@ def test_a_legacy_weights_only_version_loads_with_a_warning_and_is_rebound_in_pl
     assert not new.legacy and new.version != old.version and set(new.files) == {"config.json", "tokenizer.json",
                                                                                 "model.safetensors"}
     assert (new.path / "model.safetensors").stat().st_ino == (old.path / "model.safetensors").stat().st_ino
+    assert new.source == old.source  # where it came from, not the store's own folder
     store.verify(new)
     assert ws.versions() == [new.version] and Manifest.model_validate_json(ws.manifest_bytes(new.version))
     assert store.resolve("tiny", old.version[:12]).legacy  # a config pinned to the old id still loads it

@@ -31,7 +31,9 @@ TOML = """
 host = "{host}"
 port = {port}
 db_path = "{db}"
-{extra}{tls}[[models]]
+{extra}{tls}[auth]
+public_metrics = true
+[[models]]
 name = "fake"
 backend = "fake"
 [models.fake]
