@@ -9,7 +9,11 @@ raw sockets (uvloop; httpx cost about as much CPU per chunk as the server, and o
 process fell seconds behind 2,000 streams on this shared box, which is what its ITL then
 measured). The fake engine takes --step-ms per step whatever the batch (with 25% more seats
 than streams, so none waits for one), so ITL above it is the gateway's and this client's
-(both share the box). The server's RSS is sampled every 5 s; its growth is the least-squares
+(both share the box). Its KV cache is a fixed pool, as a real engine's is: room for every seat's
+stream twice over (the finished ones' blocks stay cached until evicted). Left unset, the fake
+sizes it for every seat at max_model_len (1.28M blocks here) and its prefix cache keeps every
+finished stream's blocks for the whole run: memory a real engine holds from its start.
+The server's RSS is sampled every 5 s; its growth is the least-squares
 slope after the warm-up (the first fifth).
 
     .venv/bin/python bench/soak.py                  # writes docs/benchmarks.md, "## Soak (bench/soak.py)"
@@ -39,6 +43,8 @@ SECTION = "## Soak (bench/soak.py)"
 SLOPE_BUDGET = 1.0  # MiB per minute
 WARMUP_S = 120.0  # at least this long before RSS samples count
 MIN_SAMPLES = 24  # RSS samples after the warm-up a slope needs (two minutes at one per 5 s)
+BLOCK_TOKENS = 16  # the fake engine's default block size
+PROMPT_TOKENS = 16  # at most, for "soak <i> <n>"
 TOML = """
 [server]
 host = "127.0.0.1"
@@ -57,6 +63,7 @@ max_model_len = 8192
 step_ms = STEP
 step_ms_per_seq = 0.0
 max_num_seqs = SEATS
+kv_blocks = BLOCKS
 [models.scheduling]
 max_running = SEATS
 max_queue = 100000
@@ -175,11 +182,12 @@ def verdicts(s: Soak) -> list[tuple[str, bool]]:
 def section(args: argparse.Namespace, s: Soak) -> list[str]:
     g = s.gaps
     rss = [m for _, m in s.rss]
+    seats = args.streams + args.streams // 4
     return [SECTION, "", report.stamp(s.took), "",
             f"`llmd serve` on the fake backend (step {args.step_ms} ms whatever the batch, "
-            f"{args.streams + args.streams // 4} seats); {args.streams} concurrent streams of {args.tokens} tokens "
-            f"for {args.seconds:.0f} s, each followed by another on its connection (raw sockets, one uvloop "
-            "process, on the same shared 2-core box as the server).", "",
+            f"{seats} seats, {kv_blocks(seats, args.tokens)} KV blocks); {args.streams} concurrent streams of "
+            f"{args.tokens} tokens for {args.seconds:.0f} s, each followed by another on its connection (raw "
+            "sockets, one uvloop process, on the same shared 2-core box as the server).", "",
             *report.table(["streams", "completed", "failed", "tokens/s", "ITL p50 ms", "ITL p90 ms", "ITL p99 ms",
                            "ITL max ms", "TTFT p50 ms", "TTFT p99 ms"],
                           [[s.started, s.completed, s.failed or 0, report.num((len(g) + len(s.ttft)) / s.took, 0),
@@ -194,10 +202,20 @@ def section(args: argparse.Namespace, s: Soak) -> list[str]:
             *report.verdict_lines(verdicts(s))]
 
 
+def kv_blocks(seats: int, tokens: int) -> int:
+    """The fake engine's KV pool: every seat's stream (prompt and output) fits twice over."""
+    return 2 * seats * -(-(PROMPT_TOKENS + tokens) // BLOCK_TOKENS)
+
+
+def config(args: argparse.Namespace) -> str:
+    seats = args.streams + args.streams // 4
+    return (TOML.replace("STEP", str(args.step_ms)).replace("SEATS", str(seats))
+            .replace("BLOCKS", str(kv_blocks(seats, args.tokens))))
+
+
 def serve(args: argparse.Namespace, tmp: Path) -> ServerProcess:
     raise_fd_limit(2 * args.streams + 1024)
-    toml = TOML.replace("STEP", str(args.step_ms)).replace("SEATS", str(args.streams + args.streams // 4))
-    return start_server_process(toml, tmp, ready_timeout=60)
+    return start_server_process(config(args), tmp, ready_timeout=60)
 
 
 async def main_async(args: argparse.Namespace) -> int:

@@ -41,6 +41,16 @@ from llmd.backends.kv_events import KvListener
 from llmd.backends.tokenizer import TiktokenTokenizer
 from llmd.config import FakeEngineConfig
 
+KEEP_IDS = 1024  # request ids `submitted` and `aborted` remember, the newest
+
+
+def _remember(ids: list[str], request_id: str) -> None:
+    """Append `request_id`, forgetting the oldest beyond KEEP_IDS: tests read the recent ones,
+    and a server that runs for days on the fake must not keep one id per request."""
+    ids.append(request_id)
+    if len(ids) > KEEP_IDS:
+        del ids[0]
+
 
 @dataclass(eq=False)
 class _Req:
@@ -90,8 +100,8 @@ class FakeBackend:
         self.cfg = cfg
         self.tokenizer = tokenizer
         self.stats = EngineStats()
-        self.submitted: list[str] = []
-        self.aborted: list[str] = []
+        self.submitted: list[str] = []  # the newest KEEP_IDS request ids, in arrival order
+        self.aborted: list[str] = []  # likewise, those dropped unfinished
         self._waiting: list[tuple[int, int, _Req]] = []  # heap of (priority, arrival, req)
         self._running: list[_Req] = []
         self._live: dict[str, _Req] = {}
@@ -234,7 +244,7 @@ class FakeBackend:
         if req.request_id in self._live:
             raise BackendError(f"request id {req.request_id!r} is already running")
         self._live[req.request_id] = req
-        self.submitted.append(req.request_id)
+        _remember(self.submitted, req.request_id)
         heapq.heappush(self._waiting, (req.priority, next(self._arrival), req))
         self._wake.set()
         try:
@@ -265,7 +275,7 @@ class FakeBackend:
     def _drop(self, req: _Req) -> None:
         """Remove an unfinished request (closed stream or abort) before the next step."""
         req.done = True
-        self.aborted.append(req.request_id)
+        _remember(self.aborted, req.request_id)
         if req in self._running:
             self._running.remove(req)
             self.cache.free(req.kv)

@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
+from llmd.backends import fake
 from llmd.backends.base import Backend, BackendError, Delta, EngineDead, PromptError, Sampling, Structured, now
 from llmd.backends.fake import FakeBackend
 from llmd.backends.tokenizer import TiktokenTokenizer
@@ -305,3 +306,16 @@ async def test_a_say_marker_overrides_the_structured_instance(be: FakeBackend) -
     said = '{"a": "call 555-123-4567"}'
     scripted = [d async for d in be.generate("s", be.render_completion(f"[[say:{said}]]"), sampling)]
     assert joined(scripted) == said
+
+
+async def test_request_id_lists_keep_only_the_newest(be: FakeBackend, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`submitted` and `aborted` hold at most KEEP_IDS ids however many requests ran (a long
+    soak on the fake kept one per request)."""
+    monkeypatch.setattr(fake, "KEEP_IDS", 4)
+    for i in range(10):
+        await collect(be, f"r{i}", f"prompt {i}", max_tokens=1)
+        stream = be.generate(f"x{i}", be.render_completion(f"closed {i}"), Sampling(max_tokens=50))
+        await stream.__anext__()
+        await stream.aclose()  # type: ignore[attr-defined]
+    assert be.submitted == ["r8", "x8", "r9", "x9"]
+    assert be.aborted == ["x6", "x7", "x8", "x9"]
