@@ -24,6 +24,7 @@ from tests.matrix import client
 from tests.matrix.client import choices_of, same
 from tests.matrix.cluster import KEY, ledger_rows
 from tests.matrix.features import ENGINE, Case, case_id, cases
+from tests.matrix.runner import closed
 
 pytestmark = pytest.mark.engine
 CASES = cases(ENGINE)
@@ -123,7 +124,7 @@ async def _batch(srv: EngineServer, case: Case) -> client.Reply:
 
 async def _rows(db: Path, before: int) -> list[dict[str, Any]]:
     for _ in range(600):  # a cancelled or deadlined request's row is written as its life ends
-        if len(ledger_rows(db)) > before:
+        if closed(ledger_rows(db)[before:]):
             break
         await asyncio.sleep(0.05)
     await asyncio.sleep(0.3)  # a second row, were there one, would be written by now
