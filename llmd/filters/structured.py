@@ -106,7 +106,7 @@ class Schema:
                 if key in props:
                     out += self.expand(props[key])
                     continue
-                pats = [s for p, s in (alt.get("patternProperties") or {}).items() if re.search(p, key)]
+                pats = [s for p, s in (alt.get("patternProperties") or {}).items() if _keyed(p, key)]
                 extra = alt.get("additionalProperties", True)
                 for s in pats or [extra]:
                     out += self.expand(s)
@@ -114,6 +114,15 @@ class Schema:
                 prefix = alt.get("prefixItems") or []
                 out += self.expand(prefix[index] if index < len(prefix) else alt.get("items", True))
         return out or ANY
+
+
+def _keyed(pattern: str, key: str) -> bool:
+    """Whether a patternProperties pattern names `key`; one Python cannot read counts (its
+    schema then applies too: more alternatives only pin more)."""
+    try:
+        return re.search(pattern, key) is not None
+    except re.error:
+        return True
 
 
 def _accepts(alt: dict[str, Any], kind: str) -> bool:

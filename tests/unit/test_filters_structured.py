@@ -169,6 +169,9 @@ def test_schema_reading() -> None:
     assert typed_number(s.child(top, "population_millions", 0)) and not typed_number(s.child(top, "code", 0))
     assert not typed_number(s.child(top, "unknown", 0)) and free_string(s.child(top, "unknown", 0))
     assert not free_string(s.child(s.child(top, "home", 0), "country", 0))
+    odd = Schema({"type": "object", "patternProperties": {"^x": {"enum": ["a"]}, "(?<bad": {"type": "string"}},
+                  "additionalProperties": {"type": "string"}})
+    assert not free_string(odd.child(odd.top(), "xy", 0)) and free_string(odd.child(odd.top(), "(y", 0)) is True
 
 
 def test_random_documents_and_splits_never_break_json_or_leak() -> None:
