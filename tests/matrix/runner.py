@@ -122,13 +122,19 @@ async def _online(base: str, servers: Servers, case: Case, live: LiveServer, sc:
         return client.Reply(status=None)
 
 
+def closed(rows: list[dict[str, Any]]) -> bool:
+    """The case's row is there and closed (a row is opened at admission, closed as the request ends)."""
+    return bool(rows) and all(r["status"] != "open" for r in rows)
+
+
 async def _settled(servers: Servers, live: LiveServer, db: Any, before: int, timeout: float = 15.0) -> None:
-    """Until nothing is in flight and the ledger holds this case's row (the writer is another process)."""
+    """Until nothing is in flight and the ledger holds this case's closed row (the writer is another
+    process)."""
     loop = asyncio.get_running_loop()
     end = loop.time() + timeout
     while live.node.lifecycle.in_flight and loop.time() < end:
         await asyncio.sleep(0.02)
-    while len(ledger_rows(db)) <= before and loop.time() < end:
+    while loop.time() < end and not closed(ledger_rows(db)[before:]):
         await asyncio.sleep(0.02)
     await asyncio.sleep(0.1)  # a second row, were there one, would be written by now
 

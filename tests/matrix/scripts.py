@@ -43,8 +43,13 @@ def structured(case: Case) -> bool:
     return case["format"] == "json" or case["tools"] != "none"
 
 
+def _opening(case: Case) -> str:
+    """Long enough that a fault struck at the first chunk a loaded client reads finds it running."""
+    return OPENING * (4 if case["fault"] != "none" else 1) + (LONG if case["end"] != "complete" else "")
+
+
 def _text(case: Case) -> Script:
-    body = OPENING + (LONG if case["end"] != "complete" else "")
+    body = _opening(case)
     if case["filter"] == "redact":
         say = f"Write to {EMAIL} soon. {body}The end." if case["end"] != "complete" else \
             f"{body}Write to {EMAIL} soon. The end."
@@ -55,7 +60,7 @@ def _text(case: Case) -> Script:
 
 
 def _json(case: Case) -> Script:
-    notes = OPENING + (LONG if case["end"] != "complete" else "")
+    notes = _opening(case)
     doc: dict[str, Any] = {"notes": notes, "city": "Springfield", "population": QUANTITY, "kind": "town",
                            "code": 42}
     if case["filter"] == "redact":

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
 import jsonschema
@@ -17,7 +16,7 @@ import pytest
 from llmd.backends.fake_outputs import SAY_CHARS
 from tests.matrix import cluster
 from tests.matrix.client import choices_of, same
-from tests.matrix.features import Case, case_id, cases
+from tests.matrix.features import ENGINE, Case, case_id, cases, excluded_by, pairs, possible_pairs
 from tests.matrix.runner import Expected, Run, expected, run_case
 from tests.matrix.scripts import NEVER_SENT, SCHEMA, structured
 
@@ -120,10 +119,11 @@ def outcome(run: Run, want: Expected) -> tuple[dict[int, dict[str, Any]], int | 
     return choices_of([r.body]), r.body["usage"]["completion_tokens"]
 
 
-def test_the_cases_hold_every_pair() -> None:
-    """The matrix is pairwise: each pair of levels some request can have is in a case."""
-    from tests.matrix.features import pairs, possible_pairs
-
-    covered = set().union(*(pairs(c) for c in CASES))
-    assert possible_pairs() - covered == set()
-    assert Path(__file__).name == "test_matrix.py"
+@pytest.mark.parametrize("only", [None, ENGINE], ids=["fake", "engine"])
+def test_the_cases_hold_every_pair_and_no_excluded_one(only: dict[str, tuple[str, ...]] | None) -> None:
+    """The matrix is pairwise: each pair of levels some request can have is in a case, and no
+    case is a combination an exclusion rules out."""
+    got = cases(only)
+    assert possible_pairs(only) - set().union(*(pairs(c) for c in got)) == set()
+    assert [excluded_by(c) for c in got] == [[] for _ in got]
+    assert len({tuple(sorted(c.items())) for c in got}) == len(got)  # no case twice
