@@ -205,12 +205,11 @@ def place(cands: Sequence[Candidate], prompt_tokens: int, expected_output: int,
             / prefill_rate(c, default) + (0.0 if c.local else hop_s) for c, u in zip(fitting, unc, strict=True)}
     if any(c.home_share > 0 for c in fitting):  # the ingress gives shares only while homes bind
         fitting, unc = _at_homes(fitting, unc, ttft, prompt_tokens, default, saturated_slack)
-        if not any(c.sticky for c in fitting):
+        if len(fitting) > 1 and all(c.home_share > 0 and not c.sticky for c in fitting):  # homes kept
             chat = _history(fitting, ttft, default, affinity_slack)  # a later turn: where its history is
             if chat:
                 return _reserve(reservations, _best(chat, ttft, gamma, near_best, rng), prompt_tokens)
-            if len(fitting) > 1 and all(c.home_share > 0 for c in fitting):  # homes kept: a new chat
-                return _split(fitting, ttft, default, reservations, rng, prompt_tokens)
+            return _split(fitting, ttft, default, reservations, rng, prompt_tokens)  # a new chat
     roomy = [c for c, u in zip(fitting, unc, strict=True) if c.load.kv_free_tokens - reserved[c.node] >= u + need]
     queued = saturated(fitting, prompt_tokens, reserved)
     full = queued or not roomy
