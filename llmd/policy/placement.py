@@ -181,9 +181,9 @@ def place(cands: Sequence[Candidate], prompt_tokens: int, expected_output: int,
 
     While balanced homes bind (`home_share` given; `[cluster] homes_bind`), the candidates narrow
     to the prompt's homes unless far slower (`_at_homes`), and a prompt no node caches half of goes
-    to a balanced home within the slack; a later turn, to the node holding the most of it past
-    its prefix's shared part (its history: `_history`) unless far slower; a new chat on a
-    prefix split over several homes, to one of them by share and load (`_split`). Past capacity
+    to a balanced home within the slack. On a prefix split over several homes, a later turn goes
+    to the home holding the most of it past the prefix's shared part (its history: `_history`)
+    unless far slower, and a new chat to one of them by share and load (`_split`). Past capacity
     (queues, not only KV, full), one without balanced homes goes to its first home (`home_rank`)
     within the same slack (every ingress orders a prefix's homes alike); below capacity the score
     places it: homes dealt by hashing are uneven, and an uneven queue costs more TTFT than a copy
