@@ -181,9 +181,9 @@ def place(cands: Sequence[Candidate], prompt_tokens: int, expected_output: int,
 
     While balanced homes bind (`home_share` given; `[cluster] homes_bind`), the candidates narrow
     to the prompt's homes unless far slower (`_at_homes`), and a prompt no node caches half of goes
-    to a balanced home within the slack; a later turn, to the node holding the most of it past
-    its prefix's shared part (its history: `_history`) unless far slower; a new chat on a
-    prefix split over several homes, to one of them by share and load (`_split`). Past capacity
+    to a balanced home within the slack. On a prefix split over several homes, a later turn goes
+    to the home holding the most of it past the prefix's shared part (its history: `_history`)
+    unless far slower, and a new chat to one of them by share and load (`_split`). Past capacity
     (queues, not only KV, full), one without balanced homes goes to its first home (`home_rank`)
     within the same slack (every ingress orders a prefix's homes alike); below capacity the score
     places it: homes dealt by hashing are uneven, and an uneven queue costs more TTFT than a copy
@@ -205,12 +205,11 @@ def place(cands: Sequence[Candidate], prompt_tokens: int, expected_output: int,
             / prefill_rate(c, default) + (0.0 if c.local else hop_s) for c, u in zip(fitting, unc, strict=True)}
     if any(c.home_share > 0 for c in fitting):  # the ingress gives shares only while homes bind
         fitting, unc = _at_homes(fitting, unc, ttft, prompt_tokens, default, saturated_slack)
-        if not any(c.sticky for c in fitting):
+        if len(fitting) > 1 and all(c.home_share > 0 and not c.sticky for c in fitting):  # homes kept
             chat = _history(fitting, ttft, default, affinity_slack)  # a later turn: where its history is
             if chat:
                 return _reserve(reservations, _best(chat, ttft, gamma, near_best, rng), prompt_tokens)
-            if len(fitting) > 1 and all(c.home_share > 0 for c in fitting):  # homes kept: a new chat
-                return _split(fitting, ttft, default, reservations, rng, prompt_tokens)
+            return _split(fitting, ttft, default, reservations, rng, prompt_tokens)  # a new chat
     roomy = [c for c, u in zip(fitting, unc, strict=True) if c.load.kv_free_tokens - reserved[c.node] >= u + need]
     queued = saturated(fitting, prompt_tokens, reserved)
     full = queued or not roomy
