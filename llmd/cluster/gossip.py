@@ -4,8 +4,9 @@ nodes dead). Every datagram is sealed with the cluster's `Signer(purpose="gossip
 unsigned, forged, stale, replayed or misaddressed one is dropped and counted, and so is a genuine
 one that does not parse (a member holding the secret cannot stop this thread with one bad
 datagram). A genuine datagram from a node not yet known is processed: that is how a node joins
-through a seed. Every datagram names the key ids its sender holds (`kh`), so a rotated node
-signs with the new secret only once every peer holds it (`keyring.py`).
+through a seed. State frames name the key ids their sender holds (`kh`: when they change, and
+at least every heartbeat), so a rotated node signs with the new secret only once every peer
+holds it (`keyring.py`).
 
 A datagram's payload is one JSON line (the SWIM message, with piggybacked updates), then, for
 a state frame, the raw bytes of this node's state or its delta (`appstate.py`). The state is
@@ -79,6 +80,8 @@ class Gossip:
         self._in = Inbox()
         self._asked: dict[str, float] = {}  # peer -> when its keyframe was last asked for
         self._names: dict[Addr, str] = {}  # a peer's gossip address -> its name, as heard from it
+        self._held_sent: list[str] = []  # the key ids last advertised (on state frames), and when
+        self._held_at = float("-inf")
         self._lock = threading.RLock()
         self._stats = GossipStats()
         self._stopping = threading.Event()
@@ -161,7 +164,7 @@ class Gossip:
         return name
 
     def _sendto(self, addr: Addr, msg: dict[str, Any], blob: bytes = b"") -> None:
-        payload = json.dumps({**msg, "kh": self._signer.keyring.held()}, separators=(",", ":")).encode()
+        payload = json.dumps(msg, separators=(",", ":")).encode()
         data = self._signer.seal(payload + b"\n" + blob if blob else payload, to=self._name_at(addr))
         try:
             self._sock.sendto(data, addr)
@@ -220,6 +223,9 @@ class Gossip:
         if frame is None:
             return
         head, blob = frame
+        held, now = self._signer.keyring.held(), self._clock()
+        if held != self._held_sent or now - self._held_at >= self._out.heartbeat_s:  # ~18 bytes, once a second
+            head["kh"], self._held_sent, self._held_at = held, held, now
         for m in peers:
             self._sendto(m.addr, self._swim.attach(dict(head), to=m.name), blob)
 
