@@ -4,8 +4,9 @@ nodes dead). Every datagram is sealed with the cluster's `Signer(purpose="gossip
 unsigned, forged, stale, replayed or misaddressed one is dropped and counted, and so is a genuine
 one that does not parse (a member holding the secret cannot stop this thread with one bad
 datagram). A genuine datagram from a node not yet known is processed: that is how a node joins
-through a seed. Every datagram names the key ids its sender holds (`kh`), so a rotated node
-signs with the new secret only once every peer holds it (`keyring.py`).
+through a seed. State frames name the key ids their sender holds (`kh`: to a new peer, to every
+peer when they change, and every HELD_REFRESH_S), so a rotated node signs with the new secret
+only once every peer holds it (`keyring.py`).
 
 A datagram's payload is one JSON line (the SWIM message, with piggybacked updates), then, for
 a state frame, the raw bytes of this node's state or its delta (`appstate.py`). The state is
@@ -36,6 +37,7 @@ from llmd.config.cluster import ClusterConfig
 log = logging.getLogger(__name__)
 MAX_DATAGRAM = 65507
 POLL_S = 0.05  # the thread wakes at least this often (a publish, a stop)
+HELD_REFRESH_S = 5.0  # a peer is told the key ids held again this often (at once when they change, or it is new)
 
 
 @dataclass(frozen=True)
@@ -79,6 +81,7 @@ class Gossip:
         self._in = Inbox()
         self._asked: dict[str, float] = {}  # peer -> when its keyframe was last asked for
         self._names: dict[Addr, str] = {}  # a peer's gossip address -> its name, as heard from it
+        self._held_told: dict[str, tuple[list[str], float]] = {}  # peer -> the key ids it was last told, when
         self._lock = threading.RLock()
         self._stats = GossipStats()
         self._stopping = threading.Event()
@@ -161,7 +164,7 @@ class Gossip:
         return name
 
     def _sendto(self, addr: Addr, msg: dict[str, Any], blob: bytes = b"") -> None:
-        payload = json.dumps({**msg, "kh": self._signer.keyring.held()}, separators=(",", ":")).encode()
+        payload = json.dumps(msg, separators=(",", ":")).encode()
         data = self._signer.seal(payload + b"\n" + blob if blob else payload, to=self._name_at(addr))
         try:
             self._sock.sendto(data, addr)
@@ -220,8 +223,13 @@ class Gossip:
         if frame is None:
             return
         head, blob = frame
+        held, now = self._signer.keyring.held(), self._clock()
         for m in peers:
-            self._sendto(m.addr, self._swim.attach(dict(head), to=m.name), blob)
+            out = dict(head)
+            told = self._held_told.get(m.name)
+            if told is None or told[0] != held or now - told[1] >= HELD_REFRESH_S:  # ~18 bytes, rarely
+                out["kh"], self._held_told[m.name] = held, (held, now)
+            self._sendto(m.addr, self._swim.attach(out, to=m.name), blob)
 
     def _emit(self) -> None:
         with self._lock:
@@ -230,6 +238,7 @@ class Gossip:
                 if m.state in ("dead", "left"):
                     self._signer.keyring.forget(m.name)
                     self._names.pop(m.addr, None)
+                    self._held_told.pop(m.name, None)  # told again if it comes back
         cb = self._on_change
         if cb is None:
             return

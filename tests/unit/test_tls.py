@@ -215,3 +215,38 @@ def test_silent_sockets_are_counted_at_accept_and_cut_at_the_header_timeout(tmp_
         finally:
             for s in held:
                 s.close()
+
+
+@pytest.mark.parametrize("tls", [False, True], ids=["plain", "tls"])
+def test_a_trickled_start_is_cut_at_the_header_timeout(tmp_path: Path, tls: bool) -> None:
+    """A byte every 0.2 s (a TLS record header then its body, or an HTTP request line): the clock
+    started at accept does not restart with each byte, so the socket is closed whatever it is."""
+    ca = trustme.CA()
+    with tls_server(tmp_path, ca, extra="header_timeout_s = 1.0\n", tls=tls) as srv:
+        port = int(srv.url.rsplit(":", 1)[1])
+        start = b"\x16\x03\x01\x02\x00" + b"\x01" * 64 if tls else b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+        with socket.create_connection(("127.0.0.1", port)) as s:
+            s.setblocking(False)
+            end = time.monotonic() + 30  # far past the 1 s limit: a bound, not a speed claim
+            closed, i = False, 0
+            while not closed and time.monotonic() < end:
+                try:
+                    s.send(start[i % len(start):i % len(start) + 1])
+                except OSError:
+                    closed = True
+                    break
+                i += 1
+                time.sleep(0.2)
+                closed = silent_closed(s) if not tls else _closed_or_alert(s)
+            assert closed, f"still open after {i} bytes trickled"
+
+
+def _closed_or_alert(sock: socket.socket) -> bool:
+    """Under TLS the server may answer the cut with nothing (closed) or an alert record then close."""
+    try:
+        data = sock.recv(1024)
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
+    return data == b"" or data[:1] == b"\x15"
