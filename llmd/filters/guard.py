@@ -14,7 +14,7 @@ import contextlib
 import uuid
 from collections.abc import Callable
 
-from llmd.backends.base import Backend, Prompt, Sampling
+from llmd.backends.base import Backend, Prompt, PromptError, Sampling
 from llmd.filters.builtin import GUARD_PROMPT
 from llmd.policy.classes import ENGINE_PRIORITY, INTERACTIVE
 
@@ -40,8 +40,11 @@ class Guard:
         ValueError: the model's context leaves no room for text beside the guard's instructions."""
         backend = self._backend_for(model)
         room = backend.max_model_len - ANSWER_TOKENS
-        if _render(backend, text).num_tokens <= room:
-            return [text]
+        try:
+            if _render(backend, text).num_tokens <= room:
+                return [text]
+        except PromptError:  # vLLM refuses to render past the model's context: windows, then
+            pass
         budget = room - _render(backend, "").num_tokens - MARGIN_TOKENS
         if budget < 4 * ANSWER_TOKENS:
             raise ValueError(f"the guard model {model!r} has a {backend.max_model_len}-token context: no room for "

@@ -25,6 +25,7 @@ db_path = "{db}"
 name = "smollm2"
 source = "smollm2"
 max_prompt_tokens = 1000
+max_prompt_bytes = 65536  # a prompt past the guard's context reaches the screen (then the token limit)
 default_max_tokens = 32
 [models.engine]
 max_model_len = 2048
@@ -111,6 +112,20 @@ def test_guard_timeout_fail_closed_and_open(guard_server: EngineServer) -> None:
     assert closed["filter"] == "guard-closed/unavailable" and closed["screened"] == "guard-closed!timeout"
     opened = next(r for r in recs if r["tenant"] == "open")
     assert opened["screened"] == "guard-open!timeout" and opened["status"] == "ok"
+
+
+def test_a_prompt_past_the_guards_context_is_screened_in_windows(guard_server: EngineServer) -> None:
+    """~3000 tokens against SmolLM2's 2048: every window is read by the real guard (no `!error` in
+    `screened`), and an unsafe verdict refuses it before the token limit is even looked at."""
+    long = "The quick brown fox jumps over the lazy dog near the river bank. " * 230
+    for tenant in ("guarded", "always"):
+        with pytest.raises(openai.BadRequestError) as e:  # "guarded": the verdict is SmolLM2's, then the length
+            ask(guard_server, tenant, long)
+        assert tenant == "guarded" or e.value.code == "content_filter", e.value
+    last = {r["tenant"]: r for r in records(guard_server)}  # each tenant's latest: the long prompt
+    guarded, always = last["guarded"], last["always"]
+    assert guarded["screened"] == "guard" and guarded["status"] != "ok", guarded  # not "guard!PromptError..."
+    assert always["filter"] == "guard-always/unsafe" and always["screened"] == "guard-always", always
 
 
 def test_output_redaction_on_the_real_stream(guard_server: EngineServer) -> None:
