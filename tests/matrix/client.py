@@ -138,7 +138,7 @@ def say(script: Script) -> str:
 async def call(base: str, case: Case, b: dict[str, Any], key: str, on_chunk: Any = None) -> Reply:
     """Send the case with the SDK; `on_chunk(i)` after the i-th streamed chunk that has content
     (a fault or a cancellation is struck from it)."""
-    wire = Wire(drain=case["end"] != "cancel")
+    wire = Wire(drain=case["end"] != "cancel" or on_chunk is None)  # the one that goes away reads no more
     client = sdk(base, wire)
     b, h = dict(b), headers(case, key)
     create = client.chat.completions.create if case["api"] == "chat" else client.completions.create
