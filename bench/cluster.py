@@ -494,13 +494,16 @@ H_TITLE = "(h) Chats on one hot system prompt entering the nodes in turn, beside
 
 
 async def part_h(tmp: Path, seconds: float, capacity: float, baseline: Path | None, rounds: int,
-                 save: Path | None = None, kinds: tuple[str, ...] = ("chats", "70 %")) -> dict[str, Any]:
+                 save: Path | None = None, kinds: tuple[str, ...] = ("chats", "70 %"),
+                 before_first: bool = False) -> dict[str, Any]:
     """(h) as data: chats of 2-5 turns all on one hot system prompt (split over several homes),
     every request entering the nodes in turn, at 70 % of round robin's capacity; then (a)'s
     workload at 70 %, each request at its drawn node. Each in `rounds` rounds of this code and,
     with `baseline` (a checkout of the code before), of that code, alternating in the same run.
     `save`: the runs so far are written there after each one (`--h-from` reports them)."""
     codes: list[tuple[str, Path | None]] = [("this", None)] + ([("before", baseline)] if baseline else [])
+    if before_first:  # the order of each pair swapped: an order effect shows apart from the code's
+        codes.reverse()
     runs: list[dict[str, Any]] = []
     out = {"capacity": capacity, "seconds": seconds, "runs": runs,
            "baseline": _commit_of(baseline) if baseline else None, "command": report.command()}
@@ -606,6 +609,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=1, help="(h): rounds of runs")
     ap.add_argument("--h-seconds", type=float, default=H_SECONDS, help="(h): arrivals per run")
     ap.add_argument("--h-from", help="(h): write it from comma-separated --save files (their runs so far)")
+    ap.add_argument("--h-before-first", action="store_true", help="(h): run the baseline first in each pair")
     ap.add_argument("--h-kinds", default="chats,70", help="(h): which workloads: chats, 70 (a)'s at 70 %%")
     args = ap.parse_args()
     if args.h_from:  # (h) from saves, as far as each got (a run cut short keeps its finished runs)
@@ -646,7 +650,8 @@ def main() -> None:
                 raise SystemExit("--parts h needs --capacity (round robin's, from (a))")
             t = time.monotonic()
             hd = asyncio.run(part_h(tmp, args.h_seconds, args.capacity, args.baseline, args.rounds, args.save,
-                                    tuple(k.replace("70", "70 %") for k in args.h_kinds.split(","))))
+                                    tuple(k.replace("70", "70 %") for k in args.h_kinds.split(",")),
+                                    args.h_before_first))
             sections["(h)"] = (H_TITLE, report_h(hd), time.monotonic() - t)
         if "c" in parts:
             t = time.monotonic()
