@@ -41,15 +41,7 @@ from llmd.backends.kv_events import KvListener
 from llmd.backends.tokenizer import TiktokenTokenizer
 from llmd.config import FakeEngineConfig
 
-KEEP_IDS = 1024  # request ids `submitted` and `aborted` remember, the newest
-
-
-def _remember(ids: list[str], request_id: str) -> None:
-    """Append `request_id`, forgetting the oldest beyond KEEP_IDS: tests read the recent ones,
-    and a server that runs for days on the fake must not keep one id per request."""
-    ids.append(request_id)
-    if len(ids) > KEEP_IDS:
-        del ids[0]
+KEEP_IDS = 1024  # request ids `submitted` and `aborted` keep, the newest: a days-long run must not keep all
 
 
 @dataclass(eq=False)
@@ -244,7 +236,8 @@ class FakeBackend:
         if req.request_id in self._live:
             raise BackendError(f"request id {req.request_id!r} is already running")
         self._live[req.request_id] = req
-        _remember(self.submitted, req.request_id)
+        self.submitted.append(req.request_id)
+        del self.submitted[:-KEEP_IDS]
         heapq.heappush(self._waiting, (req.priority, next(self._arrival), req))
         self._wake.set()
         try:
@@ -275,7 +268,8 @@ class FakeBackend:
     def _drop(self, req: _Req) -> None:
         """Remove an unfinished request (closed stream or abort) before the next step."""
         req.done = True
-        _remember(self.aborted, req.request_id)
+        self.aborted.append(req.request_id)
+        del self.aborted[:-KEEP_IDS]
         if req in self._running:
             self._running.remove(req)
             self.cache.free(req.kv)

@@ -25,6 +25,7 @@ import structlog
 from llmd.backends.base import Prompt
 from llmd.backends.kv_chains import KvChains
 from llmd.cluster.bootstrap import fetch_missing
+from llmd.cluster.calls import registry_snapshot, signed_get
 from llmd.cluster.executor import on_standby
 from llmd.cluster.forward import Forwarder
 from llmd.cluster.gossip import Gossip, MemberInfo
@@ -32,13 +33,14 @@ from llmd.cluster.load import NodeState, decode, encode, version_load
 from llmd.cluster.prefixes import PeerPrefixes, PrefixIndex, chain_hashes, delta_end, feeder, prefix_key
 from llmd.cluster.registry_sync import RegistrySync
 from llmd.cluster.router import Router, Target
-from llmd.cluster.signing import HEADER_NONCE, Keyring, Signer
+from llmd.cluster.signing import Keyring, Signer
 from llmd.cluster.warm_pool import WarmPool
 from llmd.config import Config, ConfigError, ModelConfig
 from llmd.config.cluster import ClusterConfig
 from llmd.policy.admission import AdmissionController
 from llmd.policy.homes import Congestion, HomeTable, Shared
-from llmd.policy.placement import POLICIES, Candidate, home_key, home_ranks, queued_prefill_s
+from llmd.policy.placement import POLICIES, Candidate, queued_prefill_s
+from llmd.policy.rendezvous import home_key, home_ranks
 from llmd.policy.reservations import Reservations
 from llmd.policy.warmpool import ClusterLoad
 from llmd.registry.registry import Registry
@@ -198,23 +200,8 @@ class ClusterNode:
         return next((p.info.name for p in self.peers.values() if p.info.http_url == url
                      or (p.state is not None and p.state.http_url == url)), "")
 
-    async def signed_get(self, node: str, url: str, path: str) -> httpx.Response:
-        """GET a peer's internal route; raises ValueError unless its answer is signed by that node
-        for this very call (a response is signed like a call)."""
-        headers = self.http_signer.headers("GET", path, to=node)
-        r = await self.client.get(url.rstrip("/") + path, headers=headers, timeout=5.0)
-        r.raise_for_status()
-        if self.http_signer.verify("RESPONSE", path, r.headers, r.content, reply_to=headers[HEADER_NONCE],
-                                   sender=node) is None:
-            raise ValueError(f"{node}'s answer to {path} is not signed for this call")
-        return r
-
     async def _fetch_registry(self, peer_url: str) -> dict[str, Any]:
-        r = await self.signed_get(self._name_at(peer_url), peer_url, "/internal/v1/registry")
-        data = r.json()
-        if not isinstance(data, dict):
-            raise ValueError("not a registry snapshot")
-        return data
+        return await registry_snapshot(self.http_signer, self.client, self._name_at(peer_url), peer_url)
 
     def cluster_load(self, model: str) -> ClusterLoad:
         """The model's waiting prefill tokens over every node, and the TTFT its least loaded node
@@ -314,7 +301,8 @@ class ClusterNode:
 
         async def fetch() -> None:
             try:
-                r = await self.signed_get(peer.info.name, peer.info.http_url, "/internal/v1/prefixes")
+                r = await signed_get(self.http_signer, self.client, peer.info.name, peer.info.http_url,
+                                     "/internal/v1/prefixes")
                 peer.prefixes.load(r.content)
             except (httpx.HTTPError, ValueError) as e:
                 log.warning("cluster_prefix_snapshot_failed", peer=peer.info.name, error=str(e))

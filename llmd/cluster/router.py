@@ -27,7 +27,8 @@ from llmd.backends.base import Delta, Prompt, Sampling
 from llmd.cluster.forward import Forwarder, PeerLost
 from llmd.cluster.wire import RunRequest, encode_prompt_input, sampling_to_json
 from llmd.errors import unavailable
-from llmd.policy.placement import Candidate, RoutingPolicy, conversation_node
+from llmd.policy.placement import Candidate, RoutingPolicy
+from llmd.policy.rendezvous import conversation_node
 from llmd.runtime import Choice, Job
 from llmd.telemetry import log
 

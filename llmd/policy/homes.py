@@ -35,7 +35,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Final
 
-from llmd.policy.placement import home_ranks
+from llmd.policy.rendezvous import home_ranks
 
 HALF_LIFE_S: Final = 60.0  # how long a prefix's traffic is remembered (decayed by half)
 EPSILON: Final = 0.25  # a node's traffic bound: (1 + ε) x the mean; tighter, prefixes were split or left homeless
@@ -76,7 +76,7 @@ class _Traffic:
 
 
 class HomeTable:
-    """Recent traffic per prefix key (`placement.home_key`) and the balanced homes derived from it."""
+    """Recent traffic per prefix key (`rendezvous.home_key`) and the balanced homes derived from it."""
 
     def __init__(self, clock: Callable[[], float], *, half_life_s: float = HALF_LIFE_S, epsilon: float = EPSILON,
                  kv_share: float = KV_SHARE, min_requests: float = MIN_REQUESTS, refresh_s: float = REFRESH_S,

@@ -19,10 +19,9 @@ version.
 
 from __future__ import annotations
 
-import hashlib
 import random
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Final
 
@@ -43,7 +42,6 @@ SATURATED_AFFINITY_SLACK: Final = 2.0  # past capacity (`saturated`) it keeps it
 AFFINITY_MIN_MATCH: Final = 0.5  # "most": at least half the prompt's tokens (SGLang's match threshold)
 FLOOR_TPS: Final = 100.0  # a prefill rate nobody knows yet: slow, but never a division by zero
 HOME_PREFILLS: Final = 1  # a balanced home (`home_share`) is left when over 3x the best TTFT + this many full prefills
-HOME_BLOCKS: Final = 8  # a prompt's home is drawn from the hash of its first 8 summary blocks (512 tokens)
 
 
 @dataclass(init=False, unsafe_hash=True)
@@ -354,33 +352,6 @@ def _cache_holders(ok: Sequence[Candidate], ttft: dict[str, float], prompt_token
         if near:
             return near
     return []
-
-
-def home_ranks(key: int, nodes: Iterable[str]) -> dict[str, int]:
-    """The order in which the nodes are a prefix's (`key`: a hash of its first blocks) home, 0
-    first: rendezvous hashing, so every ingress that sees the same nodes orders them the same,
-    and a node joining or leaving moves only the prefixes whose home it is or was."""
-    def weight(node: str) -> bytes:
-        return hashlib.blake2b(key.to_bytes(8, "little", signed=False) + node.encode(), digest_size=8).digest()
-
-    return {node: i for i, node in enumerate(sorted(set(nodes), key=weight, reverse=True))}
-
-
-def conversation_node(key: str, nodes: Iterable[str]) -> str | None:
-    """The node a conversation (its `user` or X-Conversation-Id) runs on when nothing else says
-    where: rendezvous hashing of its key over the nodes, so every ingress names the same node
-    without sharing any state, and a node joining or leaving moves only the conversations that
-    are or become its own. None when there is no node."""
-    def weight(node: str) -> bytes:
-        return hashlib.blake2b(key.encode() + b"\0" + node.encode(), digest_size=8, person=b"llmd-conv").digest()
-
-    return max(set(nodes), key=weight, default=None)
-
-
-def home_key(block_hashes: Sequence[int]) -> int | None:
-    """The hash a prompt's home is drawn from: its chain hash after HOME_BLOCKS blocks (covering
-    them all), or its last block's when shorter; None when it has no full block."""
-    return block_hashes[min(len(block_hashes), HOME_BLOCKS) - 1] if block_hashes else None
 
 
 def round_robin(cands: Sequence[Candidate], counter: int) -> Candidate | None:

@@ -87,7 +87,8 @@ def test_a_conversations_node_yields_to_a_node_caching_more_of_its_prompt() -> N
     keeps its turn only while no other node caches more of the prompt: a turn routed elsewhere
     (its node was busy) left the history there, and the cache rules follow it."""
     from llmd.cluster.router import Router
-    from llmd.policy.placement import Candidate, ScoreRouting, VersionLoad, conversation_node
+    from llmd.policy.placement import Candidate, ScoreRouting, VersionLoad
+    from llmd.policy.rendezvous import conversation_node
     from llmd.policy.reservations import Reservations
 
     def cand(node: str, cached: int = 0, draining: bool = False) -> Candidate:

@@ -22,11 +22,11 @@ from llmd.policy.placement import (
     Candidate,
     VersionLoad,
     home_credit,
-    home_ranks,
     home_tokens,
     place,
     queued_prefill_s,
 )
+from llmd.policy.rendezvous import home_ranks
 from llmd.policy.reservations import Reservations
 
 NODES = {"n0": 6400, "n1": 6400, "n2": 6400}

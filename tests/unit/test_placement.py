@@ -16,14 +16,12 @@ from llmd.policy.placement import (
     RoundRobinRouting,
     ScoreRouting,
     VersionLoad,
-    conversation_node,
     estimated_ttft,
-    home_key,
-    home_ranks,
     place,
     round_robin,
     saturated,
 )
+from llmd.policy.rendezvous import conversation_node, home_key, home_ranks
 from llmd.policy.reservations import Reservations
 
 
