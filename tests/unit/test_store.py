@@ -204,6 +204,22 @@ def test_a_legacy_weights_only_version_loads_with_a_warning_and_is_rebound_in_pl
     assert store.resolve("tiny", old.version[:12]).legacy  # a config pinned to the old id still loads it
 
 
+def test_pull_if_missing_rebinds_a_weights_only_version(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`make model` (`pull --if-missing`) on a box set up before issue M upgrades its store, so the
+    model can be pulled by peers; a store already bound is left alone."""
+    home = tmp_path / "home"
+    store = WeightStore(home)
+    old = legacy_copy(store, store.import_path(hf_dir(tmp_path), "tiny"))
+    monkeypatch.setenv("LLMD_HOME", str(home))
+    r = CliRunner().invoke(main, ["models", "pull", "tiny", "--if-missing"])
+    assert r.exit_code == 0 and "re-bound" in r.output, r.output
+    new = store.resolve("tiny")
+    assert not new.legacy and new.version != old.version
+    again = CliRunner().invoke(main, ["models", "pull", "tiny", "--if-missing"])
+    assert again.exit_code == 0 and "re-bound" not in again.output and new.short_version in again.output
+    assert store.resolve("tiny").version == new.version
+
+
 def test_hashing_a_version_streams_a_mib_at_a_time(tmp_path: Path) -> None:
     src = tmp_path / "big"
     src.mkdir()
