@@ -219,8 +219,8 @@ async def test_a_pool_version_runs_nothing_on_its_node_until_promoted_not_even_t
     body = run.model_dump_json().encode()
 
     async def forwarded(h: httpx.AsyncClient) -> int:
-        return (await h.post(n1.url + RUN_PATH, content=body,
-                             headers=n0.node.cluster.http_signer.headers("POST", RUN_PATH, body, to="n1") | JSON)).status_code
+        signed = n0.node.cluster.http_signer.headers("POST", RUN_PATH, body, to="n1")
+        return (await h.post(n1.url + RUN_PATH, content=body, headers=signed | JSON)).status_code
 
     async with httpx.AsyncClient(headers={"Authorization": f"Bearer {ADMIN}"}, timeout=30) as h:
         r = await h.post(n1.url + "/admin/models/fake/versions", json={"version": version, "warm_pool": True})
