@@ -11,10 +11,12 @@ A last line cut short by a kill is dropped (and cut off the file) on the next op
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
-from collections.abc import Callable, Mapping
+import signal
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict
 from pathlib import Path
 from typing import IO, Any, Final
@@ -23,6 +25,18 @@ from llmd.plan.errors import PlanError
 from llmd.plan.search import Candidate, Evaluator
 
 FORMAT: Final = "llmd-plan-search-journal/1"
+
+
+@contextlib.contextmanager
+def _uninterrupted() -> Iterator[None]:
+    """SIGINT and SIGTERM held back until the block ends: a Ctrl-C between a line's fsync and
+    its count would report one evaluation fewer than the file keeps."""
+    held = {signal.SIGINT, signal.SIGTERM}
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
 def journal_path(out: Path) -> Path:
@@ -103,8 +117,9 @@ class Journal:
                     reused(c)
                 return self.reports[k]
             report = evaluate(c)
-            self._write({"candidate": asdict(c), "report": dict(report)})
-            self.reports[k] = report
+            with _uninterrupted():  # the line and the count land together, whenever Ctrl-C comes
+                self._write({"candidate": asdict(c), "report": dict(report)})
+                self.reports[k] = report
             return report
 
         return journaled
