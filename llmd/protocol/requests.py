@@ -152,8 +152,15 @@ _Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
 _Bias = Annotated[float, Field(ge=-100.0, le=100.0)]
 
 
+def _open_top(schema: dict[str, Any]) -> None:
+    """The documented schema: unknown top-level fields are ignored (see `parse`), unless the server is strict."""
+    schema.pop("additionalProperties", None)
+    schema["description"] = ("Unknown top-level fields are ignored and named in X-LLMD-Ignored-Fields, unless "
+                             "the server sets [server] strict_parameters (then 400 unknown_parameter).")
+
+
 class _Common(_Body):
-    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True, json_schema_extra=_open_top)
 
     model: Annotated[str, Field(min_length=1)]
     max_tokens: Annotated[int, Field(ge=1)] | None = None
