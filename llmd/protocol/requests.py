@@ -310,6 +310,26 @@ _NEUTRAL: dict[str, tuple[Any, ...]] = {
 _WHY = {"best_of": "; vLLM's engine has no best_of: ask for n choices instead", "suffix": "",
         "functions": "; use 'tools'", "function_call": "; use 'tool_choice'"}
 Parsed = TypeVar("Parsed", bound="_Common")
+# Fields llmd does not implement but whose meaning it knows (vLLM's and SGLang's extensions, which
+# SGLang's router forwards): ignored only at a value that changes nothing; any other value would be
+# silently dropped into a different answer, so it is refused like `best_of: 3`.
+_FOREIGN: dict[str, tuple[tuple[Any, ...], str]] = {
+    "no_stop_trim": ((None, False), "; ask for 'include_stop_str_in_output' instead"),
+    "continue_final_message": ((None, False), ""),
+    "return_hidden_states": ((None, False), ""),
+    "chat_template_kwargs": ((None, {}), ""),
+    "stop_token_ids": ((None, []), "; use 'stop' strings"),
+    "regex": ((None,), "; use 'response_format'"),
+    "ebnf": ((None,), "; use 'response_format'"),
+    "guided_json": ((None,), "; use 'response_format'"),
+    "guided_regex": ((None,), "; use 'response_format'"),
+    "guided_choice": ((None,), "; use 'response_format'"),
+    "guided_grammar": ((None,), "; use 'response_format'"),
+    "structured_outputs": ((None,), "; use 'response_format'"),
+    "lora_path": ((None,), "; adapters are served as models of their own"),
+    "lora_request": ((None,), "; adapters are served as models of their own"),
+    "sampling_seed": ((None,), "; use 'seed'"),
+}
 
 
 def _is_neutral(value: Any, neutral: tuple[Any, ...]) -> bool:
@@ -352,7 +372,10 @@ def _validate_without(cls: type[Parsed], raw: bytes, unknown: list[str]) -> Pars
     """The body validated again without `unknown` (re-encoded, so the JSON rules stay the same)."""
     body = json.loads(raw)
     for name in unknown:
-        body.pop(name, None)
+        value = body.pop(name, None)
+        if name in _FOREIGN and not _is_neutral(value, _FOREIGN[name][0]):
+            raise bad_request(f"'{name}' is not supported by this server (only its default is accepted)"
+                              f"{_FOREIGN[name][1]}", name, "unsupported_parameter")
     try:
         return cls.model_validate_json(json.dumps(body))
     except ValidationError as e:
@@ -363,7 +386,10 @@ def _refusal(first: ErrorDetails) -> APIError:
     if first["type"] in ("json_invalid", "json_type", "model_type"):
         return bad_request("We could not parse the JSON body of your request: expected a JSON object",
                            code="invalid_json")
-    param = _param(first["loc"])[:MAX_ECHOED_PARAM]
+    loc = first["loc"]
+    # A top-level unknown name is the param as sent ("max-tokens" has a "-" that _param skips).
+    top = first["type"] == "extra_forbidden" and len(loc) == 1
+    param = (str(loc[0]) if top else _param(loc))[:MAX_ECHOED_PARAM]
     if first["type"] == "missing":
         return bad_request(f"Missing required parameter: '{param}'", param, "missing_required_parameter")
     if first["type"] == "extra_forbidden":

@@ -52,7 +52,7 @@ async def test_sglang_router_fields_are_ignored_and_named(make_server, records) 
                                                             extra_body=SGLANG)
         assert craw.headers[IGNORED_HEADER] == NAMES and craw.parse().usage.completion_tokens == 3
         cs = await c.completions.with_raw_response.create(model="fake", prompt="x", max_tokens=4, stream=True,
-                                                          extra_body={"no_stop_trim": True})
+                                                          extra_body={"no_stop_trim": False})
         assert cs.headers[IGNORED_HEADER] == "no_stop_trim"
         assert [ch async for ch in cs.parse()]
     assert IGNORED_HEADER not in (await c.chat.completions.with_raw_response.create(
@@ -66,7 +66,7 @@ async def test_sglang_router_fields_are_ignored_and_named(make_server, records) 
 async def test_an_error_after_parsing_still_names_the_ignored_fields(make_server) -> None:
     live = await make_server(fake_toml())
     async with httpx.AsyncClient(base_url=live.base) as h:
-        r = await h.post("/chat/completions", json={"model": "nope", "messages": MSG, "no_stop_trim": True})
+        r = await h.post("/chat/completions", json={"model": "nope", "messages": MSG, "no_stop_trim": False})
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
     assert r.headers[IGNORED_HEADER] == "no_stop_trim"
 
@@ -94,6 +94,13 @@ async def test_strict_mode_refuses_unknown_fields(make_server, stream: bool) -> 
         ({"temperature": 9.0}, "temperature", "invalid_value"),
         ({"n": 0}, "n", "invalid_value"),
         ({"best_of": 3}, "best_of", "unsupported_parameter"),
+        # Unknown to llmd but known elsewhere, at a value that would change the answer: not dropped.
+        ({"no_stop_trim": True}, "no_stop_trim", "unsupported_parameter"),
+        ({"continue_final_message": True}, "continue_final_message", "unsupported_parameter"),
+        ({"return_hidden_states": True}, "return_hidden_states", "unsupported_parameter"),
+        ({"regex": "[0-9]+"}, "regex", "unsupported_parameter"),
+        ({"chat_template_kwargs": {"enable_thinking": False}}, "chat_template_kwargs", "unsupported_parameter"),
+        ({"no_stop_trim": 0}, "no_stop_trim", "unsupported_parameter"),  # 0 is not false in JSON
         ({"stream_options": {"include_usage": True, "frobnicate": 1}}, "stream_options.frobnicate",
          "unknown_parameter"),  # inside a known object: a shape we would misread, refused
     ],
@@ -128,7 +135,9 @@ async def test_hostile_names_do_not_break_the_header(make_server, records) -> No
     strict = await make_server(STRICT)
     async with httpx.AsyncClient(base_url=strict.base) as h:
         r = await h.post("/chat/completions", json={"model": "fake", "messages": MSG, "y" * 10_000: 1})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "y" * 256
+        assert r.status_code == 400 and r.json()["error"]["param"] == "y" * 256
+        r = await h.post("/chat/completions", json={"model": "fake", "messages": MSG, "max-tokens": 1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max-tokens"
 
 
 async def test_batch_lines_follow_the_http_rule(make_server) -> None:
