@@ -172,3 +172,19 @@ async def test_batch_lines_in_strict_mode_fail_validation(make_server) -> None:
     assert b.status == "failed"
     err = b.errors.data[0]
     assert (err.line, err.code, err.param) == (2, "unknown_parameter", "body.no_stop_trim")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_an_idempotent_run_names_the_ignored_fields(make_server, stream: bool) -> None:
+    live = await make_server(toml())
+    c = client(live, KEY_A)
+    for _ in range(2):  # the run, then its replay: both name what this request's body had
+        raw = await c.chat.completions.with_raw_response.create(
+            model="fake", messages=MSG, max_tokens=4, stream=stream, extra_body={"stream_reasoning": True},
+            extra_headers={"Idempotency-Key": f"k-{stream}"})
+        assert raw.headers[IGNORED_HEADER] == "stream_reasoning"
+        out = raw.parse()
+        if stream:
+            assert [ch async for ch in out]
+        else:
+            assert out.usage.completion_tokens == 4
