@@ -67,6 +67,7 @@ class RequestRecord:
     screened: str | None = None  # input filters consulted ("name" or "name!error" when it failed open)
     screen_s: float | None = None  # time the prompt spent in input filters
     redacted: str | None = None  # filter/rule labels that redacted output (never the text itself)
+    ignored: str | None = None  # unknown request fields ignored (names, bounded as in X-LLMD-Ignored-Fields)
     ts: float = field(default_factory=time.time)  # wall-clock arrival, for the ledger
     t_arrival: float = field(default_factory=time.monotonic)
     t_dispatch: float | None = None

@@ -2,7 +2,9 @@
 
 An input line is `{"custom_id", "method": "POST", "url", "body"}`; its body must pass the
 same validation as the endpoint it names, so a batch fails at validation (with every bad
-line listed, as OpenAI's `errors.data`) rather than item by item hours later. Output and
+line listed, as OpenAI's `errors.data`) rather than item by item hours later. A body's unknown
+top-level fields follow the HTTP rule (ignored, or refused under `strict_parameters`) and are
+dropped from the stored body; the line's own envelope stays strict, as OpenAI's is. Output and
 error lines are `{"id", "custom_id", "response": {"status_code", "request_id", "body"},
 "error"}`; an item that never ran (expired, cancelled) has `response: null` and an error.
 """
@@ -31,7 +33,8 @@ MAX_ERRORS = 100  # listed per failed batch; the count says how many there were 
 class Item:
     line: int  # 1-based, as OpenAI reports it
     custom_id: str
-    body: str  # the JSON body, as sent
+    body: str  # the JSON body, as sent (less any unknown fields ignored)
+    ignored: tuple[str, ...] = ()  # the body's unknown top-level fields, dropped
 
 
 @dataclass
@@ -45,7 +48,7 @@ class LineError:
         return {"code": self.code, "message": self.message, "param": self.param, "line": self.line}
 
 
-def parse_file(path: Path, endpoint: str, max_requests: int, max_line_bytes: int
+def parse_file(path: Path, endpoint: str, max_requests: int, max_line_bytes: int, strict: bool = True
                ) -> tuple[list[Item], list[LineError], str | None]:
     """Every item, every bad line, and the one model the batch uses (all lines must agree).
     The file is read line by line (blocking: run it in a thread), never whole."""
@@ -67,7 +70,7 @@ def parse_file(path: Path, endpoint: str, max_requests: int, max_line_bytes: int
             if count > max_requests:
                 return [], [LineError(0, "too_many_requests", f"the file has more than {max_requests} requests, "
                                       f"the most a batch may have")], None
-            err, item, line_model = _line(n, raw, endpoint, cls, max_line_bytes)
+            err, item, line_model = _line(n, raw, endpoint, cls, max_line_bytes, strict)
             if err is None and item is not None:
                 err = _conflict(n, item, line_model, seen, model)
             if err is not None:
@@ -94,7 +97,7 @@ def _conflict(n: int, item: Item, line_model: str | None, seen: set[str], model:
 
 
 def _line(n: int, raw: str, endpoint: str, cls: type[ChatRequest] | type[CompletionRequest],
-          max_line_bytes: int) -> tuple[LineError | None, Item | None, str | None]:
+          max_line_bytes: int, strict: bool) -> tuple[LineError | None, Item | None, str | None]:
     if len(raw.encode("utf-8")) > max_line_bytes:
         return LineError(n, "line_too_large", f"the line is over {max_line_bytes} bytes"), None, None
     try:
@@ -122,10 +125,13 @@ def _line(n: int, raw: str, endpoint: str, cls: type[ChatRequest] | type[Complet
         return LineError(n, "invalid_request", "a batch request cannot stream", "body.stream"), None, None
     text = json.dumps(body, separators=(",", ":"), ensure_ascii=False)
     try:
-        req = protocol.parse(cls, text.encode("utf-8"))
+        req = protocol.parse(cls, text.encode("utf-8"), strict=strict)
     except APIError as e:
         return LineError(n, e.code or "invalid_request", e.message, f"body.{e.param}" if e.param else None), None, None
-    return None, Item(n, cid, text), req.model
+    if req.ignored_fields:  # stored without them: the item runs as validated, whatever the config then
+        kept = {k: v for k, v in body.items() if k not in req.ignored_fields}
+        text = json.dumps(kept, separators=(",", ":"), ensure_ascii=False)
+    return None, Item(n, cid, text, req.ignored_fields), req.model
 
 
 def item_id(batch_id: str, line: int) -> str:

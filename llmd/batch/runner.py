@@ -102,7 +102,7 @@ class BatchRunner:
         try:  # read line by line from disk, in a thread
             items, errors, model = await asyncio.to_thread(
                 parse_file, self.store.file_path(b.input_file_id), b.endpoint, self.cfg.max_requests,
-                self.cfg.max_line_bytes)
+                self.cfg.max_line_bytes, self.config.server.strict_parameters)
         except OSError:
             await self._fail(b, [{"code": "file_not_found", "message": f"input file {b.input_file_id} is gone",
                                   "param": "input_file_id", "line": None}])
@@ -115,6 +115,10 @@ class BatchRunner:
             return
         await self.store.add_items(b.id, items, model)
         log.info("batch_started", batch_id=b.id, tenant=b.tenant, model=model, items=len(items))
+        ignored = sorted({name for i in items for name in i.ignored})
+        if ignored:  # one line per batch, not one per item
+            log.info("batch_fields_ignored", batch_id=b.id, lines=sum(1 for i in items if i.ignored),
+                     ignored=protocol.ignored_names(tuple(ignored)))
 
     def _may_use(self, who: Principal | None, model: str) -> bool:
         return (self.config.model(model) is not None and who is not None and who.tenant is not None

@@ -69,6 +69,10 @@ class ServerConfig(_Strict):
     # Threads that render, tokenize and screen prompts (and compile structured-output grammars)
     # off the event loop, so one huge prompt cannot stall every other stream.
     prompt_workers: Annotated[int, Field(gt=0, le=64)] = 2
+    # A generation request's top-level fields that llmd does not know (a router's own extensions,
+    # such as SGLang's `no_stop_trim`) are ignored and named in X-LLMD-Ignored-Fields, as
+    # `vllm serve` does; true refuses them with OpenAI's 400 `unknown_parameter` instead.
+    strict_parameters: bool = False
 
     @model_validator(mode="after")
     def _deadlines(self) -> ServerConfig:

@@ -93,6 +93,8 @@ def _track_ids(app: App) -> None:
         rid = getattr(request.ctx, "response_id", None)
         if rid and "X-Request-ID" not in response.headers:
             response.headers["X-Request-ID"] = rid
+        for name, value in getattr(request.ctx, "ignored_headers", {}).items():  # errors after parsing too
+            response.headers.setdefault(name, value)
 
     app.register_middleware(_echo_id, "response")
 

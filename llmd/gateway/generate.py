@@ -73,8 +73,10 @@ async def _generate(request: Request, node: Node, principal: Authenticate,
         life.identify(who)
         if who.tenant is not None and (refusal := node.admission.gate(who.tenant)) is not None:
             raise refusal_error(refusal)  # before parsing: refused requests spent the rate too
-        req = protocol.parse(cls, request.body)
+        req = protocol.parse(cls, request.body, strict=node.config.server.strict_parameters)
         rec.stream = req.stream
+        ignored = _ignored(request, req)
+        rec.ignored = ignored.get(protocol.IGNORED_HEADER)
         deadline_s = deadline_seconds(node.config.server, request.headers.get(DEADLINE_HEADER))
         klass, conversation = request.headers.get(CLASS_HEADER), request.headers.get(CONVERSATION_HEADER)
         key = request.headers.get("idempotency-key")
@@ -82,14 +84,24 @@ async def _generate(request: Request, node: Node, principal: Authenticate,
             last_id = _last_event_id(request)
             admit = _admission(node, req, who, deadline_s, klass, conversation)
             run = await _open_run(request, node, life, who, req, key, admit)
-            return await _read_run(request, node, run, last_id)
+            return await _read_run(request, node, run, last_id, ignored)
         job = await node.service.admit(life, req, who, deadline_s, klass, conversation)
         if not req.stream:
             body = await streaming.complete(job, req)
             await life.finish()  # billed (committed) before the body leaves
-            return json_response(body, headers=_headers(request, job))
-        await _stream_inline(request, job, req)
+            return json_response(body, headers=_headers(request, job) | ignored)
+        await _stream_inline(request, job, req, ignored)
         return None
+
+
+def _ignored(request: Request, req: Request_) -> dict[str, str]:
+    """The X-LLMD-Ignored-Fields header for a request whose unknown fields were ignored (else none);
+    stashed on the request so an error response after admission names them too."""
+    if not req.ignored_fields:
+        return {}
+    out = {protocol.IGNORED_HEADER: protocol.ignored_names(req.ignored_fields)}
+    request.ctx.ignored_headers = out
+    return out
 
 
 def _headers(request: Request, job: Job) -> dict[str, str]:
@@ -102,7 +114,7 @@ def _frame(i: int | None, payload: str) -> str:
     return f"data: {payload}\n\n" if i is None else f"id: {i}\ndata: {payload}\n\n"
 
 
-async def _stream_inline(request: Request, job: Job, req: Request_) -> None:
+async def _stream_inline(request: Request, job: Job, req: Request_, extra: dict[str, str]) -> None:
     """A stream whose reader is its only owner: a disconnect cancels it (and aborts the engine request)."""
     response: HTTPResponse | None = None
 
@@ -110,7 +122,7 @@ async def _stream_inline(request: Request, job: Job, req: Request_) -> None:
         nonlocal response
         if response is None:
             response = await request.respond(content_type="text/event-stream",
-                                             headers=_headers(request, job) | {"Cache-Control": "no-cache"})
+                                             headers=_headers(request, job) | extra | {"Cache-Control": "no-cache"})
         await response.send(_frame(None, payload))
 
     try:
@@ -158,8 +170,9 @@ def _last_event_id(request: Request) -> int:
     return int(text)
 
 
-async def _read_run(request: Request, node: Node, run: LiveRun, last_id: int) -> HTTPResponse | None:
-    own_id = {"X-Request-ID": request.ctx.response_id}
+async def _read_run(request: Request, node: Node, run: LiveRun, last_id: int,
+                    extra: dict[str, str]) -> HTTPResponse | None:
+    own_id = {"X-Request-ID": request.ctx.response_id} | extra
     run.attach()
     try:
         if not run.stream:

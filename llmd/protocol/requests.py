@@ -1,18 +1,23 @@
 """OpenAI request bodies, validated strictly, with the vLLM extensions its clients send.
 
-Unknown fields and values we cannot honour are refused with a 400 naming the field:
-silently ignoring `best_of=3` would hand a client a wrong answer. What is accepted is
-honoured: n choices, logprobs, echo, structured outputs, tools, several prompts.
+Values we cannot honour are refused with a 400 naming the field: silently ignoring
+`best_of=3` would hand a client a wrong answer. A top-level field we do not know at all is
+ignored and named back (as `vllm serve` does), because routers such as SGLang's add their
+own sampling fields to every request they forward; `strict` keeps OpenAI's refusal
+(`unknown_parameter`). What is accepted is honoured: n choices, logprobs, echo, structured
+outputs, tools, several prompts.
 """
 
 from __future__ import annotations
 
 import json
 from typing import Annotated, Any, Literal, TypeVar
+from urllib.parse import quote
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
+from pydantic_core import ErrorDetails
 
-from llmd.errors import bad_request
+from llmd.errors import APIError, bad_request
 
 MAX_N = 16  # choices per request (each one a sequence in the engine)
 MAX_PROMPTS = 64  # prompts in one completions request
@@ -23,6 +28,10 @@ MAX_TOP_LOGPROBS = 20
 # vocabulary is far smaller (each backend refuses a top_k above its own vocabulary).
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_TOP_K = 2**31 - 1
+IGNORED_HEADER = "x-llmd-ignored-fields"
+MAX_IGNORED_NAMED = 16  # names in the header and the log line; the rest are counted ("+N")
+MAX_IGNORED_CHARS = 64  # of one name, percent-encoded; a cut name ends with "*"
+MAX_ECHOED_PARAM = 256  # of a field name echoed in an error
 
 
 class _Body(BaseModel):
@@ -143,8 +152,15 @@ _Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
 _Bias = Annotated[float, Field(ge=-100.0, le=100.0)]
 
 
+def _open_top(schema: dict[str, Any]) -> None:
+    """The documented schema: unknown top-level fields are ignored (see `parse`), unless the server is strict."""
+    schema.pop("additionalProperties", None)
+    schema["description"] = ("Unknown top-level fields are ignored and named in X-LLMD-Ignored-Fields, unless "
+                             "the server sets [server] strict_parameters (then 400 unknown_parameter).")
+
+
 class _Common(_Body):
-    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True, json_schema_extra=_open_top)
 
     model: Annotated[str, Field(min_length=1)]
     max_tokens: Annotated[int, Field(ge=1)] | None = None
@@ -171,6 +187,12 @@ class _Common(_Body):
     include_stop_str_in_output: bool = False
     # llmd extension: "interactive" or "batch" (also the X-Priority-Class header).
     priority_class: str | None = None
+    _ignored: tuple[str, ...] = PrivateAttr(default=())
+
+    @property
+    def ignored_fields(self) -> tuple[str, ...]:
+        """Top-level fields the body had that no model here knows, ignored (not in strict mode)."""
+        return self._ignored
 
     def stop_list(self) -> tuple[str, ...]:
         if self.stop is None:
@@ -288,6 +310,26 @@ _NEUTRAL: dict[str, tuple[Any, ...]] = {
 _WHY = {"best_of": "; vLLM's engine has no best_of: ask for n choices instead", "suffix": "",
         "functions": "; use 'tools'", "function_call": "; use 'tool_choice'"}
 Parsed = TypeVar("Parsed", bound="_Common")
+# Fields llmd does not implement but whose meaning it knows (vLLM's and SGLang's extensions, which
+# SGLang's router forwards): ignored only at a value that changes nothing; any other value would be
+# silently dropped into a different answer, so it is refused like `best_of: 3`.
+_FOREIGN: dict[str, tuple[tuple[Any, ...], str]] = {
+    "no_stop_trim": ((None, False), "; ask for 'include_stop_str_in_output' instead"),
+    "continue_final_message": ((None, False), ""),
+    "return_hidden_states": ((None, False), ""),
+    "chat_template_kwargs": ((None, {}), ""),
+    "stop_token_ids": ((None, []), "; use 'stop' strings"),
+    "regex": ((None,), "; use 'response_format'"),
+    "ebnf": ((None,), "; use 'response_format'"),
+    "guided_json": ((None,), "; use 'response_format'"),
+    "guided_regex": ((None,), "; use 'response_format'"),
+    "guided_choice": ((None,), "; use 'response_format'"),
+    "guided_grammar": ((None,), "; use 'response_format'"),
+    "structured_outputs": ((None,), "; use 'response_format'"),
+    "lora_path": ((None,), "; adapters are served as models of their own"),
+    "lora_request": ((None,), "; adapters are served as models of their own"),
+    "sampling_seed": ((None,), "; use 'seed'"),
+}
 
 
 def _is_neutral(value: Any, neutral: tuple[Any, ...]) -> bool:
@@ -296,23 +338,23 @@ def _is_neutral(value: Any, neutral: tuple[Any, ...]) -> bool:
     return any(type(value) is type(n) and value == n for n in neutral)
 
 
-def parse(cls: type[Parsed], raw: bytes) -> Parsed:
-    """Validate a JSON body; every failure becomes a 400 that names the offending field."""
+def parse(cls: type[Parsed], raw: bytes, *, strict: bool = True) -> Parsed:
+    """Validate a JSON body; every failure becomes a 400 that names the offending field.
+    Unless `strict`, unknown top-level fields are dropped and listed in `ignored_fields`:
+    a router's own extensions must not make the request fail. Unknown fields inside nested
+    objects (a message, stream_options) are refused either way: there they mean a shape we
+    would misread, not an extension."""
     if not raw.strip():
         raise bad_request("the request body is empty; send a JSON object")
     try:
         req = cls.model_validate_json(raw)
     except ValidationError as e:
-        first = e.errors()[0]
-        if first["type"] in ("json_invalid", "json_type", "model_type"):
-            raise bad_request("We could not parse the JSON body of your request: expected a JSON object",
-                              code="invalid_json") from None
-        param = _param(first["loc"])
-        if first["type"] == "missing":
-            raise bad_request(f"Missing required parameter: '{param}'", param, "missing_required_parameter") from None
-        if first["type"] == "extra_forbidden":
-            raise bad_request(f"Unrecognized request argument supplied: {param}", param, "unknown_parameter") from None
-        raise bad_request(f"Invalid value for '{param}': {first['msg']}", param or None, "invalid_value") from None
+        errors = e.errors()
+        unknown = [] if strict else _unknown_top_level(errors)
+        if not unknown:
+            raise _refusal(errors[0]) from None
+        req = _validate_without(cls, raw, unknown)
+        req._ignored = tuple(unknown)
     for name, neutral in _NEUTRAL.items():
         if not _is_neutral(getattr(req, name, None), neutral):
             raise bad_request(f"'{name}' is not supported by this server (got {getattr(req, name)!r}){_WHY[name]}",
@@ -320,6 +362,57 @@ def parse(cls: type[Parsed], raw: bytes) -> Parsed:
     if req.stream_options is not None and not req.stream:
         raise bad_request("The 'stream_options' parameter is only allowed when 'stream' is enabled.", "stream_options")
     return req
+
+
+def _unknown_top_level(errors: list[ErrorDetails]) -> list[str]:
+    return [str(err["loc"][0]) for err in errors if err["type"] == "extra_forbidden" and len(err["loc"]) == 1]
+
+
+def _validate_without(cls: type[Parsed], raw: bytes, unknown: list[str]) -> Parsed:
+    """The body validated again without `unknown` (re-encoded, so the JSON rules stay the same)."""
+    body = json.loads(raw)
+    for name in unknown:
+        value = body.pop(name, None)
+        if name in _FOREIGN and not _is_neutral(value, _FOREIGN[name][0]):
+            raise bad_request(f"'{name}' is not supported by this server (only its default is accepted)"
+                              f"{_FOREIGN[name][1]}", name, "unsupported_parameter")
+    try:
+        return cls.model_validate_json(json.dumps(body))
+    except ValidationError as e:
+        raise _refusal(e.errors()[0]) from None
+
+
+def _refusal(first: ErrorDetails) -> APIError:
+    if first["type"] in ("json_invalid", "json_type", "model_type"):
+        return bad_request("We could not parse the JSON body of your request: expected a JSON object",
+                           code="invalid_json")
+    loc = first["loc"]
+    # A top-level unknown name is the param as sent ("max-tokens" has a "-" that _param skips).
+    top = first["type"] == "extra_forbidden" and len(loc) == 1
+    param = (str(loc[0]) if top else _param(loc))[:MAX_ECHOED_PARAM]
+    if first["type"] == "missing":
+        return bad_request(f"Missing required parameter: '{param}'", param, "missing_required_parameter")
+    if first["type"] == "extra_forbidden":
+        return bad_request(f"Unrecognized request argument supplied: {param}", param, "unknown_parameter")
+    return bad_request(f"Invalid value for '{param}': {first['msg']}", param or None, "invalid_value")
+
+
+def ignored_names(names: tuple[str, ...]) -> str:
+    """`names` as one bounded ASCII header value: at most MAX_IGNORED_NAMED, each percent-encoded
+    (so a comma, a control or non-ASCII character cannot break the header) and cut to
+    MAX_IGNORED_CHARS, then "+N" for the rest. Names only: values are never echoed."""
+    shown = [_short(quote(n, safe="")) for n in names[:MAX_IGNORED_NAMED]]
+    if len(names) > MAX_IGNORED_NAMED:
+        shown.append(f"+{len(names) - MAX_IGNORED_NAMED}")
+    return ",".join(shown)
+
+
+def _short(encoded: str) -> str:
+    if len(encoded) <= MAX_IGNORED_CHARS:
+        return encoded
+    cut = encoded[:MAX_IGNORED_CHARS - 1]
+    pct = cut.rfind("%", len(cut) - 2)
+    return (cut[:pct] if pct >= 0 else cut) + "*"  # "*" is always encoded in a name: it marks the cut
 
 
 def json_object(raw: bytes | None) -> dict[str, Any]:

@@ -59,6 +59,7 @@ def test_good_config_and_env_var(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     [
         (GOOD.replace("port = 9000", "port = 'x'"), "server.port"),
         (GOOD.replace("port = 9000", "prot = 9000"), "server.prot: unknown key"),
+        (GOOD.replace("port = 9000", 'strict_parameters = "sometimes"'), "server.strict_parameters"),
         (GOOD + "[models.engine]\nmax_model_len = -5\n", "models[0].engine.max_model_len (model 'm')"),
         (GOOD + "[models.engine]\nkv_cache_gib = 0.5\n", "models[0].engine.kv_cache_gib"),
         (GOOD.replace('backend = "fake"', 'backend = "tpu"'), "models[0].backend"),

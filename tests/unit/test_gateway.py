@@ -88,7 +88,9 @@ async def test_models_health_ready(make_server) -> None:
          "invalid_value"),
         ({"model": "fake", "messages": MSG, "logit_bias": {"many": 1}}, "logit_bias", None),
         ({"model": "fake", "messages": MSG, "logit_bias": {"1": 500}}, "logit_bias.1", "invalid_value"),
-        ({"model": "fake", "messages": MSG, "frobnicate": 1}, "frobnicate", "unknown_parameter"),
+        # Unknown fields: ignored by default, refused in strict mode (tests/unit/test_unknown_fields.py).
+        ({"model": "fake", "messages": [{"role": "user", "content": "x", "frobnicate": 1}]}, "messages[0].frobnicate",
+         "unknown_parameter"),
         ({"model": "fake", "messages": MSG, "max_tokens": "ten"}, "max_tokens", "invalid_value"),
         ({"model": "fake", "messages": MSG, "max_tokens": 0}, "max_tokens", "invalid_value"),
         ({"model": "fake", "messages": MSG, "temperature": "hot"}, "temperature", "invalid_value"),
