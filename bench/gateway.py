@@ -9,9 +9,10 @@ chunks (an OpenAI completion chunk per token, built and written one by one): wha
 process can stream at all. Reported: tokens/s of each, their ratio (target >= 0.5), the
 serving process's CPU per token, and llmd's CPU per token by stage (thread CPU time inside
 each stage's functions, timed directly in a separate round; the rest is the event loop,
-HTTP and sanic). A variant with the example config's output filters is reported beside it.
+HTTP and sanic; the fake engine's own step is reported apart). A variant with the example
+config's output filters is reported beside it (target >= 0.45).
 
-    python bench/gateway.py [--rounds 4] [--seconds 4] [--concurrency 128] [--tokens 128]
+    python bench/gateway.py [--rounds 4] [--seconds 4] [--concurrency 256] [--tokens 128]
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ from bench.lib import lean_client, report, stats
 from bench.lib.servers import free_port, quiet_logs, start_inprocess
 
 SECTION = "## Gateway: tokens per second through one process"
-TARGET = 0.5
+TARGET = 0.6
+TARGET_FILTERS = 0.45  # with the shipped output filters
 LLMD_TOML = """
 [server]
 db_path = "{db}"
@@ -217,6 +219,7 @@ def report_lines(a: argparse.Namespace, r: dict[str, Any], seconds: float) -> li
     stage_rows += [["event loop, HTTP, sanic, scheduling (the rest)", f"{plain - sum(r['stages'].values()):.2f}"],
                    ["total (llmd+filters rounds' median)", f"{plain:.2f}"]]
     ok = s["ratio"] >= TARGET
+    engine = r["stages"].get("engine (fake step)", 0.0)
     chain = shipped_filters()["model"]
     return [
         SECTION, "", report.stamp(seconds), "",
@@ -233,8 +236,11 @@ def report_lines(a: argparse.Namespace, r: dict[str, Any], seconds: float) -> li
         f"{r['staged_cpu_us'] - plain:.1f} µs per token to that round, which lands in no stage; the rest is the "
         "plain rounds' CPU per token less the stages):", "",
         *report.table(["stage", "µs per token"], stage_rows), "",
+        (f"The fake engine's own step ({engine:.2f} µs per token) is work a real engine does on its own thread or "
+         f"GPU; the gateway's cost without it: {plain - engine:.2f} µs per token with the filters."), "",
         f"- llmd / bare, median of round ratios: **{s['ratio']:.2f}** (target >= {TARGET}): {report.verdict(ok)}",
-        f"- llmd with the example output filters / bare: {s['ratio_filters']:.2f}",
+        (f"- llmd with the example output filters / bare: **{s['ratio_filters']:.2f}** (target >= {TARGET_FILTERS}): "
+         f"{report.verdict(s['ratio_filters'] >= TARGET_FILTERS)}"),
     ]
 
 
@@ -242,7 +248,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--seconds", type=float, default=4.0)
-    ap.add_argument("--concurrency", type=int, default=128)
+    ap.add_argument("--concurrency", type=int, default=256)
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--no-write", action="store_true", help="do not update docs/benchmarks.md")
     a = ap.parse_args()
@@ -256,7 +262,8 @@ def main() -> int:
     if not a.no_write:
         report.write_section(report.DOC, lines)
         print(f"\nwritten to {report.DOC}")
-    return 0 if summary(r)["ratio"] >= TARGET else 1
+    s = summary(r)
+    return 0 if s["ratio"] >= TARGET and s["ratio_filters"] >= TARGET_FILTERS else 1
 
 
 if __name__ == "__main__":
