@@ -118,6 +118,11 @@ _DIGIT = re.compile(r"\d")
 _MAY_GROW = {"card": re.compile(r"[ .()-]*"), "phone": re.compile(r"[ .()-]*"), "email": re.compile(r"[.-]*"),
              "secret": re.compile(r"")}
 
+# What a kind's match must begin with (its first consumed character), where that is narrower than
+# any text: without one at or after `start`, neither a partial nor a complete match can begin there,
+# so `hold` skips that kind's partial search (most output has no digit).
+_LEADS = {"card": re.compile(r"\d"), "phone": re.compile(r"[\d+]")}
+
 
 class PII:
     """E-mail addresses, phone numbers, payment cards (Luhn-checked) and API-key-like secrets;
@@ -158,9 +163,15 @@ class PII:
         """From the first place a kind's match may still begin: its partial match, or a complete one
         followed only by what it may go on with (`_MAY_GROW`, what `scan` waits on). A card is held
         whatever its Luhn sum so far: more digits change it."""
-        starts = (undecided(_PII[kind], text, start, _MAY_GROW[kind]) for kind in self.kinds)
-        first = min((s for s in starts if s is not None), default=None)
-        return 0 if first is None else len(text) - first
+        first = len(text)
+        for kind in self.kinds:
+            lead = _LEADS.get(kind)
+            if lead is not None and lead.search(text, start) is None:
+                continue  # no character its match could begin with: nothing to hold for it
+            s = undecided(_PII[kind], text, start, _MAY_GROW[kind])
+            if s is not None and s < first:
+                first = s
+        return len(text) - first
 
     def screen(self, text: str) -> Match | None:
         """check_prompt as a plain call: the chain runs it on a prompt-pool thread (pure, thread-safe)."""
