@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import re
 from bisect import bisect_left
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any
 
 import regex
@@ -47,9 +47,9 @@ class Blocklist:
             self.rules.append((f"word:{len(self.rules)}", regex.compile(rf"(?<!\w){body}(?!\w)")))
         for p in patterns:
             self.rules.append((f"pattern:{len(self.rules)}", regex.compile(p)))
-        self._last: tuple[str, str, list[int]] = ("", "", [])  # scan and hold fold the same text
+        self._last: tuple[str, str, Sequence[int]] = ("", "", ())  # scan and hold fold the same text
 
-    def _fold(self, text: str) -> tuple[str, list[int]]:
+    def _fold(self, text: str) -> tuple[str, Sequence[int]]:
         if text is not self._last[0]:
             self._last = (text, *fold(text))
         return self._last[1], self._last[2]
