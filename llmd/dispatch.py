@@ -157,7 +157,7 @@ async def _screened(job: Job, choice: Choice, window: OutputWindow,
                 raise stop
             if text or d.finish_reason is not None or d.logprobs or d.prompt_logprobs:
                 # its tokens: those whose text it releases (held ones included), for the sent ITL
-                yield replace(d, text=text, num_tokens=max(0, held + d.num_tokens - window.held_tokens))
+                yield d.retold(text, max(0, held + d.num_tokens - window.held_tokens))
 
 
 def account(job: Job, choice: Choice, delta: Delta, here: bool = True) -> None:
