@@ -42,11 +42,17 @@ class Blocklist:
                  action: Action = "block") -> None:
         self.name, self.action = name, action
         self.rules: list[tuple[str, Any]] = []  # (rule, compiled `regex` pattern)
+        # A word rule's match (partial or whole) begins with its first letter at a word start:
+        # where none is, `hold` skips its partial search (a user's pattern has no such lead: None).
+        self._leads: list[re.Pattern[str] | None] = []
         for w in words:
-            body = r"\s+".join(regex.escape(part) for part in folded(w).split())
+            parts = folded(w).split()
+            body = r"\s+".join(regex.escape(part) for part in parts)
             self.rules.append((f"word:{len(self.rules)}", regex.compile(rf"(?<!\w){body}(?!\w)")))
+            self._leads.append(re.compile(rf"(?<!\w){re.escape(parts[0][0])}") if parts else None)
         for p in patterns:
             self.rules.append((f"pattern:{len(self.rules)}", regex.compile(p)))
+            self._leads.append(None)
         self._last: tuple[str, str, Sequence[int]] = ("", "", ())  # scan and hold fold the same text
 
     def _fold(self, text: str) -> tuple[str, Sequence[int]]:
@@ -82,8 +88,14 @@ class Blocklist:
         after a word boundary ("the forb"), a pattern's partial match, a match at the very end."""
         f, where = self._fold(text)
         pos = start if text.isascii() else bisect_left(where, start)
-        first = min((s for _, rx in self.rules if (s := undecided(rx, f, pos)) is not None), default=None)
-        return 0 if first is None else len(text) - where[first]  # folded -> original: lengths differ
+        first = len(f)
+        for (_, rx), lead in zip(self.rules, self._leads, strict=True):
+            if lead is not None and lead.search(f, pos) is None:
+                continue
+            s = undecided(rx, f, pos)
+            if s is not None and s < first:
+                first = s
+        return 0 if first == len(f) else len(text) - where[first]  # folded -> original: lengths differ
 
 
 def luhn_ok(digits: str) -> bool:
