@@ -133,7 +133,16 @@ _MAY_GROW = {"card": re.compile(r"[ .()-]*"), "phone": re.compile(r"[ .()-]*"), 
 # What a kind's match must begin with (its first consumed character), where that is narrower than
 # any text: without one at or after `start`, neither a partial nor a complete match can begin there,
 # so `hold` skips that kind's partial search (most output has no digit).
-_LEADS = {"card": re.compile(r"\d"), "phone": re.compile(r"[\d+]")}
+# A secret's begins with the first two characters of one of its prefixes, or is one of their first
+# characters at the very end ("sk-", "AKIA", "gh?_", "xox?-", "llmd-", "-----BEGIN").
+_LEADS = {"card": re.compile(r"\d"), "phone": re.compile(r"[\d+]"),
+          "secret": re.compile(r"sk|AK|gh|xo|ll|--|[sAgxl-]\Z")}
+
+
+def _secret_marked(text: str) -> bool:
+    """Whether `text` has a piece every whole secret contains ("gh?_" has its "_"): without one,
+    the secret pattern cannot match, and substring tests are cheaper than its search."""
+    return "sk-" in text or "AKIA" in text or "_" in text or "xox" in text or "llmd-" in text or "-----" in text
 
 
 class PII:
@@ -158,7 +167,7 @@ class PII:
         digits = _DIGIT.search(text) is not None
         for kind in ("secret", "email", "card", "phone"):  # a card is not also a phone
             if kind not in self.kinds or (kind == "email" and "@" not in text) or (
-                    kind in ("card", "phone") and not digits):
+                    kind in ("card", "phone") and not digits) or (kind == "secret" and not _secret_marked(text)):
                 continue
             for m in _PII[kind].finditer(text):
                 if not final and _MAY_GROW[kind].fullmatch(text, m.end()):
