@@ -2,7 +2,8 @@
 limits a GPU that decodes a small model at 20k+ tokens/s.
 
 One process serves (the real gateway on uvloop, as `llmd serve` runs it, fake engine at 1 ms
-per step with up to 256 sequences, so the server's loop is the bottleneck); a lean keep-alive
+per step with up to 256 sequences, each step overlapping the handling of the last one's outputs
+as a GPU's does, so the server's loop is the bottleneck); a lean keep-alive
 client in its own process keeps CONCURRENCY SSE streams of TOKENS tokens in flight. In the
 same run, rounds alternating, a bare sanic SSE handler in the same place sends the same
 chunks (an OpenAI completion chunk per token, built and written one by one): what a sanic
@@ -47,6 +48,7 @@ max_output_tokens = 4096
 step_ms = 1.0
 step_ms_per_seq = 0.0
 max_num_seqs = 256
+overlap_steps = true  # a step runs while the last one's outputs are handled, as a GPU's does
 [models.scheduling]
 reserved_seats = 0
 prior_tokens_per_s = 50000.0  # the fake engine's rate: the default prior (a CPU model's) sheds the first bursts
@@ -224,7 +226,8 @@ def report_lines(a: argparse.Namespace, r: dict[str, Any], seconds: float) -> li
     return [
         SECTION, "", report.stamp(seconds), "",
         (f"Settings: one process serves on uvloop (the real gateway and node, fake engine at 1 ms/step, up to 256 "
-         f"sequences, no ledger stand-in: the SQLite ledger writes as shipped); a lean keep-alive client in its own "
+         "sequences, each step overlapping the handling of the last one's outputs, no ledger stand-in: the SQLite "
+         "ledger writes as shipped); a lean keep-alive client in its own "
          f"process keeps {a.concurrency} SSE streams of {a.tokens} tokens in flight ({a.seconds:g} s per round, "
          f"{a.rounds} rounds per server after a discarded warm-up, order alternating). `bare`: a sanic handler "
          "in the same process sending an OpenAI completion chunk per token (json.dumps, one write each). "

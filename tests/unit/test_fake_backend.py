@@ -340,3 +340,18 @@ def test_delta_retold_keeps_every_other_field() -> None:
     assert set(values) == {f.name for f in dataclasses.fields(Delta)}
     d = Delta(**values)  # type: ignore[arg-type]
     assert d.retold(" b", 2) == dataclasses.replace(d, text=" b", num_tokens=2)
+
+
+async def test_overlapped_steps_stream_what_sequential_ones_do_and_charge_the_step() -> None:
+    """overlap_steps changes when a step's sleep starts, never what it makes: the same deltas, and
+    each step still lasts its step_ms (the step record's duration, what the ITL model learns)."""
+    outs = []
+    for overlap in (False, True):
+        b = make(step_ms=2.0, overlap_steps=overlap)
+        await b.start()
+        try:
+            outs.append(await asyncio.gather(*(collect(b, f"r{i}", f"prompt {i}", max_tokens=12) for i in range(4))))
+            assert b.stats.history and min(s.duration for s in b.stats.history) > 0.0015  # timers may fire a hair early
+        finally:
+            await b.stop()
+    assert outs[0] == outs[1] and all(joined(ds) for ds in outs[1])
