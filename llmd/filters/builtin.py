@@ -165,9 +165,12 @@ class PII:
         out: list[Match] = []
         taken: list[tuple[int, int]] = []
         digits = _DIGIT.search(text) is not None
+        marked = _secret_marked(text)
+        if not digits and not marked and "@" not in text:
+            return out  # every kind needs one of them (most text: the loop below skips each kind)
         for kind in ("secret", "email", "card", "phone"):  # a card is not also a phone
             if kind not in self.kinds or (kind == "email" and "@" not in text) or (
-                    kind in ("card", "phone") and not digits) or (kind == "secret" and not _secret_marked(text)):
+                    kind in ("card", "phone") and not digits) or (kind == "secret" and not marked):
                 continue
             for m in _PII[kind].finditer(text):
                 if not final and _MAY_GROW[kind].fullmatch(text, m.end()):
