@@ -106,7 +106,7 @@ async def stop_bare(server: Any) -> None:
 # -- stage timing ---------------------------------------------------------------------
 STAGES: dict[str, list[tuple[str, str, str]]] = {  # stage -> (module, object, function) timed
     "engine (fake step)": [("llmd.backends.fake", "FakeBackend", "_step")],
-    "accounting": [("llmd.dispatch", "", "_account")],
+    "accounting": [("llmd.dispatch", "", "account")],
     "output filters": [("llmd.filters.chain", "OutputWindow", "feed")],
     "shaping": [("llmd.outputs", "ChoiceOutput", "take"), ("llmd.outputs", "ChoiceOutput", "chunk_choice"),
                 ("llmd.streaming", "", "dumps")],
