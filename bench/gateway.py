@@ -2,16 +2,18 @@
 limits a GPU that decodes a small model at 20k+ tokens/s.
 
 One process serves (the real gateway on uvloop, as `llmd serve` runs it, fake engine at 1 ms
-per step with up to 256 sequences, so the server's loop is the bottleneck); a lean keep-alive
+per step with up to 256 sequences, each step overlapping the handling of the last one's outputs
+as a GPU's does, so the server's loop is the bottleneck); a lean keep-alive
 client in its own process keeps CONCURRENCY SSE streams of TOKENS tokens in flight. In the
 same run, rounds alternating, a bare sanic SSE handler in the same place sends the same
 chunks (an OpenAI completion chunk per token, built and written one by one): what a sanic
 process can stream at all. Reported: tokens/s of each, their ratio (target >= 0.5), the
 serving process's CPU per token, and llmd's CPU per token by stage (thread CPU time inside
 each stage's functions, timed directly in a separate round; the rest is the event loop,
-HTTP and sanic). A variant with the example config's output filters is reported beside it.
+HTTP and sanic; the fake engine's own step is reported apart). A variant with the example
+config's output filters is reported beside it (target >= 0.45).
 
-    python bench/gateway.py [--rounds 4] [--seconds 4] [--concurrency 128] [--tokens 128]
+    python bench/gateway.py [--rounds 4] [--seconds 4] [--concurrency 256] [--tokens 128]
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ from bench.lib import lean_client, report, stats
 from bench.lib.servers import free_port, quiet_logs, start_inprocess
 
 SECTION = "## Gateway: tokens per second through one process"
-TARGET = 0.5
+TARGET = 0.6
+TARGET_FILTERS = 0.45  # with the shipped output filters
 LLMD_TOML = """
 [server]
 db_path = "{db}"
@@ -45,6 +48,7 @@ max_output_tokens = 4096
 step_ms = 1.0
 step_ms_per_seq = 0.0
 max_num_seqs = 256
+overlap_steps = true  # a step runs while the last one's outputs are handled, as a GPU's does
 [models.scheduling]
 reserved_seats = 0
 prior_tokens_per_s = 50000.0  # the fake engine's rate: the default prior (a CPU model's) sheds the first bursts
@@ -102,7 +106,7 @@ async def stop_bare(server: Any) -> None:
 # -- stage timing ---------------------------------------------------------------------
 STAGES: dict[str, list[tuple[str, str, str]]] = {  # stage -> (module, object, function) timed
     "engine (fake step)": [("llmd.backends.fake", "FakeBackend", "_step")],
-    "accounting": [("llmd.dispatch", "", "_account")],
+    "accounting": [("llmd.dispatch", "", "account")],
     "output filters": [("llmd.filters.chain", "OutputWindow", "feed")],
     "shaping": [("llmd.outputs", "ChoiceOutput", "take"), ("llmd.outputs", "ChoiceOutput", "chunk_choice"),
                 ("llmd.streaming", "", "dumps")],
@@ -217,11 +221,13 @@ def report_lines(a: argparse.Namespace, r: dict[str, Any], seconds: float) -> li
     stage_rows += [["event loop, HTTP, sanic, scheduling (the rest)", f"{plain - sum(r['stages'].values()):.2f}"],
                    ["total (llmd+filters rounds' median)", f"{plain:.2f}"]]
     ok = s["ratio"] >= TARGET
+    engine = r["stages"].get("engine (fake step)", 0.0)
     chain = shipped_filters()["model"]
     return [
         SECTION, "", report.stamp(seconds), "",
         (f"Settings: one process serves on uvloop (the real gateway and node, fake engine at 1 ms/step, up to 256 "
-         f"sequences, no ledger stand-in: the SQLite ledger writes as shipped); a lean keep-alive client in its own "
+         "sequences, each step overlapping the handling of the last one's outputs, no ledger stand-in: the SQLite "
+         "ledger writes as shipped); a lean keep-alive client in its own "
          f"process keeps {a.concurrency} SSE streams of {a.tokens} tokens in flight ({a.seconds:g} s per round, "
          f"{a.rounds} rounds per server after a discarded warm-up, order alternating). `bare`: a sanic handler "
          "in the same process sending an OpenAI completion chunk per token (json.dumps, one write each). "
@@ -233,8 +239,11 @@ def report_lines(a: argparse.Namespace, r: dict[str, Any], seconds: float) -> li
         f"{r['staged_cpu_us'] - plain:.1f} µs per token to that round, which lands in no stage; the rest is the "
         "plain rounds' CPU per token less the stages):", "",
         *report.table(["stage", "µs per token"], stage_rows), "",
+        (f"The fake engine's own step ({engine:.2f} µs per token) is work a real engine does on its own thread or "
+         f"GPU; the gateway's cost without it: {plain - engine:.2f} µs per token with the filters."), "",
         f"- llmd / bare, median of round ratios: **{s['ratio']:.2f}** (target >= {TARGET}): {report.verdict(ok)}",
-        f"- llmd with the example output filters / bare: {s['ratio_filters']:.2f}",
+        (f"- llmd with the example output filters / bare: **{s['ratio_filters']:.2f}** (target >= {TARGET_FILTERS}): "
+         f"{report.verdict(s['ratio_filters'] >= TARGET_FILTERS)}"),
     ]
 
 
@@ -242,7 +251,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--seconds", type=float, default=4.0)
-    ap.add_argument("--concurrency", type=int, default=128)
+    ap.add_argument("--concurrency", type=int, default=256)
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--no-write", action="store_true", help="do not update docs/benchmarks.md")
     a = ap.parse_args()
@@ -256,7 +265,8 @@ def main() -> int:
     if not a.no_write:
         report.write_section(report.DOC, lines)
         print(f"\nwritten to {report.DOC}")
-    return 0 if summary(r)["ratio"] >= TARGET else 1
+    s = summary(r)
+    return 0 if s["ratio"] >= TARGET and s["ratio_filters"] >= TARGET_FILTERS else 1
 
 
 if __name__ == "__main__":

@@ -157,7 +157,7 @@ async def _screened(job: Job, choice: Choice, window: OutputWindow,
                 raise stop
             if text or d.finish_reason is not None or d.logprobs or d.prompt_logprobs:
                 # its tokens: those whose text it releases (held ones included), for the sent ITL
-                yield replace(d, text=text, num_tokens=max(0, held + d.num_tokens - window.held_tokens))
+                yield d.retold(text, max(0, held + d.num_tokens - window.held_tokens))
 
 
 def account(job: Job, choice: Choice, delta: Delta, here: bool = True) -> None:
@@ -167,19 +167,25 @@ def account(job: Job, choice: Choice, delta: Delta, here: bool = True) -> None:
     interactive seats in bench/plan.py (c) at 70 %), the scheduler's fairness charge, the ledger's progress
     (the client-observed gaps are timed as tokens are sent: ChoiceOutput.sent). `here`:
     this node's engine made them (a peer's are charged and timed in the peer's own queue)."""
-    rec, n = job.record, delta.num_tokens
+    life, n = job.life, delta.num_tokens
+    rec = life.record
     now = time.monotonic()
-    prev = choice.t_last_token
-    rec.on_tokens(n, now)
-    if n:
-        choice.t_last_token = now
-        if here and prev is not None and choice.flow.klass == INTERACTIVE and job.runtime.cfg.scheduling.target_itl_ms:
-            job.runtime.gaps.extend([(time.time(), (now - prev) / n)] * n)
+    if n:  # once per token: each lookup below is paid tens of thousands of times a second
+        prev, choice.t_last_token = choice.t_last_token, now
+        rec.on_tokens(n, now)
+        rec.output_tokens += n
         if here:
-            job.runtime.scheduler.on_output(choice.flow, n)
-    rec.output_tokens += n
-    rec.cached_prompt_tokens = max(rec.cached_prompt_tokens, delta.cached_prompt_tokens)
-    job.life.progress(now)
+            rt = job.runtime
+            if prev is not None and choice.flow.klass == INTERACTIVE and rt.cfg.scheduling.target_itl_ms:
+                gap = (time.time(), (now - prev) / n)
+                if n == 1:
+                    rt.gaps.append(gap)
+                else:
+                    rt.gaps.extend([gap] * n)
+            rt.scheduler.on_output(choice.flow, n)
+    if delta.cached_prompt_tokens > rec.cached_prompt_tokens:
+        rec.cached_prompt_tokens = delta.cached_prompt_tokens
+    life.progress(now)
     if delta.finish_reason is not None:
         choice.finished = True
         rec.finish_reason = delta.finish_reason

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import time
+from json.encoder import encode_basestring
 from typing import Any
 
 from llmd.backends.base import Delta, TokenLogprob
@@ -90,7 +91,8 @@ class ChoiceOutput:
         if not d.text and d.finish_reason is None:
             return None
         finish = "null" if d.finish_reason is None else f'"{d.finish_reason}"'
-        return f"{self._open}{json.dumps(d.text, ensure_ascii=False)}{self._close}{finish}}}"
+        # encode_basestring is what json.dumps(str, ensure_ascii=False) runs, less its per-call encoder
+        return f"{self._open}{encode_basestring(d.text)}{self._close}{finish}}}"
 
     def chunk_choice(self, d: Delta, entries: list[TokenLogprob]) -> dict[str, Any] | None:
         """The stream chunk's choice for this delta, or None when there is nothing to say."""

@@ -300,9 +300,19 @@ class FakeBackend:
                 chunks = step_plan(batch, self.cfg.prefill_tokens_per_step)
                 cost = self.pricer.price(batch)
                 self.busy_s += cost
-                t0 = asyncio.get_running_loop().time()
-                await asyncio.sleep(cost)
-                self._step(asyncio.get_running_loop().time() - t0, list(zip(batch, chunks, strict=True)))
+                loop = asyncio.get_running_loop()
+                t0 = loop.time()
+                if self.cfg.overlap_steps:
+                    # The last step's outputs are handled first, then only what is left of this one
+                    # is slept. A timer set at once would, on a busy loop, fire only after an idle
+                    # poll (libuv times its poll from the iteration's start): the process idled.
+                    await asyncio.sleep(0)
+                    cost = max(0.0, t0 + cost - loop.time())
+                    if cost:
+                        await asyncio.sleep(cost)
+                else:
+                    await asyncio.sleep(cost)
+                self._step(loop.time() - t0, list(zip(batch, chunks, strict=True)))
         except asyncio.CancelledError:
             raise
         except Exception as e:  # a bug in the double is an engine crash, not a hang

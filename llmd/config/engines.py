@@ -88,6 +88,11 @@ class FakeEngineConfig(_Strict):
     # A step model (`llmd plan calibrate`'s JSON): when set, each step costs StepModel.seconds of
     # what it computes instead of the knobs above, the same step function the simulator runs.
     step_model: Path | None = None
+    # A step runs while the last one's outputs are handled, as a GPU's does (its sleep is only what
+    # is left of step_ms once they are): a throughput bench's process then never idles on the
+    # double's timer. false: the step starts after them, so a step's period includes the gateway's
+    # work (the tests' timing margins are set for that).
+    overlap_steps: bool = False
 
     @field_validator("step_model")
     @classmethod

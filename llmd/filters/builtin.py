@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import re
 from bisect import bisect_left
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any
 
 import regex
@@ -42,14 +42,20 @@ class Blocklist:
                  action: Action = "block") -> None:
         self.name, self.action = name, action
         self.rules: list[tuple[str, Any]] = []  # (rule, compiled `regex` pattern)
+        # A word rule's match (partial or whole) begins with its first letter at a word start:
+        # where none is, `hold` skips its partial search (a user's pattern has no such lead: None).
+        self._leads: list[re.Pattern[str] | None] = []
         for w in words:
-            body = r"\s+".join(regex.escape(part) for part in folded(w).split())
+            parts = folded(w).split()
+            body = r"\s+".join(regex.escape(part) for part in parts)
             self.rules.append((f"word:{len(self.rules)}", regex.compile(rf"(?<!\w){body}(?!\w)")))
+            self._leads.append(re.compile(rf"(?<!\w){re.escape(parts[0][0])}") if parts else None)
         for p in patterns:
             self.rules.append((f"pattern:{len(self.rules)}", regex.compile(p)))
-        self._last: tuple[str, str, list[int]] = ("", "", [])  # scan and hold fold the same text
+            self._leads.append(None)
+        self._last: tuple[str, str, Sequence[int]] = ("", "", ())  # scan and hold fold the same text
 
-    def _fold(self, text: str) -> tuple[str, list[int]]:
+    def _fold(self, text: str) -> tuple[str, Sequence[int]]:
         if text is not self._last[0]:
             self._last = (text, *fold(text))
         return self._last[1], self._last[2]
@@ -82,8 +88,14 @@ class Blocklist:
         after a word boundary ("the forb"), a pattern's partial match, a match at the very end."""
         f, where = self._fold(text)
         pos = start if text.isascii() else bisect_left(where, start)
-        first = min((s for _, rx in self.rules if (s := undecided(rx, f, pos)) is not None), default=None)
-        return 0 if first is None else len(text) - where[first]  # folded -> original: lengths differ
+        first = len(f)
+        for (_, rx), lead in zip(self.rules, self._leads, strict=True):
+            if lead is not None and lead.search(f, pos) is None:
+                continue
+            s = undecided(rx, f, pos)
+            if s is not None and s < first:
+                first = s
+        return 0 if first == len(f) else len(text) - where[first]  # folded -> original: lengths differ
 
 
 def luhn_ok(digits: str) -> bool:
@@ -118,6 +130,20 @@ _DIGIT = re.compile(r"\d")
 _MAY_GROW = {"card": re.compile(r"[ .()-]*"), "phone": re.compile(r"[ .()-]*"), "email": re.compile(r"[.-]*"),
              "secret": re.compile(r"")}
 
+# What a kind's match must begin with (its first consumed character), where that is narrower than
+# any text: without one at or after `start`, neither a partial nor a complete match can begin there,
+# so `hold` skips that kind's partial search (most output has no digit).
+# A secret's begins with the first two characters of one of its prefixes, or is one of their first
+# characters at the very end ("sk-", "AKIA", "gh?_", "xox?-", "llmd-", "-----BEGIN").
+_LEADS = {"card": re.compile(r"\d"), "phone": re.compile(r"[\d+]"),
+          "secret": re.compile(r"sk|AK|gh|xo|ll|--|[sAgxl-]\Z")}
+
+
+def _secret_marked(text: str) -> bool:
+    """Whether `text` has a piece every whole secret contains ("gh?_" has its "_"): without one,
+    the secret pattern cannot match, and substring tests are cheaper than its search."""
+    return "sk-" in text or "AKIA" in text or "_" in text or "xox" in text or "llmd-" in text or "-----" in text
+
 
 class PII:
     """E-mail addresses, phone numbers, payment cards (Luhn-checked) and API-key-like secrets;
@@ -139,9 +165,12 @@ class PII:
         out: list[Match] = []
         taken: list[tuple[int, int]] = []
         digits = _DIGIT.search(text) is not None
+        marked = _secret_marked(text)
+        if not digits and not marked and "@" not in text:
+            return out  # every kind needs one of them (most text: the loop below skips each kind)
         for kind in ("secret", "email", "card", "phone"):  # a card is not also a phone
             if kind not in self.kinds or (kind == "email" and "@" not in text) or (
-                    kind in ("card", "phone") and not digits):
+                    kind in ("card", "phone") and not digits) or (kind == "secret" and not marked):
                 continue
             for m in _PII[kind].finditer(text):
                 if not final and _MAY_GROW[kind].fullmatch(text, m.end()):
@@ -158,9 +187,15 @@ class PII:
         """From the first place a kind's match may still begin: its partial match, or a complete one
         followed only by what it may go on with (`_MAY_GROW`, what `scan` waits on). A card is held
         whatever its Luhn sum so far: more digits change it."""
-        starts = (undecided(_PII[kind], text, start, _MAY_GROW[kind]) for kind in self.kinds)
-        first = min((s for s in starts if s is not None), default=None)
-        return 0 if first is None else len(text) - first
+        first = len(text)
+        for kind in self.kinds:
+            lead = _LEADS.get(kind)
+            if lead is not None and lead.search(text, start) is None:
+                continue  # no character its match could begin with: nothing to hold for it
+            s = undecided(_PII[kind], text, start, _MAY_GROW[kind])
+            if s is not None and s < first:
+                first = s
+        return len(text) - first
 
     def screen(self, text: str) -> Match | None:
         """check_prompt as a plain call: the chain runs it on a prompt-pool thread (pure, thread-safe)."""

@@ -129,7 +129,8 @@ class OutputWindow:
 
     @property
     def held_tokens(self) -> int:
-        return sum(t for _, t in self.held)
+        held = self.held
+        return held[0][1] if len(held) == 1 else sum([t for _, t in held])
 
     @property
     def holding(self) -> bool:
@@ -139,20 +140,24 @@ class OutputWindow:
     def feed(self, text: str, tokens: int, final: bool) -> tuple[str, Match | None]:
         """Take new output; return the text now safe to release, or a blocking match (then
         nothing more may be released)."""
+        held = self.held
         if text or tokens:
-            self.held.append([text, tokens])
-        if not self.held:
+            held.append([text, tokens])
+        if not held:
             return "", None
-        pending = self.held[0][0] if len(self.held) == 1 else "".join(t for t, _ in self.held)
+        pending = held[0][0] if len(held) == 1 else "".join([t for t, _ in held])
         seen = len(self.redactions)
+        tail = self.released_tail
         windows: list[tuple[str, int]] = []  # what each filter was shown: (text, released characters in it)
         for f, back, _ in self._views:
-            ctx = self.released_tail[-back:] if back else ""
+            ctx = tail[-back:] if back else ""
             window = ctx + pending
-            pending, hit = self._apply(f, window, len(ctx), final)
-            if hit is not None:
-                self.held.clear()
-                return "", hit
+            found = f.scan(window, final)
+            if found:  # most tokens match nothing: no call to weigh the matches
+                pending, hit = self._apply(found, window, len(ctx), final)
+                if hit is not None:
+                    self.held.clear()
+                    return "", hit
             windows.append((window, len(ctx)))
         if len(self.redactions) != seen:  # a redaction changed the pending text: holds read it afresh
             windows = [(w[:n] + pending, n) for w, n in windows]
@@ -163,11 +168,11 @@ class OutputWindow:
                 self.arbiter.commit(released)
         return released, None
 
-    def _apply(self, f: OutputFilter, window: str, n_ctx: int, final: bool) -> tuple[str, Match | None]:
-        """`f`'s verdict on `window` (`n_ctx` released characters, then the pending text): the
-        pending text with its redactions made, or a blocking match."""
+    def _apply(self, matches: list[Match], window: str, n_ctx: int, final: bool) -> tuple[str, Match | None]:
+        """A filter's verdict, its `matches` in `window` (`n_ctx` released characters, then the
+        pending text): the pending text with its redactions made, or a blocking match."""
         edits: list[Match] = []
-        for found in f.scan(window, final):
+        for found in matches:
             if found.end <= n_ctx:
                 continue  # entirely released already: it was judged when it was held
             m = found if self.arbiter is None else self._arbitrated(found, window, n_ctx, final)
@@ -209,21 +214,23 @@ class OutputWindow:
 
     def _release(self, pending: str, windows: list[tuple[str, int]]) -> str:
         """What no filter could still match across, then whatever is over the bound, oldest first."""
-        keep = len(pending) if self._hold_all else 0
+        n = len(pending)
+        keep = n if self._hold_all else 0
         if not self._hold_all:
-            begun_before = False
+            cut = self._cut
             for (_, _, hold), (window, n_ctx) in zip(self._views, windows, strict=True):
-                assert hold is not None
-                k = hold(window, 0 if self._cut else n_ctx)
-                begun_before |= k > len(pending)
-                keep = max(keep, min(k, len(pending)))
-            self._cut = self._cut and begun_before
+                assert hold is not None  # not _hold_all: each has one
+                k = hold(window, 0 if cut else n_ctx)
+                if k > keep:
+                    keep = k
+            self._cut = cut and keep > n  # a candidate still reaches into released text
+            keep = min(keep, n)
         if self.arbiter is not None:  # an unfinished number waits whole
             text = self.released_tail + pending
             held = self.arbiter.hold(self.arbiter.view(pending, False), text, self.arbiter.state.pos - len(
                 self.released_tail))
             keep = max(keep, min(held, len(pending)))
-        out = self._take(len(pending) - keep)
+        out = self._take(n - keep)
         while self.held and self.held_tokens > self.holdback_tokens:
             out += self.held.pop(0)[0]  # a candidate grew past the bound: its start leaves
             self._cut = True

@@ -8,6 +8,7 @@ the folded text can still redact the original span.
 from __future__ import annotations
 
 import unicodedata
+from collections.abc import Sequence
 
 # Invisible characters that split words without showing: zero-width space/joiners, word
 # joiner, BOM, soft hyphen, Mongolian vowel separator, and the bidi marks.
@@ -21,10 +22,10 @@ CONFUSABLES = str.maketrans({
 })
 
 
-def fold(text: str) -> tuple[str, list[int]]:
+def fold(text: str) -> tuple[str, Sequence[int]]:
     """(folded text, index in `text` of each folded character)."""
-    if text.isascii():  # the common case, at C speed: only case folds
-        return text.lower(), list(range(len(text)))
+    if text.isascii():  # the common case, at C speed: only case folds, each character stays where it is
+        return text.lower(), range(len(text))
     out: list[str] = []
     where: list[int] = []
     for i, ch in enumerate(text):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import math
 import statistics
@@ -11,7 +12,17 @@ from collections.abc import AsyncIterator
 import pytest
 
 from llmd.backends import fake
-from llmd.backends.base import Backend, BackendError, Delta, EngineDead, PromptError, Sampling, Structured, now
+from llmd.backends.base import (
+    Backend,
+    BackendError,
+    Delta,
+    EngineDead,
+    PromptError,
+    Sampling,
+    Structured,
+    TokenLogprob,
+    now,
+)
 from llmd.backends.fake import FakeBackend
 from llmd.backends.tokenizer import TiktokenTokenizer
 from llmd.config import FakeEngineConfig
@@ -319,3 +330,28 @@ async def test_request_id_lists_keep_only_the_newest(be: FakeBackend, monkeypatc
         await stream.aclose()  # type: ignore[attr-defined]
     assert be.submitted == ["r8", "x8", "r9", "x9"]
     assert be.aborted == ["x6", "x7", "x8", "x9"]
+
+
+def test_delta_retold_keeps_every_other_field() -> None:
+    """The output window's fast copy: a field added to Delta and left out of `retold` fails here."""
+    lp = (TokenLogprob(" a", 7, -0.5),)
+    values = {"text": " a", "num_tokens": 1, "finish_reason": "stop", "cached_prompt_tokens": 3,
+              "token_ids": (7,), "logprobs": lp, "prompt_logprobs": lp}
+    assert set(values) == {f.name for f in dataclasses.fields(Delta)}
+    d = Delta(**values)  # type: ignore[arg-type]
+    assert d.retold(" b", 2) == dataclasses.replace(d, text=" b", num_tokens=2)
+
+
+async def test_overlapped_steps_stream_what_sequential_ones_do_and_charge_the_step() -> None:
+    """overlap_steps changes when a step's sleep starts, never what it makes: the same deltas, and
+    each step still lasts its step_ms (the step record's duration, what the ITL model learns)."""
+    outs = []
+    for overlap in (False, True):
+        b = make(step_ms=2.0, overlap_steps=overlap)
+        await b.start()
+        try:
+            outs.append(await asyncio.gather(*(collect(b, f"r{i}", f"prompt {i}", max_tokens=12) for i in range(4))))
+            assert b.stats.history and min(s.duration for s in b.stats.history) > 0.0015  # timers may fire a hair early
+        finally:
+            await b.stop()
+    assert outs[0] == outs[1] and all(joined(ds) for ds in outs[1])
