@@ -1,12 +1,11 @@
 """A test double for the Backend protocol: a deterministic step-loop "engine".
 
-It exists so the gateway (queueing, deadlines, streaming, aborts, engine death)
-can be tested fast and reproducibly without vLLM. It imitates what matters to the
-gateway: continuous batching up to `max_num_seqs`, priority admission, prefill
-steps, step time that grows with the batch, per-step stats, aborts that take effect
-before the next step, and a KV cache of blocks with prefix caching and vLLM's KV events
-(fake_cache.py), so routing by prefix can be measured on it. Its text is not a model's:
-one word per token, chosen from a fixed list by a stable hash of the prompt.
+It exists so the gateway (queueing, deadlines, streaming, aborts, engine death) can be tested
+fast and reproducibly without vLLM. It imitates what matters to the gateway: continuous batching
+up to `max_num_seqs`, priority admission, prefill steps, step time that grows with the batch,
+per-step stats, aborts that take effect before the next step, and a KV cache of blocks with prefix
+caching and vLLM's KV events (fake_cache.py), so routing by prefix can be measured on it. Its text
+is not a model's: one word per token, from a fixed list by a stable hash of the prompt.
 """
 
 from __future__ import annotations
@@ -85,8 +84,7 @@ class FakeBackend:
 
     def __init__(self, model_name: str, version: str, max_model_len: int, cfg: FakeEngineConfig,
                  tokenizer: TiktokenTokenizer) -> None:
-        self.model_name = model_name
-        self.version = version
+        self.model_name, self.version = model_name, version
         self.tokenizer_id = ""  # set by build_backend
         self.max_model_len = max_model_len
         self.cfg = cfg
@@ -302,16 +300,9 @@ class FakeBackend:
                 self.busy_s += cost
                 loop = asyncio.get_running_loop()
                 t0 = loop.time()
-                if self.cfg.overlap_steps:
-                    # The last step's outputs are handled first, then only what is left of this one
-                    # is slept. A timer set at once would, on a busy loop, fire only after an idle
-                    # poll (libuv times its poll from the iteration's start): the process idled.
-                    await asyncio.sleep(0)
-                    cost = max(0.0, t0 + cost - loop.time())
-                    if cost:
-                        await asyncio.sleep(cost)
-                else:
-                    await asyncio.sleep(cost)
+                if self.cfg.overlap_steps:  # last step's outputs first, then the rest of this one: a timer
+                    await asyncio.sleep(0)  # set at once fires on a busy loop only after an idle poll
+                await asyncio.sleep(max(0.0, t0 + cost - loop.time()) if self.cfg.overlap_steps else cost)
                 self._step(loop.time() - t0, list(zip(batch, chunks, strict=True)))
         except asyncio.CancelledError:
             raise
@@ -332,9 +323,8 @@ class FakeBackend:
             self._running.append(req)
 
     def _step(self, took: float, plan: list[tuple[_Req, int]]) -> None:
-        """One step of `took` s (what the loop slept) over `plan`: each request with its prefill chunk
-        (llmd.stepplan); a chunk that ends its prompt samples the first token, as vLLM's does. Stats
-        as vLLM's: prefill tokens for the step model, ITL samples of the decoding requests only."""
+        """One step of `took` s (what the loop slept) over `plan`, each request with its prefill chunk
+        (llmd.stepplan); a chunk that ends its prompt samples the first token, and stats, as vLLM's."""
         plan = [(r, c) for r, c in plan if not r.done]  # aborted mid-step requests are already gone
         generated = decoded = prefilled = prefilling = 0
         for req, chunk in plan:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 from typing import Annotated, Any, Literal, TypeVar
-from urllib.parse import quote
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 from pydantic_core import ErrorDetails
@@ -28,9 +27,6 @@ MAX_TOP_LOGPROBS = 20
 # vocabulary is far smaller (each backend refuses a top_k above its own vocabulary).
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_TOP_K = 2**31 - 1
-IGNORED_HEADER = "x-llmd-ignored-fields"
-MAX_IGNORED_NAMED = 16  # names in the header and the log line; the rest are counted ("+N")
-MAX_IGNORED_CHARS = 64  # of one name, percent-encoded; a cut name ends with "*"
 MAX_ECHOED_PARAM = 256  # of a field name echoed in an error
 
 
@@ -395,24 +391,6 @@ def _refusal(first: ErrorDetails) -> APIError:
     if first["type"] == "extra_forbidden":
         return bad_request(f"Unrecognized request argument supplied: {param}", param, "unknown_parameter")
     return bad_request(f"Invalid value for '{param}': {first['msg']}", param or None, "invalid_value")
-
-
-def ignored_names(names: tuple[str, ...]) -> str:
-    """`names` as one bounded ASCII header value: at most MAX_IGNORED_NAMED, each percent-encoded
-    (so a comma, a control or non-ASCII character cannot break the header) and cut to
-    MAX_IGNORED_CHARS, then "+N" for the rest. Names only: values are never echoed."""
-    shown = [_short(quote(n, safe="")) for n in names[:MAX_IGNORED_NAMED]]
-    if len(names) > MAX_IGNORED_NAMED:
-        shown.append(f"+{len(names) - MAX_IGNORED_NAMED}")
-    return ",".join(shown)
-
-
-def _short(encoded: str) -> str:
-    if len(encoded) <= MAX_IGNORED_CHARS:
-        return encoded
-    cut = encoded[:MAX_IGNORED_CHARS - 1]
-    pct = cut.rfind("%", len(cut) - 2)
-    return (cut[:pct] if pct >= 0 else cut) + "*"  # "*" is always encoded in a name: it marks the cut
 
 
 def json_object(raw: bytes | None) -> dict[str, Any]:
