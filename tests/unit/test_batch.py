@@ -109,7 +109,8 @@ async def test_a_batch_runs_every_item_once_with_the_sdk(make_server) -> None:
     assert b.error_file_id is None and b.output_file_id and b.completed_at and b.in_progress_at and b.finalizing_at
     out = jsonl((await c.files.content(b.output_file_id)).text)
     assert sorted(o["custom_id"] for o in out) == sorted(f"req-{i}" for i in range(30))  # as they finished
-    for i, o in enumerate(out):
+    for o in out:  # in the order they finished: each matched by its custom_id
+        i = int(o["custom_id"].removeprefix("req-"))
         assert o["error"] is None and o["response"]["status_code"] == 200 and o["id"].startswith("batch_req_")
         assert o["response"]["body"]["choices"][0]["message"]["content"] == f"answer {i}"
     # Metered once per item, at the batch price (half the list price), in the batch class.
