@@ -101,10 +101,7 @@ async def _batch(srv: EngineServer, case: Case) -> client.Reply:
     c = client.sdk(srv.base, wire)
     b = body(case)
     b |= b.pop("extra_body", {})
-    if case["priority"] != "interactive":
-        b["priority_class"] = case["priority"]
-    url = "/v1/chat/completions" if case["api"] == "chat" else "/v1/completions"
-    line = json.dumps({"custom_id": "only", "method": "POST", "url": url, "body": b})
+    url, line = client.batch_line(case, b)
     try:
         f = await c.files.create(file=("matrix.jsonl", line.encode()), purpose="batch")
         batch = await c.batches.create(input_file_id=f.id, endpoint=url, completion_window="24h")  # type: ignore[arg-type]

@@ -90,6 +90,14 @@ def body(case: Case, content: str, model: str = "fake", max_tokens: int = MAX_TO
     return b
 
 
+def batch_line(case: Case, b: dict[str, Any]) -> tuple[str, str]:
+    """The endpoint and the one Batch API line that carries body `b` (its class in the body)."""
+    if case["priority"] != "interactive":
+        b = b | {"priority_class": case["priority"]}
+    url = "/v1/chat/completions" if case["api"] == "chat" else "/v1/completions"
+    return url, json.dumps({"custom_id": "only", "method": "POST", "url": url, "body": b})
+
+
 def headers(case: Case, key: str) -> dict[str, str]:
     h = {"X-Request-ID": key}
     if case["idempotency"] == "on":

@@ -173,11 +173,7 @@ async def _batch(live: LiveServer, case: Case, sc: Script, run: Run, servers: Se
     """The case as the one line of a Batch API file; its reply is the output (or error) file's line."""
     wire = client.Wire()
     c = client.sdk(live.base, wire)
-    b = client.body(case, client.say(sc))
-    if case["priority"] != "interactive":
-        b["priority_class"] = case["priority"]
-    url = "/v1/chat/completions" if case["api"] == "chat" else "/v1/completions"
-    line = json.dumps({"custom_id": "only", "method": "POST", "url": url, "body": b})
+    url, line = client.batch_line(case, client.body(case, client.say(sc)))
     try:
         f = await c.files.create(file=("matrix.jsonl", line.encode()), purpose="batch")
         batch = await c.batches.create(input_file_id=f.id, endpoint=url, completion_window="24h")  # type: ignore[arg-type]
