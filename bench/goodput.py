@@ -1,0 +1,229 @@
+"""Goodput under overload, against what users would pick instead, in one run.
+
+A mixed trace (bench/lib/goodput_trace.py: chat, RAG and bulk tenants, Poisson arrivals, lengths
+from a fixed seed) is replayed at several multiples of the box's measured capacity against llmd
+as shipped (config.toml, its filters and overload policy; the three tenants added with the same
+limits LiteLLM gets, the bulk one as class batch), `vllm serve` with the same engine settings, and
+LiteLLM's proxy with per-tenant limits in front of that `vllm serve`. Clients behave like the
+OpenAI SDK (bench/lib/goodput_client.py). A request is good when it completes with TTFT and its
+own p95 inter-token gap within config.toml's [slo] targets. Then a misbehaving bulk tenant (200
+streams that resubmit 0.2 s after every refusal) floods while chat and RAG run their trace.
+
+    .venv/bin/python bench/goodput.py                               # ~20 min on a 2-core CPU
+    .venv/bin/python bench/goodput.py --loads 1,2 --servers llmd,vllm --no-flood --no-write
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import sys
+import time
+import tomllib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root: `bench` and `llmd`
+
+from bench.lib import goodput_report, report
+from bench.lib.engines import Bench, Srv, add_server_args
+from bench.lib.goodput_client import Outcome, call, replay
+from bench.lib.goodput_trace import MIX, Request, closed_loop_bodies, trace
+from bench.lib.streams import new_client
+
+SHIPPED = Path(__file__).resolve().parent.parent / "config.toml"
+DEADLINES = {"chat": 30.0, "rag": 30.0, "bulk": 120.0}  # what each tenant's client waits at most
+PATH = "/v1/chat/completions"
+
+
+def shipped() -> dict[str, Any]:
+    return tomllib.loads(SHIPPED.read_text(encoding="utf-8"))
+
+
+def tenant_limits(capacity: float, seconds_per_min: float = 60.0, headroom: float = 1.2) -> dict[str, dict[str, int]]:
+    """Each tenant's TPM/RPM: its demand at 1.0x capacity plus 20 %, so limits bite only in overload."""
+    sample = trace(capacity, 600, 99, "m")
+    out: dict[str, dict[str, int]] = {}
+    for t in MIX:
+        mine = [r for r in sample if r.tenant == t]
+        per_min = len(mine) / 600 * seconds_per_min
+        toks = sum(r.max_tokens + len(r.body["messages"][0]["content"]) // 4 for r in mine) / 600 * seconds_per_min
+        out[t] = {"rpm": max(1, round(per_min * headroom)), "tpm": max(1000, round(toks * headroom))}
+    return out
+
+
+def llmd_tenants(limits: dict[str, dict[str, int]]) -> dict[str, dict[str, Any]]:
+    """The shipped demo tenant's settings for each bench tenant, with its limits; bulk is class batch."""
+    demo = {k: v for k, v in shipped()["tenants"][0].items() if k not in ("name", "keys")}
+    return {t: {**demo, "tokens_per_minute": lim["tpm"], "requests_per_minute": lim["rpm"],
+                **({"default_class": "batch"} if t == "bulk" else {})} for t, lim in limits.items()}
+
+
+# -- servers ---------------------------------------------------------------------------
+@contextlib.contextmanager
+def vllm_server(bench: Bench) -> Iterator[Srv]:
+    """`vllm serve` from its own venv with config.toml's engine settings."""
+    try:
+        from bench.lib.peer_vllm import vllm_serve
+    except ImportError:  # not built yet: llmd's own copy of vllm, said in the output
+        print("  WARNING: bench/lib/peer_vllm.py missing: vllm serve from llmd's venv", flush=True)
+        with bench.vllm("vllm") as srv:
+            yield srv
+        return
+    eng = shipped()["models"][0]["engine"]
+    log = bench.scratch / "vllm-server.log"
+    with vllm_serve(bench.model, bench.args.name, eng, log) as url:
+        yield Srv("vllm", url, {}, None, log)
+
+
+@contextlib.contextmanager
+def litellm_server(bench: Bench, upstream: Srv, limits: dict[str, dict[str, int]]) -> Iterator[Srv]:
+    from bench.lib.peer_litellm import litellm_proxy
+
+    log = bench.scratch / "litellm.log"
+    with litellm_proxy(upstream.url, bench.args.name, limits, log) as (url, keys):
+        yield Srv("litellm", url, keys, None, log)
+
+
+def headers(srv: Srv) -> dict[str, dict[str, str]]:
+    return {t: srv.headers(t) for t in MIX}
+
+
+# -- runs --------------------------------------------------------------------------------
+async def measure_capacity(srv: Srv, name: str, seconds: float, seqs: int, seed: int) -> float:
+    """Requests/s of the mix the server completes with `seqs` streams kept in flight (a request
+    still running at the end counts for the share of its tokens it got)."""
+    supply = iter(closed_loop_bodies(seed, name))
+    done: list[float] = []
+    running: list[Outcome] = []
+
+    async def worker() -> None:
+        async with new_client() as client:
+            while True:
+                tenant, body = next(supply)
+                o = Outcome(Request(0, 0.0, tenant, body), time.monotonic())
+                running.append(o)
+                await call(client, srv.url + PATH, o, srv.headers(tenant), 600)
+                running.remove(o)
+                done.append(1.0 if o.completed else 0.0)
+
+    tasks = [asyncio.create_task(worker()) for _ in range(seqs)]
+    await asyncio.sleep(seconds)
+    partial = sum(min(1.0, o.tokens / o.req.max_tokens) for o in running)
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    return (sum(done) + partial) / seconds
+
+
+async def run_trace(srv: Srv, reqs: list[Request], drain_s: float, misbehaving: frozenset[str] = frozenset(),
+                    flood: int = 0, flood_bodies: list[Request] | None = None) -> list[Outcome]:
+    """Replay `reqs` (and keep `flood` misbehaving bulk streams going alongside); every outcome."""
+    async with new_client() as client:
+        flood_out: list[Outcome] = []
+        supply = iter(flood_bodies or [])
+
+        async def flooder() -> None:
+            for r in supply:
+                o = Outcome(r, time.monotonic())
+                flood_out.append(o)
+                await call(client, srv.url + PATH, o, srv.headers("bulk"), DEADLINES["bulk"], resubmit_after=0.2)
+
+        floods = [asyncio.create_task(flooder()) for _ in range(flood)]
+        if flood:
+            await asyncio.sleep(5.0)  # the flood is established before the others arrive
+        out = await replay(client, srv.url + PATH, reqs, headers(srv), DEADLINES, drain_s, misbehaving)
+        for t in floods:
+            t.cancel()
+        await asyncio.gather(*floods, return_exceptions=True)
+    return out + flood_out
+
+
+async def settle(srv: Srv, seconds: float = 3.0) -> None:
+    """Let cancelled streams be aborted and the queues empty before the next run."""
+    await asyncio.sleep(seconds)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_server_args(p)
+    p.add_argument("--loads", default="0.5,1,1.5,2", help="multiples of the measured capacity")
+    p.add_argument("--seconds", type=float, default=60.0, help="arrival window of each run")
+    p.add_argument("--drain-s", type=float, default=15.0, help="how long clients wait after the last arrival")
+    p.add_argument("--capacity", type=float, help="requests/s of the mix (default: measured on vllm serve)")
+    p.add_argument("--capacity-s", type=float, default=45.0)
+    p.add_argument("--servers", default="vllm,litellm,llmd")
+    p.add_argument("--flood", default="llmd", help="servers that also get the misbehaving flood ('' for none)")
+    p.add_argument("--flood-streams", type=int, default=200)
+    p.add_argument("--flood-load", type=float, default=1.0, help="the chat and RAG trace's load during the flood")
+    p.add_argument("--seed", type=int, default=7)
+    p.add_argument("--no-write", action="store_true")
+
+
+async def server_runs(bench: Bench, srv: Srv, a: argparse.Namespace, capacity: float, loads: list[float],
+                      flood: bool, rows: dict[str, Any]) -> None:
+    """Every load's trace (and the flood pair when asked) against one running server."""
+    for load in loads:
+        reqs = trace(capacity * load, a.seconds, a.seed, a.name)
+        t0 = time.monotonic()
+        outs = await run_trace(srv, reqs, a.drain_s)
+        rows[f"{srv.kind}@{load:g}"] = goodput_report.summarise(outs, a.seconds, SLO)
+        print(f"  {srv.kind} at {load:g}x ({len(reqs)} requests, {time.monotonic() - t0:.0f}s): "
+              f"{goodput_report.one_line(rows[f'{srv.kind}@{load:g}'])}", flush=True)
+        await settle(srv)
+    if flood:
+        interactive = ("chat", "rag")
+        reqs = trace(capacity * a.flood_load, a.seconds, a.seed, a.name, interactive)
+        bulk = list(trace(capacity * 4, 600, a.seed + 1, a.name, ("bulk",)))
+        for tag, n in (("alone", 0), ("flood", a.flood_streams)):
+            outs = await run_trace(srv, reqs, a.drain_s, flood=n, flood_bodies=bulk)
+            rows[f"{srv.kind}@{tag}"] = goodput_report.summarise(outs, a.seconds, SLO)
+            print(f"  {srv.kind} {tag}: {goodput_report.one_line(rows[f'{srv.kind}@{tag}'])}", flush=True)
+            await settle(srv, 8.0)
+
+
+SLO = (float(shipped()["slo"]["ttft_p95_s"]), float(shipped()["slo"]["itl_p95_s"]))
+
+
+async def main_async(a: argparse.Namespace) -> dict[str, Any]:
+    bench = Bench(a)
+    servers = [s for s in a.servers.split(",") if s]
+    floods = {s for s in a.flood.split(",") if s}
+    loads = [float(x) for x in a.loads.split(",")]
+    rows: dict[str, Any] = {}
+    capacity = a.capacity
+    t_start = time.monotonic()
+    if {"vllm", "litellm"} & set(servers) or capacity is None:
+        with vllm_server(bench) as vllm:
+            if capacity is None:
+                capacity = await measure_capacity(vllm, a.name, a.capacity_s, a.max_num_seqs, a.seed)
+                print(f"  capacity: {capacity:.3f} requests/s of the mix", flush=True)
+                await settle(vllm, 10.0)
+            limits = tenant_limits(capacity)
+            if "vllm" in servers:
+                await server_runs(bench, vllm, a, capacity, loads, "vllm" in floods, rows)
+            if "litellm" in servers:
+                with litellm_server(bench, vllm, limits) as lite:
+                    await server_runs(bench, lite, a, capacity, loads, "litellm" in floods, rows)
+    limits = tenant_limits(capacity)
+    if "llmd" in servers:
+        with bench.llmd_shipped("llmd", llmd_tenants(limits)) as srv:
+            await server_runs(bench, srv, a, capacity, loads, "llmd" in floods, rows)
+    return {"capacity": capacity, "limits": limits, "rows": rows, "loads": loads, "servers": servers,
+            "seconds": time.monotonic() - t_start, "version": bench.version, "slo": SLO}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(p)
+    a = p.parse_args()
+    res = asyncio.run(main_async(a))
+    lines = goodput_report.lines(res, a)
+    print("\n".join(lines))
+    if not a.no_write:
+        report.write_section(report.DOC, lines)
+
+
+if __name__ == "__main__":
+    main()
