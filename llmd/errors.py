@@ -64,7 +64,7 @@ class AdmissionRefused(APIError):
 
 
 _REFUSAL_CODES = {"request_too_large": "request_too_large", "concurrency": "concurrency_limit_exceeded",
-                  "queue_full": "overloaded", "deadline_unreachable": "overloaded",
+                  "queue_full": "overloaded", "deadline_unreachable": "overloaded", "too_late": "overloaded",
                   "requests_per_minute": "rate_limit_exceeded", "tokens_per_minute": "rate_limit_exceeded"}
 
 

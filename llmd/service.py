@@ -59,8 +59,10 @@ def degraders(models: list[ModelConfig]) -> dict[str, Degrader]:
 
 class Service:
     def __init__(self, node: str, registry: Registry, admission: admission.AdmissionController, filters: Filters,
-                 degraders: dict[str, Degrader], pool: PromptPool) -> None:
+                 degraders: dict[str, Degrader], pool: PromptPool,
+                 ttft_objective: Callable[[str], float] | None = None) -> None:
         self.node = node
+        self.ttft_objective = ttft_objective  # a model's [slo] ttft_p95_s, read per request: reloads apply
         self.pool = pool  # rendering, tokenizing, screening: off the event loop
         self.registry = registry
         self.admission = admission
@@ -215,13 +217,22 @@ class Service:
         ticket = self.admission.admit(
             tenant, cost, queue_depth=len(rt.queue), max_queue=sc.max_queue,
             est_wait_s=rt.scheduler.estimate_wait(tenant.name, klass, sc.fairness == "vtc"),
-            time_left_s=deadline - time.monotonic())
+            time_left_s=deadline - time.monotonic(), max_wait_s=self._max_wait(rt, klass))
         if isinstance(ticket, admission.Refusal):
             record.decision = f"shed:{ticket.reason}"
             raise refusal_error(ticket)
         record.decision = "admitted"
         record.replica = f"{self.node}/{rt.cfg.name}@{rt.version[:12]}"
         return ticket
+
+    def _max_wait(self, rt: ModelRuntime, klass: str) -> float | None:
+        """How long an interactive request may wait for a seat and still be worth starting."""
+        if klass != INTERACTIVE:
+            return None
+        w = rt.cfg.scheduling.max_wait_s
+        if w is None and self.ttft_objective is not None:
+            w = self.ttft_objective(rt.cfg.name)
+        return w or None
 
     def _choice(self, record: RequestRecord, index: int, prompt: Prompt, sampling: Sampling, tenant: TenantConfig,
                 klass: str, deadline: float, rt: ModelRuntime, echo: str, prompt_only: bool,

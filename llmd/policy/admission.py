@@ -22,7 +22,7 @@ from llmd.policy.signals import Clock
 
 _EPS: Final = 1e-9  # float slack so "exactly enough after 10 s" is enough
 
-Reason = Literal["request_too_large", "concurrency", "queue_full", "deadline_unreachable",
+Reason = Literal["request_too_large", "concurrency", "queue_full", "deadline_unreachable", "too_late",
                  "requests_per_minute", "tokens_per_minute"]
 # "tenant_limit": this tenant is over its own limits (others are served); "overloaded": the server is.
 RefusalKind = Literal["tenant_limit", "overloaded"]
@@ -211,9 +211,12 @@ class AdmissionController:
         return Refusal(reason, kind, message, retry_after_s, self.limits(tenant))
 
     def admit(self, tenant: TenantLimits, cost: int, *, queue_depth: int, max_queue: int,
-              est_wait_s: float, time_left_s: float) -> Ticket | Refusal:
+              est_wait_s: float, time_left_s: float, max_wait_s: float | None = None) -> Ticket | Refusal:
         """Reserve `cost` tokens and a concurrency slot (a Ticket), or say why not (a Refusal).
-        The checks run from the one waiting cannot fix to the one it can, so Retry-After is honest."""
+        The checks run from the one waiting cannot fix to the one it can, so Retry-After is honest.
+        `max_wait_s`: the longest queue wait after which the request is still worth starting (an
+        interactive one's time-to-first-token objective); one that would wait longer is refused
+        now, so the seats go to requests that can still be on time."""
         st = self._state_for(tenant)
         b, r = st.bucket, st.requests
         if b is not None and cost > b.capacity:  # waiting cannot help: no retry_after
@@ -238,6 +241,12 @@ class AdmissionController:
                 f"The server is overloaded: the estimated wait of {est_wait_s:.1f}s exceeds the "
                 f"{max(0.0, time_left_s):.1f}s left before this request's deadline.",
                 retry_after_s=est_wait_s)
+        if max_wait_s is not None and est_wait_s > max_wait_s:
+            return self._refuse(
+                tenant, "too_late", "overloaded",
+                f"The server is overloaded: the estimated wait of {est_wait_s:.1f}s for a seat would "
+                f"miss this model's {max_wait_s:g}s time-to-first-token objective.",
+                retry_after_s=est_wait_s)
         if r is not None and (wait := r.seconds_until(1)) > 0:
             return self._refuse(
                 tenant, "requests_per_minute", "tenant_limit",
@@ -260,15 +269,28 @@ class AdmissionController:
         return ticket
 
     def gate(self, tenant: TenantLimits) -> Refusal | None:
-        """Before any work on a request (parsing, tokenizing): a tenant with no request left in
-        its requests_per_minute is refused at once. With `refused`, a tenant sending requests
-        that are refused (400s) spends its rate on them, not the server's time."""
-        r = self._state_for(tenant).requests
+        """Before any work on a request (reading its JSON, rendering, tokenizing): a tenant at its
+        concurrency cap, with no request left in its requests_per_minute or no token left in its
+        tokens_per_minute is refused at once, as `admit` would refuse it later. A client that
+        hammers on refusals then costs the node a header check each, not a prompt's rendering.
+        With `refused`, a tenant sending requests that are refused (400s) spends its rate on them."""
+        st = self._state_for(tenant)
+        r, b = st.requests, st.bucket
+        if st.max_concurrent is not None and st.inflight >= st.max_concurrent:
+            return self._refuse(
+                tenant, "concurrency", "tenant_limit",
+                f"Too many concurrent requests for tenant {tenant.name!r}: the limit is "
+                f"{st.max_concurrent} in flight. Retry when one finishes.", retry_after_s=1)
         if r is not None and (wait := r.seconds_until(1)) > 0:
             return self._refuse(
                 tenant, "requests_per_minute", "tenant_limit",
                 f"Rate limit reached for tenant {tenant.name!r}: {int(r.capacity)} requests per minute "
                 f"(refused requests count too); retry after {whole_seconds(wait)}s.", retry_after_s=wait)
+        if b is not None and (wait := b.seconds_until(1)) > 0:
+            return self._refuse(
+                tenant, "tokens_per_minute", "tenant_limit",
+                f"Rate limit reached for tenant {tenant.name!r}: {int(b.capacity)} tokens per minute, "
+                f"none left; retry after {whole_seconds(wait)}s.", retry_after_s=wait)
         return None
 
     def refused(self, tenant: str) -> None:

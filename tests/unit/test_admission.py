@@ -325,3 +325,31 @@ def test_a_settled_ticket_settles_once_even_beside_an_equal_one() -> None:
     assert ac.limits(t).requests_remaining == 1
     ac.settle(b, 100)
     assert ac.limits(t).requests_remaining == 2
+
+
+def test_the_gate_refuses_before_any_work_what_admit_would_refuse() -> None:
+    ac, t, clock = setup(tokens_per_minute=600, max_concurrent=1)
+    assert ac.gate(t) is None
+    ticket = admitted(ac, t, 600)
+    r = ac.gate(t)  # at its concurrency cap: refused before its body is read
+    assert r is not None and (r.reason, r.kind, r.retry_after_s) == ("concurrency", "tenant_limit", 1)
+    ac.settle(ticket, 600)
+    r = ac.gate(t)  # a slot again, but not a token left this minute
+    assert r is not None and (r.reason, r.kind) == ("tokens_per_minute", "tenant_limit")
+    assert r.retry_after_s == pytest.approx(0.1)
+    clock.advance(0.1)
+    assert ac.gate(t) is None  # one token back: the request is read, and admit decides on its cost
+    assert ac.shed[("acme", "concurrency")] == 1 and ac.shed[("acme", "tokens_per_minute")] == 1
+
+
+def test_an_interactive_request_that_would_start_too_late_is_refused_now() -> None:
+    ac, t, _ = setup(tokens_per_minute=6000)
+    admitted(ac, t, 10, est_wait_s=0.9, max_wait_s=1.0)  # within the objective: queued
+    r = refusal(ac, t, 10, est_wait_s=2.5, max_wait_s=1.0)
+    assert (r.reason, r.kind, r.retry_after_s) == ("too_late", "overloaded", 2.5)
+    e = refusal_error(r)
+    assert e.status == 503 and e.code == "overloaded" and e.headers["Retry-After"] == "3"
+    assert "1s time-to-first-token objective" in r.message
+    admitted(ac, t, 10, est_wait_s=2.5)  # no objective given (batch class): it waits its turn
+    assert ac.shed[("acme", "too_late")] == 1
+    assert ac.limits(t).tokens_remaining == 6000 - 20  # a refusal reserved nothing

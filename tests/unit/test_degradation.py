@@ -32,6 +32,7 @@ step_ms = 5
 step_ms_per_seq = 0.0
 [models.scheduling]
 max_running = 2
+max_wait_s = 0  # a deep interactive queue is what this drives: not refused for being late
 [models.degradation]
 steps = ["cap_max_tokens", "fallback", "batch"]
 overload_wait_s = 0.5
