@@ -165,6 +165,9 @@ class VllmBackend:
         )
 
     async def start(self) -> None:
+        if not SEEDS_SAFE:
+            log.warning("%s: per-request seeds are not passed to vLLM's CPU engine (a seeded request "
+                        "whose prefill is split across steps would kill it)", self.model_name)
         if self.tool_parser is not None:  # before the engine: a parser the vocabulary cannot serve fails fast
             tokenizer = self.cfg.extra.get("tokenizer") or self.model_path
             trust = bool(self.cfg.extra.get("trust_remote_code", False))
@@ -309,6 +312,13 @@ class VllmBackend:
             await self._engine.abort(request_id)
 
 
+# vLLM's CPU build rewinds a seeded request's generator when its prefill is split across steps
+# (chunked prefill) and CPU generators cannot rewind: the engine dies, every stream with it. A
+# `seed` is best effort in the OpenAI API, so on CPU it is not passed on rather than let one
+# request kill the engine (a warning at start says so).
+SEEDS_SAFE = not current_platform.is_cpu()
+
+
 def _params(s: Sampling) -> SamplingParams:
     structured = None
     if s.structured is not None:
@@ -320,7 +330,7 @@ def _params(s: Sampling) -> SamplingParams:
         temperature=1.0 if s.temperature is None else s.temperature,
         top_p=1.0 if s.top_p is None else s.top_p,
         stop=list(s.stop) or None,
-        seed=s.seed,
+        seed=s.seed if SEEDS_SAFE else None,
         presence_penalty=s.presence_penalty or 0.0,
         frequency_penalty=s.frequency_penalty or 0.0,
         repetition_penalty=s.repetition_penalty or 1.0,

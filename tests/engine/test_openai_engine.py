@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 
+import httpx
 import jsonschema
 import openai
 import pytest
@@ -111,3 +112,21 @@ async def test_echo_prompt_logprobs_match_vllm_serve(engine_server: EngineServer
         assert x.logprobs.token_logprobs[0] is None and y.logprobs.token_logprobs[0] is None
         assert x.logprobs.token_logprobs[1:] == pytest.approx(y.logprobs.token_logprobs[1:], abs=2e-3)
         assert x.logprobs.text_offset == y.logprobs.text_offset
+
+
+async def test_a_seeded_request_whose_prefill_is_split_does_not_kill_the_engine(engine_server: EngineServer) -> None:
+    """vLLM's CPU build rewinds a seeded request's generator when its prefill is split across
+    steps, which a CPU generator cannot do: the engine died for everyone. Two ~700-token prompts
+    in one 1024-token step split the second one's prefill."""
+    c = client(engine_server)
+
+    async def one(i: int) -> openai.types.Completion:
+        prompt = f"Request {i}. " + " ".join(f"entry {k} of list {i}," for k in range(140))
+        return await c.completions.create(model="smollm2", prompt=prompt, max_tokens=4, temperature=0.8, seed=i)
+
+    got = await asyncio.gather(*(one(i) for i in range(3)))
+    assert all(r.choices[0].finish_reason == "length" for r in got)
+    assert sum(r.usage.prompt_tokens for r in got[:2]) > 1024  # split, not fitted in one step
+    async with httpx.AsyncClient() as h:
+        ready = (await h.get(engine_server.url + "/ready")).json()
+    assert ready["models"]["smollm2"]["restarts"] == 0 and ready["models"]["smollm2"]["engine"] == "up"
