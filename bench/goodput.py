@@ -42,9 +42,10 @@ def shipped() -> dict[str, Any]:
     return tomllib.loads(SHIPPED.read_text(encoding="utf-8"))
 
 
-def tenant_limits(capacity: float, seconds_per_min: float = 60.0, headroom: float = 1.2) -> dict[str, dict[str, int]]:
+def tenant_limits(capacity: float, scale: float, seconds_per_min: float = 60.0,
+                  headroom: float = 1.2) -> dict[str, dict[str, int]]:
     """Each tenant's TPM/RPM: its demand at 1.0x capacity plus 20 %, so limits bite only in overload."""
-    sample = trace(capacity, 600, 99, "m")
+    sample = trace(capacity, 600, 99, "m", scale)
     out: dict[str, dict[str, int]] = {}
     for t in MIX:
         mine = [r for r in sample if r.tenant == t]
@@ -92,10 +93,10 @@ def headers(srv: Srv) -> dict[str, dict[str, str]]:
 
 
 # -- runs --------------------------------------------------------------------------------
-async def measure_capacity(srv: Srv, name: str, seconds: float, seqs: int, seed: int) -> float:
+async def measure_capacity(srv: Srv, name: str, seconds: float, seqs: int, seed: int, scale: float) -> float:
     """Requests/s of the mix the server completes with `seqs` streams kept in flight (a request
     still running at the end counts for the share of its tokens it got)."""
-    supply = iter(closed_loop_bodies(seed, name))
+    supply = iter(closed_loop_bodies(seed, name, scale))
     done: list[float] = []
     running: list[Outcome] = []
 
@@ -148,6 +149,9 @@ async def settle(srv: Srv, seconds: float = 3.0) -> None:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_server_args(p)
+    eng = shipped()["models"][0]["engine"]  # vllm serve gets config.toml's engine settings
+    p.set_defaults(kv_gib=eng["kv_cache_gib"], max_num_seqs=eng["max_num_seqs"],
+                   max_num_batched_tokens=eng["max_num_batched_tokens"])
     p.add_argument("--loads", default="0.5,1,1.5,2", help="multiples of the measured capacity")
     p.add_argument("--seconds", type=float, default=60.0, help="arrival window of each run")
     p.add_argument("--drain-s", type=float, default=15.0, help="how long clients wait after the last arrival")
@@ -158,6 +162,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--flood-streams", type=int, default=200)
     p.add_argument("--flood-load", type=float, default=1.0, help="the chat and RAG trace's load during the flood")
     p.add_argument("--seed", type=int, default=7)
+    p.add_argument("--scale", type=float, default=0.25,
+                   help="every length times this (1: the issue's shape, for a GPU box; 0.25 fits a 2-core CPU)")
     p.add_argument("--no-write", action="store_true")
 
 
@@ -165,7 +171,7 @@ async def server_runs(bench: Bench, srv: Srv, a: argparse.Namespace, capacity: f
                       flood: bool, rows: dict[str, Any]) -> None:
     """Every load's trace (and the flood pair when asked) against one running server."""
     for load in loads:
-        reqs = trace(capacity * load, a.seconds, a.seed, a.name)
+        reqs = trace(capacity * load, a.seconds, a.seed, a.name, a.scale)
         t0 = time.monotonic()
         outs = await run_trace(srv, reqs, a.drain_s)
         rows[f"{srv.kind}@{load:g}"] = goodput_report.summarise(outs, a.seconds, SLO)
@@ -174,8 +180,8 @@ async def server_runs(bench: Bench, srv: Srv, a: argparse.Namespace, capacity: f
         await settle(srv)
     if flood:
         interactive = ("chat", "rag")
-        reqs = trace(capacity * a.flood_load, a.seconds, a.seed, a.name, interactive)
-        bulk = list(trace(capacity * 4, 600, a.seed + 1, a.name, ("bulk",)))
+        reqs = trace(capacity * a.flood_load, a.seconds, a.seed, a.name, a.scale, interactive)
+        bulk = list(trace(capacity * 4, 600, a.seed + 1, a.name, a.scale, ("bulk",)))
         for tag, n in (("alone", 0), ("flood", a.flood_streams)):
             outs = await run_trace(srv, reqs, a.drain_s, flood=n, flood_bodies=bulk)
             rows[f"{srv.kind}@{tag}"] = goodput_report.summarise(outs, a.seconds, SLO)
@@ -197,16 +203,18 @@ async def main_async(a: argparse.Namespace) -> dict[str, Any]:
     if {"vllm", "litellm"} & set(servers) or capacity is None:
         with vllm_server(bench) as vllm:
             if capacity is None:
-                capacity = await measure_capacity(vllm, a.name, a.capacity_s, a.max_num_seqs, a.seed)
+                capacity = await measure_capacity(vllm, a.name, a.capacity_s, a.max_num_seqs, a.seed, a.scale)
                 print(f"  capacity: {capacity:.3f} requests/s of the mix", flush=True)
+                if capacity <= 0:
+                    sys.exit(f"nothing completed in {a.capacity_s:g}s: see {vllm.log}")
                 await settle(vllm, 10.0)
-            limits = tenant_limits(capacity)
+            limits = tenant_limits(capacity, a.scale)
             if "vllm" in servers:
                 await server_runs(bench, vllm, a, capacity, loads, "vllm" in floods, rows)
             if "litellm" in servers:
                 with litellm_server(bench, vllm, limits) as lite:
                     await server_runs(bench, lite, a, capacity, loads, "litellm" in floods, rows)
-    limits = tenant_limits(capacity)
+    limits = tenant_limits(capacity, a.scale)
     if "llmd" in servers:
         with bench.llmd_shipped("llmd", llmd_tenants(limits)) as srv:
             await server_runs(bench, srv, a, capacity, loads, "llmd" in floods, rows)

@@ -90,9 +90,10 @@ def lines(res: dict[str, Any], a: argparse.Namespace) -> list[str]:
         SECTION, "",
         report.stamp(res["seconds"], res["version"]), "",
         f"Mixed trace, Poisson arrivals, seed {a.seed}, {a.seconds:g} s of arrivals per run, clients wait at most "
-        f"{a.drain_s:g} s after the last (bench/lib/goodput_trace.py: chat 45 % of arrivals, 150-250-token answers; "
-        "RAG 25 %, two of 12 shared documents, 1-1.5 k-token prompts, 16-48-token answers; bulk 30 %, 300-600-token "
-        "answers). Clients retry like the OpenAI SDK (2 retries, Retry-After honoured, within the deadline). "
+        f"{a.drain_s:g} s after the last (bench/lib/goodput_trace.py; at scale 1: chat 45 % of arrivals, 150-250-token "
+        "answers; RAG 25 %, two of 12 shared documents, 1-1.5 k-token prompts, 16-48-token answers; bulk 30 %, "
+        f"300-600-token answers; this run at scale {a.scale:g}, every length times that). "
+        "Clients retry like the OpenAI SDK (2 retries, Retry-After honoured, within the deadline). "
         f"Good: completed with TTFT <= {res['slo'][0]:g} s and the request's own p95 inter-chunk gap <= "
         f"{res['slo'][1]:g} s (config.toml's [slo]). Capacity: {res['capacity']:.3f} requests/s of the mix "
         f"({'given' if a.capacity else 'measured on vllm serve, 64 streams in flight'}).",
