@@ -2,9 +2,9 @@
 
 A mixed trace (bench/lib/goodput_trace.py: chat, RAG and bulk tenants, Poisson arrivals, lengths
 from a fixed seed) is replayed at several multiples of the box's measured capacity against llmd
-as shipped (config.toml, its filters and overload policy; the three tenants added with the same
-limits LiteLLM gets, the bulk one as class batch), `vllm serve` with the same engine settings, and
-LiteLLM's proxy with per-tenant limits in front of that `vllm serve`. Clients behave like the
+as shipped (config.toml, its filters and overload policy; the three tenants added as its demo
+tenant), `vllm serve` with the same engine settings, and LiteLLM's proxy in front of that `vllm
+serve` with per-key limits for each tenant's share (its documented way to keep tenants apart). Clients behave like the
 OpenAI SDK (bench/lib/goodput_client.py). A request is good when it completes with TTFT and its
 own p95 inter-token gap within config.toml's [slo] targets. Then a misbehaving bulk tenant (200
 streams that resubmit 0.2 s after every refusal) floods while chat and RAG run their trace.
@@ -55,11 +55,11 @@ def tenant_limits(capacity: float, scale: float, seconds_per_min: float = 60.0,
     return out
 
 
-def llmd_tenants(limits: dict[str, dict[str, int]]) -> dict[str, dict[str, Any]]:
-    """The shipped demo tenant's settings for each bench tenant, with its limits; bulk is class batch."""
+def llmd_tenants() -> dict[str, dict[str, Any]]:
+    """Each bench tenant as config.toml's demo tenant (its weight, limits and class): llmd keeps
+    tenants apart by fair queueing and on-time admission, not by cutting each to a fixed share."""
     demo = {k: v for k, v in shipped()["tenants"][0].items() if k not in ("name", "keys")}
-    return {t: {**demo, "tokens_per_minute": lim["tpm"], "requests_per_minute": lim["rpm"],
-                **({"default_class": "batch"} if t == "bulk" else {})} for t, lim in limits.items()}
+    return {t: dict(demo) for t in MIX}
 
 
 # -- servers ---------------------------------------------------------------------------
@@ -216,7 +216,7 @@ async def main_async(a: argparse.Namespace) -> dict[str, Any]:
                     await server_runs(bench, lite, a, capacity, loads, "litellm" in floods, rows)
     limits = tenant_limits(capacity, a.scale)
     if "llmd" in servers:
-        with bench.llmd_shipped("llmd", llmd_tenants(limits)) as srv:
+        with bench.llmd_shipped("llmd", llmd_tenants()) as srv:
             await server_runs(bench, srv, a, capacity, loads, "llmd" in floods, rows)
     return {"capacity": capacity, "limits": limits, "rows": rows, "loads": loads, "servers": servers,
             "seconds": time.monotonic() - t_start, "version": bench.version, "slo": SLO}

@@ -132,14 +132,15 @@ class Service:
             raise APIError(403, "admin keys cannot run generations; use a tenant's key", "permission_error",
                            "tenant_required")
         life.identify(who)
-        await self._screen(life.record, req, who.tenant, conversation or req.user)
+        await self._screen(life.record, req, who.tenant, conversation or req.user, asked_class)
         return await self.prepare(life, req, who.tenant, deadline_s, asked_class, conversation)
 
     async def _screen(self, record: RequestRecord, req: ChatRequest | CompletionRequest, tenant: TenantConfig,
-                      key: str | None) -> None:
+                      key: str | None, asked_class: str | None = None) -> None:
         rt = self.route(req.model, tenant, key)  # the version `prepare` will pick for this conversation
         record.model = rt.cfg.name
         check_prompt_bytes(rt.cfg, req)  # before any work that grows with the prompt
+        self._refuse_if_late(record, rt, tenant, self.priority_class(tenant, asked_class or req.priority_class))
         chain = self.filters.input_chain(rt.cfg, tenant)
         if not chain:
             return
@@ -224,6 +225,18 @@ class Service:
         record.decision = "admitted"
         record.replica = f"{self.node}/{rt.cfg.name}@{rt.version[:12]}"
         return ticket
+
+    def _refuse_if_late(self, record: RequestRecord, rt: ModelRuntime, tenant: TenantConfig, klass: str) -> None:
+        """On-time admission before the prompt is screened and rendered, so a client that keeps
+        resubmitting into an overloaded model costs no tokenizing. `_admit` checks again, for
+        requests a cluster could run elsewhere and models that may fall back to another."""
+        if self.router is not None or "fallback" in rt.cfg.degradation.steps:
+            return
+        budget = self._max_wait(rt, klass)
+        est = rt.scheduler.estimate_wait(tenant.name, klass, rt.cfg.scheduling.fairness == "vtc")
+        if (late := self.admission.too_late(tenant, est, budget)) is not None:
+            record.decision = f"shed:{late.reason}"
+            raise refusal_error(late)
 
     def _max_wait(self, rt: ModelRuntime, klass: str) -> float | None:
         """How long an interactive request may wait for a seat and still be worth starting."""

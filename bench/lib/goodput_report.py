@@ -98,10 +98,10 @@ def lines(res: dict[str, Any], a: argparse.Namespace) -> list[str]:
         f"{res['slo'][1]:g} s (config.toml's [slo]). Capacity: {res['capacity']:.3f} requests/s of the mix "
         f"({'given' if a.capacity else 'measured on vllm serve, 64 streams in flight'}).",
         "",
-        "Tenant limits, the same for LiteLLM's keys and llmd's tenants (each tenant's demand at 1.0x plus 20 %): "
+        "LiteLLM's per-key limits (each tenant's demand at 1.0x plus 20 %): "
         + "; ".join(f"{t} {v['tpm']} TPM, {v['rpm']} RPM" for t, v in lim.items())
-        + ". llmd runs config.toml as shipped with these three tenants (the demo tenant's settings; bulk's "
-        "default class batch).",
+        + ". llmd runs config.toml as shipped with the three tenants set as its demo tenant (weight 1, "
+        "200,000 TPM, 64 concurrent, class interactive): fair queueing and on-time admission keep them apart.",
     ]
     note = res.get("litellm_note")
     if note:

@@ -241,12 +241,8 @@ class AdmissionController:
                 f"The server is overloaded: the estimated wait of {est_wait_s:.1f}s exceeds the "
                 f"{max(0.0, time_left_s):.1f}s left before this request's deadline.",
                 retry_after_s=est_wait_s)
-        if max_wait_s is not None and est_wait_s > max_wait_s:
-            return self._refuse(
-                tenant, "too_late", "overloaded",
-                f"The server is overloaded: the estimated wait of {est_wait_s:.1f}s for a seat would "
-                f"miss this model's {max_wait_s:g}s time-to-first-token objective.",
-                retry_after_s=est_wait_s)
+        if (late := self.too_late(tenant, est_wait_s, max_wait_s)) is not None:
+            return late
         if r is not None and (wait := r.seconds_until(1)) > 0:
             return self._refuse(
                 tenant, "requests_per_minute", "tenant_limit",
@@ -267,6 +263,15 @@ class AdmissionController:
         ticket = Ticket(tenant.name, cost, next(self._serials))
         self._open.add(ticket.serial)
         return ticket
+
+    def too_late(self, tenant: TenantLimits, est_wait_s: float, max_wait_s: float | None) -> Refusal | None:
+        """The refusal of a request that would wait longer than `max_wait_s` for a seat (None: fine)."""
+        if max_wait_s is None or est_wait_s <= max_wait_s:
+            return None
+        return self._refuse(
+            tenant, "too_late", "overloaded",
+            f"The server is overloaded: the estimated wait of {est_wait_s:.1f}s for a seat would "
+            f"miss this model's {max_wait_s:g}s time-to-first-token objective.", retry_after_s=est_wait_s)
 
     def gate(self, tenant: TenantLimits) -> Refusal | None:
         """Before any work on a request (reading its JSON, rendering, tokenizing): a tenant at its
