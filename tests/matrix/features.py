@@ -47,6 +47,9 @@ FEATURES: tuple[Feature, ...] = (
             "the output holds an e-mail address (redacted), or a phrase that stops the choice"),
     Feature("end", ("complete", "deadline", "cancel"),
             "runs to its end, is cut by X-Request-Timeout, or the client goes away mid-generation"),
+    Feature("extras", ("off", "on"),
+            "the fields SGLang's router adds to every request it forwards (`no_stop_trim`, `separate_reasoning`, "
+            "...): ignored and named in `X-LLMD-Ignored-Fields` and the request record"),
 )
 NAMES = tuple(f.name for f in FEATURES)
 
