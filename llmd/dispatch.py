@@ -40,20 +40,21 @@ async def run(job: Job, choice: Choice, prompt: Prompt | None = None,
     """One choice's deltas from this node's engine. Run it inside `deadline(job)`; raises APIError on
     failure. A preempted choice queues again and resumes from what it produced; so does one whose
     engine died, once the supervisor has rebuilt it (one that had produced nothing simply runs
-    again). `prompt` and `sampling`: where it starts, when not from the beginning (a choice
-    resumed here after the node that ran it died)."""
-    rec, rt, flow = job.record, job.runtime, choice.flow
-    sched = rt.scheduler
+    again, and so does a `held` one). `prompt` and `sampling`: where it starts, when not from the
+    beginning (a choice resumed here after the node that ran it died)."""
+    rt, flow, sched = job.runtime, choice.flow, job.runtime.scheduler
     base = (prompt or choice.prompt, sampling or choice.sampling)
     prompt, sampling, attempt = *base, 0
     current = [choice.engine_id]
     produced: list[int] = []
+    hold = held(job, choice)
     while True:
         await _turn(job, choice, current)
         backend = rt.backend  # the supervisor swaps in a rebuilt engine after a death
         # Preempted between its dispatch and its start (the scheduler's abort found nothing
         # to abort): it goes back to the queue without ever reaching the engine.
         preempted, dead = flow.preempt_requested, None
+        kept: list[Delta] = []  # a held attempt's deltas
         try:
             gen = (_nothing() if preempted
                    else backend.generate(current[0], prompt, sampling, ENGINE_PRIORITY[flow.klass]))
@@ -64,6 +65,12 @@ async def run(job: Job, choice: Choice, prompt: Prompt | None = None,
                         break
                     account(job, choice, delta)
                     produced.extend(delta.token_ids)
+                    if hold:  # its answer leaves whole: nothing of it until the engine finishes it
+                        kept.append(delta)
+                        if delta.finish_reason is not None:
+                            for d in kept:  # one by one: a filter's stop keeps the text before it
+                                yield d
+                        continue  # (never preempted: it cannot resume)
                     yield delta
                     if flow.preempt_requested and not choice.finished:
                         # The abort may have reached the engine before this request did
@@ -83,16 +90,40 @@ async def run(job: Job, choice: Choice, prompt: Prompt | None = None,
                 with contextlib.suppress(Exception):
                     await backend.abort(current[0])
             sched.finished(flow, len(produced) if dead is None else None)
-        if dead is not None:  # queue again once the engine is rebuilt, from what it produced
-            await _engine_back(job, choice, backend, dead, bool(produced))
-        elif preempted:
-            rec.preemptions += 1
-            rec.mark("preempted")
-        else:
+        if dead is None and not preempted:
             return
+        prompt, sampling = await _again(job, choice, backend, dead, base, produced, kept)
         attempt += 1
         current[0] = f"{choice.engine_id}-r{attempt}"
-        prompt, sampling = resumed(*base, produced) if produced else (prompt, sampling)
+
+
+def held(job: Job, choice: Choice) -> bool:
+    """Whether a choice's deltas are kept until it finishes: one that cannot resume (a structured
+    output: its grammar would restart at the resumed prompt's end) in an answer sent whole (not
+    streamed). Nothing of it reaches anyone before its end, so after an engine's or a node's death
+    it runs again from its start, as a choice that had produced nothing does, instead of failing."""
+    return not choice.flow.preemptible and not job.record.stream
+
+
+def discard(job: Job, kept: list[Delta]) -> None:
+    """Un-count a held attempt thrown away: the usage row bills the answer sent, as a resumed one's does."""
+    job.record.output_tokens -= sum(d.num_tokens for d in kept)
+
+
+async def _again(job: Job, choice: Choice, backend: Backend, dead: EngineDead | None,
+                 base: tuple[Prompt, Sampling], produced: list[int], kept: list[Delta]) -> tuple[Prompt, Sampling]:
+    """What the next attempt runs, once it may: after a preemption at once, after an engine's death
+    once it is rebuilt; from what the choice produced, or from its start where a held one's
+    unseen attempt is thrown away."""
+    if dead is None:
+        job.record.preemptions += 1
+        job.record.mark("preempted")
+    else:
+        if kept:
+            discard(job, kept)
+            produced.clear()
+        await _engine_back(job, choice, backend, dead, bool(produced))
+    return resumed(*base, produced) if produced else base
 
 
 async def _turn(job: Job, choice: Choice, current: list[str]) -> None:
@@ -121,7 +152,8 @@ def resumed(prompt: Prompt, sampling: Sampling, produced: list[int]) -> tuple[Pr
 async def _engine_back(job: Job, choice: Choice, backend: Backend, dead: EngineDead, delivered: bool) -> None:
     """Wait for the supervisor to rebuild the engine, within the request's deadline; raises the
     `engine_dead` error (a stream's terminal event) when it is given up on or not back in time,
-    or when resuming would change the output (a structured output's grammar restarts)."""
+    or when resuming would change what the client already has (a structured output's grammar
+    restarts; one not streamed is `held` and starts over instead)."""
     job.runtime.engine_died(backend)
     margin = 0.05  # give up just before the deadline, so the client learns why
     if delivered and not choice.flow.preemptible:

@@ -81,15 +81,20 @@ def _jinja_env() -> ImmutableSandboxedEnvironment:
 
 
 class _SimpleCodec:
-    """Word/punctuation pieces, one token each, id = crc32 mod 50000; for tests without model files."""
+    """Word/punctuation pieces, one token each, id = crc32 mod 50000; for tests without model files.
+
+    An id cannot be turned back into its piece, so decoding reads the pieces encoded so far, and
+    that memory is the process's, shared by every instance: a real tokenizer loaded again from the
+    same files decodes the same ids the same way, so an engine rebuilt after a crash (a new
+    instance) must decode the token ids of a prompt its predecessor encoded (a resumed request's)."""
 
     n_vocab = 50000
     specials: ClassVar[dict[str, int]] = {"<|endoftext|>": 0, "<|im_start|>": 1, "<|im_end|>": 2}
+    _seen: ClassVar[dict[int, str]] = {i: s for s, i in specials.items()}
 
     def __init__(self) -> None:
         alts = "|".join(re.escape(s) for s in self.specials)
         self._re = re.compile(rf"{alts}|\s*\w+|\s*[^\w\s]|\s+")
-        self._seen: dict[int, str] = {i: s for s, i in self.specials.items()}
 
     def encode(self, text: str) -> list[int]:
         out = []

@@ -8,9 +8,10 @@ its tokens are counted here (`dispatch.account`) and its row closed here, once.
 
 Failover: a node that fails (connection lost, declared dead, suspect and silent) before
 sending anything: the choice runs elsewhere from the start. After sending tokens: it resumes
-elsewhere from the prompt plus the tokens delivered (the same sampling, seed included; a
-structured output cannot resume: its grammar would restart). At most `max_failovers` times;
-then, or when no node is left, the stream ends with the terminal `node_failed` error.
+elsewhere from the prompt plus the tokens delivered (the same sampling, seed included). A
+structured output cannot resume (its grammar would restart): streamed, it fails; not streamed
+(`dispatch.held`: nothing of it has left) it runs again from the start. At most `max_failovers`
+times; then, or when no node is left, the stream ends with the terminal `node_failed` error.
 """
 
 from __future__ import annotations
@@ -95,6 +96,7 @@ class Router:
         prompt, sampling = choice.prompt, choice.sampling
         produced: list[int] = []
         excluded: set[str] = set()
+        hold = dispatch.held(job, choice)
         while True:
             target = self.pick(job, prompt, sampling, excluded)
             if target is None:
@@ -104,7 +106,7 @@ class Router:
                 raise unavailable("no node in the cluster can run this request now", "node_failed", retry_after=5)
             node = target.candidate.node
             job.headers[NODE_HEADER] = node  # (a stream's headers leave with its first payload)
-            first = True
+            first, kept = True, []  # kept: a held choice's deltas from a peer, until it finishes
             try:
                 source = (dispatch.run(job, choice, prompt, sampling) if target.url is None
                           else self._remote(job, choice, target, prompt, sampling))
@@ -115,8 +117,12 @@ class Router:
                             if self._ran is not None:
                                 self._ran(node, prompt, d.cached_prompt_tokens)
                         first = False
-                        produced.extend(d.token_ids)
-                        yield d
+                        if hold and d.finish_reason is None:
+                            kept.append(d)
+                            continue
+                        for x in (*kept, d):
+                            produced.extend(x.token_ids)
+                            yield x
                 return
             except PeerLost as lost:
                 excluded.add(node)
@@ -127,8 +133,11 @@ class Router:
                     raise unavailable(f"the node running this request failed ({lost.why}) and it cannot be "
                                       "resumed elsewhere", "node_failed", retry_after=5) from None
                 job.record.mark(f"failover:{node}")
-                if produced:
+                if kept:  # a held answer nobody has seen: it starts over, its lost tokens unbilled
+                    dispatch.discard(job, kept)
+                if produced or kept:
                     job.record.resumed += 1
+                if produced:
                     prompt, sampling = dispatch.resumed(choice.prompt, choice.sampling, produced)
 
     async def _remote(self, job: Job, choice: Choice, target: Target, prompt: Prompt,

@@ -19,6 +19,7 @@ import jsonschema
 import pytest
 
 from llmd.auth import hash_key
+from llmd.protocol import IGNORED_HEADER
 from tests.conftest import ENGINE_TOML, EngineServer, start_server_process, stop_process
 from tests.matrix import client
 from tests.matrix.client import choices_of, same
@@ -141,6 +142,8 @@ async def test_case_on_the_engine(server: tuple[EngineServer, Path], case: Case)
     assert len(rows) == 1 + never_ran, rows
     for r in filter(None, (reply, retry)):
         assert b"@example" not in r.raw, r.raw  # an address the model wrote was redacted
+        if r.headers:  # online: SGLang's router fields were ignored and named
+            assert r.headers.get(IGNORED_HEADER) == (client.IGNORED if case["extras"] == "on" else None), r.headers
     gone = case["end"] == "cancel"
     if gone:
         assert reply.status is None

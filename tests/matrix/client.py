@@ -20,6 +20,12 @@ from tests.matrix.features import Case
 from tests.matrix.scripts import MAX_TOKENS, SCHEMA, TOOL, Script
 
 DEADLINE_S = "0.6"  # X-Request-Timeout of a `deadline` case: well inside its long script
+# What SGLang's router adds to each request it forwards (its protocol's defaults). llmd ignores
+# the ones it does not implement and names them back; `skip_special_tokens` is vLLM's own
+# sampling field, which llmd honours, so it is not among them.
+ROUTER_FIELDS: dict[str, Any] = {"no_stop_trim": False, "continue_final_message": False, "separate_reasoning": True,
+                                 "stream_reasoning": True, "return_hidden_states": False, "skip_special_tokens": True}
+IGNORED = ",".join(k for k in ROUTER_FIELDS if k != "skip_special_tokens")  # in the body's order
 
 
 class _Tee(httpx.AsyncByteStream):
@@ -50,10 +56,12 @@ class Wire(httpx.AsyncBaseTransport):
         self.inner = httpx.AsyncHTTPTransport()
         self.raw = bytearray()
         self.drain = drain  # False: a client that goes away reads no further
+        self.headers: dict[str, str] = {}  # the last response's
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         request.headers["accept-encoding"] = "identity"
         resp = await self.inner.handle_async_request(request)
+        self.headers = {k.lower(): v for k, v in resp.headers.items()}
         assert isinstance(resp.stream, httpx.AsyncByteStream)
         return httpx.Response(resp.status_code, headers=resp.headers, stream=_Tee(resp.stream, self.raw, self.drain),
                               extensions=resp.extensions)
@@ -87,6 +95,8 @@ def body(case: Case, content: str, model: str = "fake", max_tokens: int = MAX_TO
                                                                        "strict": True}}
     if case["stream"] == "on":
         b |= {"stream": True, "stream_options": {"include_usage": True}}
+    if case["extras"] == "on":
+        b |= ROUTER_FIELDS
     return b
 
 
@@ -121,6 +131,7 @@ class Reply:
     error: dict[str, Any] | None = None  # the error object: of an error response, or the terminal event
     sdk_error: BaseException | None = None
     raw: bytes = b""
+    headers: dict[str, str] = field(default_factory=dict)  # the response's (none: no response came)
 
 
 def sse(raw: bytes) -> tuple[list[dict[str, Any]], bool]:
@@ -150,8 +161,11 @@ async def call(base: str, case: Case, b: dict[str, Any], key: str, on_chunk: Any
     client = sdk(base, wire)
     b, h = dict(b), headers(case, key)
     create = client.chat.completions.create if case["api"] == "chat" else client.completions.create
+    extra = {k: b.pop(k) for k in ROUTER_FIELDS if k in b}  # the SDK sends fields it lacks as extra_body
     if case["api"] != "chat" and "response_format" in b:  # a vLLM extension the SDK's completions lack
-        b["extra_body"] = {"response_format": b.pop("response_format")}
+        extra["response_format"] = b.pop("response_format")
+    if extra:
+        b["extra_body"] = b.get("extra_body", {}) | extra
     reply = Reply()
     try:
         out = await create(**b, extra_headers=h)
@@ -169,6 +183,7 @@ async def call(base: str, case: Case, b: dict[str, Any], key: str, on_chunk: Any
         reply.status, reply.sdk_error = 200, e
     finally:
         await client.close()
+    reply.headers = wire.headers
     return finish(reply, wire.raw, case)
 
 

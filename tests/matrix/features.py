@@ -47,6 +47,9 @@ FEATURES: tuple[Feature, ...] = (
             "the output holds an e-mail address (redacted), or a phrase that stops the choice"),
     Feature("end", ("complete", "deadline", "cancel"),
             "runs to its end, is cut by X-Request-Timeout, or the client goes away mid-generation"),
+    Feature("extras", ("off", "on"),
+            "the fields SGLang's router adds to every request it forwards (`no_stop_trim`, `separate_reasoning`, "
+            "...): ignored and named in `X-LLMD-Ignored-Fields` and the request record"),
 )
 NAMES = tuple(f.name for f in FEATURES)
 
@@ -155,9 +158,10 @@ def render() -> str:
             "the run outlives its client, and the client that comes back with the key gets the whole outcome.",
             "2. `end=deadline`: `deadline_exceeded`, a 504 or, once tokens went out, the terminal event and "
             "`[DONE]`.",
-            "3. A fault under a JSON grammar (`format=json` or a named tool): `engine_dead` or `node_failed`, "
-            "streamed or not, Batch API item too: the fault strikes once tokens flow, and a structured output "
-            "is not resumed (its grammar would restart).",
+            "3. A fault under a JSON grammar (`format=json` or a named tool) in a stream: `engine_dead` or "
+            "`node_failed`: the fault strikes once tokens flow, and a structured output is not resumed (its "
+            "grammar would restart). Not streamed (a Batch API item too), nothing was sent: it starts over "
+            "and the rules below apply, billed for the answer's tokens only.",
             "4. `filter=stop`: the choice ends with `finish_reason: content_filter` (a stream: then the "
             "terminal event); in JSON the match is a phone-length integer in an `integer` field, which no "
             "replacement keeps valid.",

@@ -2,8 +2,8 @@
 tokens flow, retry it under its Idempotency-Key, and collect what the client and the ledgers saw.
 
 What the combination must produce is `expected`: the first of these that applies decides it
-(a client that went away, the deadline, the filter's stop, a fault a structured output cannot
-survive, else the whole text). tests/matrix/test_matrix.py checks every case against it."""
+(a client that went away, the deadline, a fault a structured stream cannot survive, the filter's
+stop, else the whole text). tests/matrix/test_matrix.py checks every case against it."""
 
 from __future__ import annotations
 
@@ -43,10 +43,11 @@ def expected(case: Case) -> Expected:
     if case["end"] == "deadline":
         return Expected("error", "deadline_exceeded", 504, "deadline")
     # A fault strikes once tokens flow, before the filter's match: a structured output cannot
-    # resume (its grammar would restart), so it ends there, streamed or not, Batch API item too.
-    if structured(case) and case["fault"] == "engine_death":
+    # resume (its grammar would restart), so a stream that sent some of it ends there. One not
+    # streamed (a Batch API item too) has sent nothing: it starts over, and ends as if undisturbed.
+    if structured(case) and case["stream"] == "on" and case["fault"] == "engine_death":
         return Expected("error", "engine_dead", 503, "error")
-    if structured(case) and case["fault"] == "node_death":
+    if structured(case) and case["stream"] == "on" and case["fault"] == "node_death":
         return Expected("error", "node_failed", 503, "error")
     if case["filter"] == "stop":
         return Expected("filtered", "content_filter", 200, "filtered")

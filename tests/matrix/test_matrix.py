@@ -14,8 +14,9 @@ import jsonschema
 import pytest
 
 from llmd.backends.fake_outputs import SAY_CHARS
+from llmd.protocol import IGNORED_HEADER
 from tests.matrix import cluster
-from tests.matrix.client import Reply, choices_of, same
+from tests.matrix.client import IGNORED, Reply, choices_of, same
 from tests.matrix.features import ENGINE, Case, case_id, cases, excluded_by, pairs, possible_pairs
 from tests.matrix.runner import Expected, Run, expected, run_case
 from tests.matrix.scripts import NEVER_SENT, SCHEMA, structured
@@ -90,6 +91,19 @@ def features_seen(run: Run, want: Expected, row: dict[str, Any], rec: dict[str, 
         assert rec["redacted"] == "pii/email", rec
     if want.outcome == "filtered":
         assert rec["finish_reason"] == "content_filter" and rec["filter"], rec
+    extras(run, rec)
+
+
+def extras(run: Run, rec: dict[str, Any]) -> None:
+    """The router's fields were ignored and named: in the response's header and the request record
+    online; a Batch API item that carries them runs (a refused line would fail the batch), its
+    stored body without them."""
+    named = IGNORED if run.case["extras"] == "on" else None
+    if run.case["path"] != "batch_api":
+        assert rec["ignored"] == named, rec
+        for reply in filter(None, (run.reply, run.retry)):
+            if reply.headers:  # (a client that went away before a response has none)
+                assert reply.headers.get(IGNORED_HEADER) == named, reply.headers
 
 
 def complete(run: Run, c: dict[str, Any]) -> None:

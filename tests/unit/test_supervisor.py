@@ -7,6 +7,7 @@ resuming is impossible the stream ends with the terminal event; batch items are 
 from __future__ import annotations
 
 import asyncio
+import json
 import shutil
 from pathlib import Path
 from typing import Any
@@ -256,3 +257,64 @@ async def structured_stream(c: openai.AsyncOpenAI, live: LiveServer, schema: dic
         got.append(ch.choices[0].delta.content or "" if ch.choices else "")
         if len(got) == 3:
             live.backend().kill()
+
+
+SCRIPT = "The boats drift past the old mill while the town sleeps. " * 3 + "The end."
+
+
+async def scripted_stream(c: openai.AsyncOpenAI, live: LiveServer, chat: bool) -> tuple[str, str | None, int]:
+    """A `[[say:...]]` stream (logprobs on) whose engine is killed after its third chunk: its text,
+    finish_reason and usage."""
+    kw: dict[str, Any] = {"model": "fake", "max_tokens": 500, "stream": True, "temperature": 0,
+                          "stream_options": {"include_usage": True}}
+    prompt = f"Tell me about a city. [[say:{SCRIPT}]]"
+    out = await (c.chat.completions.create(messages=[{"role": "user", "content": prompt}], logprobs=True,
+                                           top_logprobs=2, **kw) if chat
+                 else c.completions.create(prompt=prompt, logprobs=2, **kw))
+    text, finish, usage, chunks = "", None, 0, 0
+    async for ch in out:
+        if ch.usage is not None:
+            usage = ch.usage.completion_tokens
+        for x in ch.choices:
+            text += (x.delta.content or "") if chat else x.text
+            finish = x.finish_reason or finish
+            chunks += 1
+            if chunks == 3:
+                live.backend().kill()
+    return text, finish, usage
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+async def test_a_resumed_request_follows_its_prompt_on_the_rebuilt_engine(make_server, records, chat) -> None:
+    """The resumed prompt reaches the new engine as token ids: it must read them as the old one
+    did (the fake's `[[say:...]]` script, vLLM's text), not start over from default text."""
+    live = await make_server(toml(step_ms=10))
+    first = live.backend()
+    text, finish, usage = await scripted_stream(client(live), live, chat)
+    assert live.backend() is not first and records[-1]["resumed"] == 1
+    assert (text, finish) == (SCRIPT, "stop")
+    assert usage == records[-1]["output_tokens"] == -(-len(SCRIPT) // 3)
+
+
+async def test_a_structured_answer_not_streamed_starts_over_on_the_rebuilt_engine(make_server, records) -> None:
+    """Nothing of a non-streamed answer has left before its end, so an engine death does not fail
+    it (its grammar cannot resume): it runs again from its start, billed for the answer alone."""
+    live = await make_server(toml(step_ms=10))
+    schema = {"type": "object", "properties": {f"field_{i}": {"type": "string"} for i in range(20)},
+              "required": [f"field_{i}" for i in range(20)]}
+    first, lc = live.backend(), live.node.lifecycle
+    call = asyncio.ensure_future(client(live).chat.completions.create(
+        model="fake", messages=[{"role": "user", "content": "x"}], max_tokens=500,
+        response_format={"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}))
+    assert await async_wait_until(lambda: any(r.output_tokens >= 5 for r in lc.in_flight.values()), 10)
+    first.kill()
+    answer = await call
+    doc = json.loads(answer.choices[0].message.content or "")
+    assert sorted(doc) == sorted(schema["properties"]) and answer.choices[0].finish_reason == "stop"
+    assert live.backend() is not first and records[-1]["resumed"] == 1
+    tokens = -(-len(json.dumps(doc)) // 3)  # the fake's instance, 3 characters a token
+    assert answer.usage.completion_tokens == records[-1]["output_tokens"] == tokens
+    (row,) = await usage_rows(live)
+    assert row["status"] == "ok" and row["output_tokens"] == tokens
+    m = await metrics(live)
+    assert m["llmd:requests_requeued_total"] == 1 and m["llmd:requests_resumed_total"] == 0
