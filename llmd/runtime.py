@@ -18,6 +18,7 @@ from llmd.backends.base import Delta, Prompt, Sampling, ToolReader
 from llmd.config import ModelConfig, TenantConfig
 from llmd.filters import OutputWindow
 from llmd.lifecycle import RequestLife
+from llmd.policy.arrivals import ArrivalRate
 from llmd.policy.classes import ModelQueue
 from llmd.policy.fairness import FAIRNESS, VTCFairness
 from llmd.policy.preemption import preemption_rules
@@ -104,16 +105,18 @@ def build_runtime(cfg: ModelConfig, backend: Backend, tenants: list[TenantConfig
     # The ITL controller's clock is wall time, as its samples' (gaps) time stamps are.
     # The step-time model reads the engine's steps, time-stamped by their own (wall) clock.
     stats = backend.stats
+    arrivals = ArrivalRate(time.monotonic)
     detector = SaturationDetector(seats, kv_high=sc.kv_high, target_itl_ms=sc.target_itl_ms,
                                   itl_margin=sc.target_itl_margin, clock=time.time, itl_samples=lambda: gaps,
-                                  steps=(lambda: stats.history) if sc.itl_step_model else None)
+                                  steps=(lambda: stats.history) if sc.itl_step_model else None,
+                                  arrivals=arrivals.per_s)
     batch_seats = sc.batch_seats_with_interactive
     throughput = ThroughputEstimate(sc.prior_tokens_per_s, clock=time.monotonic)
     core = SchedulerCore(queue, detector, backend.stats, throughput, clock=time.monotonic,
                          rules=preemption_rules(sc.preempt_batch, sc.preempt_for_fairness),
                          reserved_seats=sc.reserved_seats,
                          batch_seats_with_interactive=batch_seats if batch_seats is not None else max(1, seats // 4),
-                         interactive_quiet_s=sc.interactive_quiet_s)
+                         interactive_quiet_s=sc.interactive_quiet_s, arrivals=arrivals)
     scheduler = Scheduler(core)
     scheduler.start()
     return ModelRuntime(cfg, backend, queue, scheduler, gaps, ordering, watch(cfg) if watch is not None else None)

@@ -188,7 +188,8 @@ class StepModelITL(ITLController):
     def __init__(self, target_ms: float, max_seats: int, *, clock: Clock, steps: Callable[[], Sequence[StepSample]],
                  min_seats: int = 1, window_s: float = 6.0, interval_s: float = 0.5,
                  margin: float = 0.88, hold_s: float = 10.0, model: StepTimeModel | None = None, lag_s: float = 2.0,
-                 samples: Callable[[], Iterable[tuple[float, float]]] | None = None, increase: float = 1.25) -> None:
+                 samples: Callable[[], Iterable[tuple[float, float]]] | None = None, increase: float = 1.25,
+                 arrivals: Callable[[], float | None] | None = None) -> None:
         super().__init__(target_ms, max_seats, min_seats=min_seats, window_s=window_s, interval_s=interval_s,
                          margin=margin, hold_s=hold_s, clock=clock, samples=samples)
         self.steps = steps
@@ -199,12 +200,15 @@ class StepModelITL(ITLController):
         self.aim_floor = 0.25 * self.target
         self.increase = increase  # the most one growth multiplies the engine aim by
         self.withheld = 0  # cuts not taken: fewer seats could not have delivered them (shown in describe)
+        self.arrivals = arrivals  # new sequences per second: more seats bring no more prefills than these
 
     def _on_interval(self, now: float) -> None:
         self.model.ingest(self.steps())
         fit = self.model.refresh()
         if fit is None:
             return
+        if self.arrivals is not None:
+            fit = self.model.fit = fit.with_arrivals(self.arrivals())
         takeover = self.engine_aim is None
         if takeover:  # the model takes over; AIMD's state was about seat counts
             self.engine_aim = self.target
@@ -309,13 +313,14 @@ class SaturationDetector:
     def __init__(self, max_seats: int, *, clock: Clock, kv_high: float = 0.95, target_itl_ms: float | None = None,
                  itl_margin: float = 0.88,
                  itl_samples: Callable[[], Iterable[tuple[float, float]]] | None = None,
-                 steps: Callable[[], Sequence[StepSample]] | None = None) -> None:
+                 steps: Callable[[], Sequence[StepSample]] | None = None,
+                 arrivals: Callable[[], float | None] | None = None) -> None:
         self.max_seats = max_seats
         self.kv_high = kv_high
         self.itl: ITLController | None = None
         if target_itl_ms and steps is not None:
             self.itl = StepModelITL(target_itl_ms, max_seats, margin=itl_margin, clock=clock, steps=steps,
-                                    samples=itl_samples)
+                                    samples=itl_samples, arrivals=arrivals)
         elif target_itl_ms:
             self.itl = ITLController(target_itl_ms, max_seats, margin=itl_margin, clock=clock, samples=itl_samples)
 

@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Final
 
+from llmd.policy.arrivals import ArrivalRate
 from llmd.policy.classes import BATCH, INTERACTIVE, ModelQueue
 from llmd.policy.preemption import PreemptionRound, PreemptionRule, preemption_rules
 from llmd.policy.queue import QueuedRequest
@@ -46,7 +47,8 @@ class SchedulerCore:
     def __init__(self, queue: ModelQueue, detector: Saturation, signals: EngineSignals,
                  throughput: ThroughputEstimate, *, clock: Clock, rules: Sequence[PreemptionRule] | None = None,
                  reserved_seats: int = 0, avg_output_prior: float = 128.0,
-                 batch_seats_with_interactive: int | None = None, interactive_quiet_s: float = 1.0) -> None:
+                 batch_seats_with_interactive: int | None = None, interactive_quiet_s: float = 1.0,
+                 arrivals: ArrivalRate | None = None) -> None:
         self.queue = queue
         self.detector = detector
         self.signals = signals
@@ -60,6 +62,7 @@ class SchedulerCore:
         self.batch_seats_with_interactive = (detector.max_seats if batch_seats_with_interactive is None
                                              else batch_seats_with_interactive)
         self.interactive_quiet_s = interactive_quiet_s
+        self.arrivals = arrivals  # noted at each submit; the step-time model reads it
         self._last_interactive = -1e18
         self.running: dict[int, QueuedRequest] = {}  # by seq, in dispatch order
         self.tenant_running: dict[str, int] = {}
@@ -72,6 +75,8 @@ class SchedulerCore:
     def submit(self, req: QueuedRequest) -> None:
         """Queue `req` (new, or preempted and resuming); the next tick may seat it."""
         self.queue.push(req)
+        if self.arrivals is not None:
+            self.arrivals.note()
 
     def withdraw(self, req: QueuedRequest) -> bool:
         """Take a queued request out (its client went away); False if it was not queued."""

@@ -88,13 +88,15 @@ class StepFit:
     samples: Final[int]  # steps the fit used
     prefill_sizes: Final[tuple[float, ...]]  # the window's prefills (steps with one): quantiles 1/20 .. 20/20
     prefill_share_per_seq: Final[float]  # the window's share of steps with a prefill, per running sequence
+    arrivals_per_s: Final[float | None]  # new sequences per second lately (each brings a prefill); None: unknown
 
     # the slowest steps a p95 leaves out (a ClassVar: compiled with the written __init__, a plain
     # class attribute read through self was an unset instance attribute)
     P95_SHARE: ClassVar[float] = 0.05
 
     def __init__(self, a: float, b: float, c: float, speed: float, noise: float, samples: int,
-                 prefill_sizes: tuple[float, ...] = (), prefill_share_per_seq: float = 0.0) -> None:
+                 prefill_sizes: tuple[float, ...] = (), prefill_share_per_seq: float = 0.0,
+                 arrivals_per_s: float | None = None) -> None:
         self.a = a
         self.b = b
         self.c = c
@@ -103,12 +105,22 @@ class StepFit:
         self.samples = samples
         self.prefill_sizes = prefill_sizes
         self.prefill_share_per_seq = prefill_share_per_seq
+        self.arrivals_per_s = arrivals_per_s
+
+    def with_arrivals(self, per_s: float | None) -> StepFit:
+        """This fit, knowing how many new sequences arrive per second."""
+        return StepFit(self.a, self.b, self.c, self.speed, self.noise, self.samples, self.prefill_sizes,
+                       self.prefill_share_per_seq, per_s)
 
     def prefill_at(self, n: int) -> float:
         """Prompt tokens in a p95 step with `n` sequences: none while fewer than 1 step in 20
         carries a prefill; else, with a share f of steps carrying one, the (1 - 0.05/f)
-        quantile of the prefills (the p95 of all steps is that far up among those)."""
+        quantile of the prefills (the p95 of all steps is that far up among those). More seats
+        bring more prefills per step only while they drain a backlog: never more than the
+        arrivals bring, one each, so f is capped at arrivals per second times the step time."""
         f = self.prefill_share_per_seq * n
+        if self.arrivals_per_s is not None:
+            f = min(f, self.arrivals_per_s * self.speed * (self.a + self.b * n))
         if f <= self.P95_SHARE or not self.prefill_sizes:
             return 0.0
         q = 1.0 - self.P95_SHARE / min(f, 1.0)

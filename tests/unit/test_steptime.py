@@ -331,3 +331,32 @@ def test_a_one_seat_cut_at_a_prefill_knife_edge_keeps_the_aim_in_that_seats_band
     ctl._cut, ctl._before, ctl.last_p95 = False, None, 0.060
     ctl._maybe_grow(e.clock() + 60.0, running=3)
     assert ctl.seat_limit == 4
+
+
+def test_more_seats_bring_no_more_prefills_than_the_arrivals() -> None:
+    """Seats add prefills per step only while they drain a backlog (each new sequence brings one),
+    never more than arrive: the share per seat measured on a full 2 seats (a step in 70 with a
+    prefill, each) read 4 seats as 1 step in 18, a 215 ms p95 step, and the seats stayed at 2 while
+    the queue grew at a load 4 seats carry (bench/goodput.py, the real engine at 1x)."""
+    sizes = tuple(float(100 + 5 * k) for k in range(20))
+    fit = StepFit(0.053, 0.003, 0.0015, 1.0, 0.0, 200, sizes, 0.014)
+    assert fit.prefill_at(4) > 0 and fit.seats_for(0.100, 1, 64) == 3
+    slow = fit.with_arrivals(0.5)  # 0.5 new sequences a second, a 65 ms step at 4 seats: 1 step in 31
+    assert slow.prefill_at(4) == 0.0 and slow.predict(4) == pytest.approx(0.065)
+    assert slow.seats_for(0.100, 1, 64) == 15  # 1 step in 20 carries one at 15 seats (98 ms)
+    assert fit.with_arrivals(None) == fit and fit.with_arrivals(5.0).prefill_at(4) == fit.prefill_at(4)
+
+
+def test_the_arrival_rate_is_unknown_for_a_window_then_counts_it() -> None:
+    from llmd.policy.arrivals import ArrivalRate
+
+    now = [100.0]
+    rate = ArrivalRate(lambda: now[0], window_s=10.0)
+    for _ in range(5):
+        rate.note()
+    assert rate.per_s() is None  # a burst at start is not a rate
+    now[0] += 10.0
+    rate.note()
+    assert rate.per_s() == pytest.approx(0.6)
+    now[0] += 5.0
+    assert rate.per_s() == pytest.approx(0.1)  # the first five are older than the window
