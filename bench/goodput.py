@@ -31,6 +31,8 @@ from bench.lib import goodput_report, report
 from bench.lib.engines import Bench, Srv, add_server_args
 from bench.lib.goodput_client import Outcome, call, replay
 from bench.lib.goodput_trace import MIX, Request, closed_loop_bodies, trace
+from bench.lib.peer_litellm import LIMITS_NOTE, litellm_proxy
+from bench.lib.peer_vllm import exit_on_sigterm, vllm_serve
 from bench.lib.streams import new_client
 
 SHIPPED = Path(__file__).resolve().parent.parent / "config.toml"
@@ -66,13 +68,6 @@ def llmd_tenants() -> dict[str, dict[str, Any]]:
 @contextlib.contextmanager
 def vllm_server(bench: Bench) -> Iterator[Srv]:
     """`vllm serve` from its own venv with config.toml's engine settings."""
-    try:
-        from bench.lib.peer_vllm import vllm_serve
-    except ImportError:  # not built yet: llmd's own copy of vllm, said in the output
-        print("  WARNING: bench/lib/peer_vllm.py missing: vllm serve from llmd's venv", flush=True)
-        with bench.vllm("vllm") as srv:
-            yield srv
-        return
     eng = shipped()["models"][0]["engine"]
     log = bench.scratch / "vllm-server.log"
     with vllm_serve(bench.model, bench.args.name, eng, log) as url:
@@ -81,8 +76,6 @@ def vllm_server(bench: Bench) -> Iterator[Srv]:
 
 @contextlib.contextmanager
 def litellm_server(bench: Bench, upstream: Srv, limits: dict[str, dict[str, int]]) -> Iterator[Srv]:
-    from bench.lib.peer_litellm import litellm_proxy
-
     log = bench.scratch / "litellm.log"
     with litellm_proxy(upstream.url, bench.args.name, limits, log) as (url, keys):
         yield Srv("litellm", url, keys, None, log)
@@ -142,6 +135,18 @@ async def run_trace(srv: Srv, reqs: list[Request], drain_s: float, misbehaving: 
     return out + flood_out
 
 
+async def warm_up(srv: Srv, a: argparse.Namespace) -> None:
+    """Each RAG document once (and a chat), one at a time: every server starts with the prefix
+    cache a running service has, not cold."""
+    from bench.lib.goodput_trace import documents
+
+    async with new_client() as client:
+        for doc in [*documents(a.seed, a.scale), "Hello"]:
+            body = {"model": a.name, "messages": [{"role": "user", "content": doc}], "max_tokens": 1}
+            o = Outcome(Request(0, 0.0, "rag", body), time.monotonic())
+            await call(client, srv.url + PATH, o, srv.headers("rag"), 120)
+
+
 async def settle(srv: Srv, seconds: float = 3.0) -> None:
     """Let cancelled streams be aborted and the queues empty before the next run."""
     await asyncio.sleep(seconds)
@@ -170,6 +175,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 async def server_runs(bench: Bench, srv: Srv, a: argparse.Namespace, capacity: float, loads: list[float],
                       flood: bool, rows: dict[str, Any]) -> None:
     """Every load's trace (and the flood pair when asked) against one running server."""
+    await warm_up(srv, a)
     for load in loads:
         reqs = trace(capacity * load, a.seconds, a.seed, a.name, a.scale)
         t0 = time.monotonic()
@@ -219,13 +225,15 @@ async def main_async(a: argparse.Namespace) -> dict[str, Any]:
         with bench.llmd_shipped("llmd", llmd_tenants()) as srv:
             await server_runs(bench, srv, a, capacity, loads, "llmd" in floods, rows)
     return {"capacity": capacity, "limits": limits, "rows": rows, "loads": loads, "servers": servers,
-            "seconds": time.monotonic() - t_start, "version": bench.version, "slo": SLO}
+            "seconds": time.monotonic() - t_start, "version": bench.version, "slo": SLO,
+            "litellm_note": LIMITS_NOTE if "litellm" in servers else None}
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(p)
     a = p.parse_args()
+    exit_on_sigterm()  # a killed bench still stops its servers (their own process groups)
     res = asyncio.run(main_async(a))
     lines = goodput_report.lines(res, a)
     print("\n".join(lines))

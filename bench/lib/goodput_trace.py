@@ -50,7 +50,7 @@ def _scaled(lo: int, hi: int, scale: float) -> tuple[int, int]:
     return max(1, round(lo * scale)), max(2, round(hi * scale))
 
 
-def _documents(seed: int, scale: float) -> list[str]:
+def documents(seed: int, scale: float) -> list[str]:
     rnd = random.Random(seed * 7919 + 1)
     docs = []
     for d in range(N_DOCS):
@@ -81,7 +81,7 @@ def trace(rate: float, seconds: float, seed: int, name: str, scale: float = 1.0,
           tenants: tuple[str, ...] = tuple(MIX)) -> list[Request]:
     """Poisson arrivals at `rate` per second over `seconds`, split by MIX among `tenants` (the others'
     arrivals are drawn and dropped, so a tenant's requests are the same with or without the rest)."""
-    rnd, docs = random.Random(seed), _documents(seed, scale)
+    rnd, docs = random.Random(seed), documents(seed, scale)
     names, weights = list(MIX), list(MIX.values())
     out: list[Request] = []
     t, i = 0.0, 0
@@ -98,7 +98,7 @@ def trace(rate: float, seconds: float, seed: int, name: str, scale: float = 1.0,
 
 def closed_loop_bodies(seed: int, name: str, scale: float = 1.0) -> list[tuple[str, dict[str, Any]]]:
     """An endless-enough supply of mixed requests (tenant, body) for measuring the box's capacity."""
-    rnd, docs = random.Random(seed + 17), _documents(seed, scale)
+    rnd, docs = random.Random(seed + 17), documents(seed, scale)
     names, weights = list(MIX), list(MIX.values())
     out = []
     for i in range(4000):

@@ -152,7 +152,9 @@ async def test_overload_503_when_queue_full(make_server) -> None:
 
 
 async def test_overload_503_when_deadline_unreachable(make_server) -> None:
-    live = await make_server(toml(max_running=1, step_ms=10))
+    # Not refused for being late (max_wait_s = 0): the deadline check is what this drives.
+    live = await make_server(toml(max_running=1, step_ms=10).replace("max_running = 1",
+                                                                     "max_running = 1\nmax_wait_s = 0"))
     rt = live.runtime("fake")
     c = client(live, KEY_B)
     hog = asyncio.create_task(c.completions.create(model="fake", prompt="x", max_tokens=400))
