@@ -175,8 +175,7 @@ def build_node(config: Config, store: WeightStore | None = None, ledger: Ledger 
     lifecycle = Lifecycle(ledger, admission, observe)
     filters = Filters(config, Guard(lambda model: service.route(model).backend))
     service = Service(config.server.node, registry, admission, filters, degraders(config.models),
-                      PromptPool(config.server.prompt_workers),
-                      lambda model: node.config.slo.slo_for(model).ttft_p95_s)
+                      PromptPool(config.server.prompt_workers))
     runs = IdempotentRuns(IdempotencyStore(db.with_suffix(".idempotency.db"), config.server.idempotency_ttl_s),
                           lifecycle, config.server.resume_grace_s)
     ttl = config.batch.file_ttl_days

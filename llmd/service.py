@@ -59,10 +59,8 @@ def degraders(models: list[ModelConfig]) -> dict[str, Degrader]:
 
 class Service:
     def __init__(self, node: str, registry: Registry, admission: admission.AdmissionController, filters: Filters,
-                 degraders: dict[str, Degrader], pool: PromptPool,
-                 ttft_objective: Callable[[str], float] | None = None) -> None:
+                 degraders: dict[str, Degrader], pool: PromptPool) -> None:
         self.node = node
-        self.ttft_objective = ttft_objective  # a model's [slo] ttft_p95_s, read per request: reloads apply
         self.pool = pool  # rendering, tokenizing, screening: off the event loop
         self.registry = registry
         self.admission = admission
@@ -242,10 +240,7 @@ class Service:
         """How long an interactive request may wait for a seat and still be worth starting."""
         if klass != INTERACTIVE:
             return None
-        w = rt.cfg.scheduling.max_wait_s
-        if w is None and self.ttft_objective is not None:
-            w = self.ttft_objective(rt.cfg.name)
-        return w or None
+        return rt.cfg.scheduling.max_wait_s or None
 
     def _choice(self, record: RequestRecord, index: int, prompt: Prompt, sampling: Sampling, tenant: TenantConfig,
                 klass: str, deadline: float, rt: ModelRuntime, echo: str, prompt_only: bool,

@@ -104,8 +104,8 @@ class SchedulingConfig(_Strict):
     kv_high: Annotated[float, Field(gt=0, le=1)] = 0.95
     # An interactive request whose estimated wait for a seat is longer than this is refused at
     # once (503 overloaded, Retry-After) rather than queued: a chat turn that starts after its
-    # time-to-first-token objective has failed already, and the seat it would hold is better spent
-    # on one that can still be on time. None: the model's [slo] ttft_p95_s; 0: never refuse for it.
+    # time-to-first-token objective has failed already. Off by default (None or 0): measured on a
+    # 2-core CPU it refused more than it saved (docs/decisions/2026-12-06-on-time-admission.md).
     max_wait_s: Annotated[float, Field(ge=0)] | None = None
     # Seats kept for tenants with nothing running, so a flood from one tenant cannot
     # make a newcomer wait for a long generation to end before its first token.

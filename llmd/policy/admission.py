@@ -270,8 +270,8 @@ class AdmissionController:
             return None
         return self._refuse(
             tenant, "too_late", "overloaded",
-            f"The server is overloaded: the estimated wait of {est_wait_s:.1f}s for a seat would "
-            f"miss this model's {max_wait_s:g}s time-to-first-token objective.", retry_after_s=est_wait_s)
+            f"The server is overloaded: the estimated wait of {est_wait_s:.1f}s for a seat exceeds "
+            f"this model's {max_wait_s:g}s bound on an interactive request's wait.", retry_after_s=est_wait_s)
 
     def gate(self, tenant: TenantLimits) -> Refusal | None:
         """Before any work on a request (reading its JSON, rendering, tokenizing): a tenant at its

@@ -349,7 +349,7 @@ def test_an_interactive_request_that_would_start_too_late_is_refused_now() -> No
     assert (r.reason, r.kind, r.retry_after_s) == ("too_late", "overloaded", 2.5)
     e = refusal_error(r)
     assert e.status == 503 and e.code == "overloaded" and e.headers["Retry-After"] == "3"
-    assert "1s time-to-first-token objective" in r.message
+    assert "1s bound on an interactive request's wait" in r.message
     admitted(ac, t, 10, est_wait_s=2.5)  # no objective given (batch class): it waits its turn
     assert ac.shed[("acme", "too_late")] == 1
     assert ac.limits(t).tokens_remaining == 6000 - 20  # a refusal reserved nothing
