@@ -20,6 +20,8 @@ per uncached token): routing beside round robin, failover, a quota across nodes.
   (d) one tenant's tokens per minute across 3 nodes.
   (h) chats on one hot system prompt entering the nodes in turn: later turns on their history's
       node, and (a)'s 70 % beside the code before (`--baseline CHECKOUT`, `--rounds`).
+  (s) llmd's routing against SGLang's router (`cache_aware`, `round_robin`) in front of the same
+      nodes with their routing off, on (a)'s chats from 30 % to past capacity (`--s-loads`).
 Gossip bandwidth and detection times (c): bench/cluster_gossip.py.
 
   .venv/bin/python bench/cluster.py [--parts a,d] [--seconds 120] [--workload pressure|light]
@@ -28,6 +30,7 @@ Gossip bandwidth and detection times (c): bench/cluster_gossip.py.
   .venv/bin/python bench/cluster.py --parts a --loads 0.7,1.0 --capacity C --save a2.json
   .venv/bin/python bench/cluster.py --merge a1.json,a2.json
   .venv/bin/python bench/cluster.py --parts h --capacity 4.5 --baseline ../before --rounds 2
+  .venv/bin/python bench/cluster.py --parts s --capacity 4.5
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -47,8 +51,9 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root: `bench` and `llmd`
 
-from bench.lib import report, stats
+from bench.lib import cluster_sglang, peer_sglang, report, stats
 from bench.lib.cluster import INTRO, SECTION, WORKLOADS, Node, Session, Workload, start_nodes, stop_nodes
+from bench.lib.peer_sglang import sglang_router
 from bench.lib.prefix_oracle import chat_trace, prompt_ids, routed_hit_rates, shared_cache_hit_rate
 from bench.lib.streams import Stream, new_client, statuses, stream
 
@@ -62,25 +67,30 @@ THINK_S = 3.0  # a user reads the answer before the next turn
 
 async def chats(nodes: list[Node], wl: Workload, sessions_per_s: float, seconds: float,
                 seed: int, log: list[tuple[dict[str, Any], Stream]], in_turn: bool = False,
-                later: list[tuple[float, bool]] | None = None) -> None:
+                later: list[tuple[float, bool]] | None = None, via: str | None = None,
+                cut: bool = False) -> None:
     """Chat sessions arriving as a Poisson process, drawn before the run (`Workload.sessions`:
     every run of a seed sends the same chats, whatever the placement); each sends its turns one
     after another (THINK_S of reading between), every turn to its drawn node, as a load
     balancer would (`in_turn`: to the nodes in turn, request by request, as a round-robin
     balancer would). Sessions start at their drawn times, not after sleeps that a busy client
     overshoots. `later` gets, for each turn after a chat's first, (its send time, whether it ran
-    on the node its previous turn ran on: where its history is cached)."""
+    on the node its previous turn ran on: where its history is cached). `via`: every turn to
+    this URL (a router in front of the nodes), whatever its drawn node; `cut`: no turn starts
+    after the arrivals' `seconds` (the drain after them is never measured, so not waited for)."""
     client = new_client(timeout=300)
     sent = iter(range(10**9))
 
     async def session(plan: Session) -> None:
         prev: str | None = None
         for question, ingress in zip(plan.questions, plan.ingress, strict=True):
+            if cut and time.monotonic() >= t0 + seconds:
+                return
             body = wl.next_turn(plan.chat, question)
             s = Stream("a", time.monotonic(), texts=[])
             log.append((body, s))
-            node = nodes[next(sent) % len(nodes)] if in_turn else nodes[ingress]
-            await stream(client, node.srv.url + "/v1/chat/completions", s, body)
+            url = via or (nodes[next(sent) % len(nodes)] if in_turn else nodes[ingress]).srv.url
+            await stream(client, url + "/v1/chat/completions", s, body)
             if not s.ok:
                 return
             if later is not None and prev is not None:
@@ -177,18 +187,21 @@ HOT_SEEDS = (1, 2, 3)
 
 async def one_run(tmp: Path, placement: str, req_per_s: float, seconds: float, hot: float | None = None,
                   seed: int = 1, warmup_s: float = 0.0, workload: str = "pressure",
-                  homes: bool | None = None, root: Path | None = None, in_turn: bool = False) -> dict[str, Any]:
+                  homes: bool | None = None, root: Path | None = None, in_turn: bool = False,
+                  peer: str | None = None, cut: bool = False) -> dict[str, Any]:
     """One run; `root`: the nodes run that checkout's llmd (a baseline); `in_turn`: the requests
-    enter the nodes in turn (`chats`)."""
+    enter the nodes in turn (`chats`); `peer`: SGLang's router with that policy in front of the
+    nodes, their own routing off (`routing = "local"`), every request sent to it; `cut`: see `chats`."""
     # "single": one node with the three nodes' KV cache, prefill rate and seats together: the
     # single shared cache the issue compares with, measured (running sequences pin its KV too)
     n, scale = (1, 3) if placement == "single" else (3, 1)
     kv_blocks, wl_kw = _workload(workload)
     turns = wl_kw.get("turns", (4, 7))
-    nodes = await asyncio.to_thread(start_nodes, tmp / f"{placement}-{req_per_s:.1f}-{hot}-{time.monotonic():.0f}",
-                                    n, "score" if placement == "single" else placement, 5.0, kv_blocks * scale,
-                                    PREFILL_TPS * scale, seqs=32 * scale,
-                                    cluster_extra="" if homes is None else f"balanced_homes = {str(homes).lower()}",
+    extra = ("" if homes is None else f"balanced_homes = {str(homes).lower()}\n") + (
+        'routing = "local"' if peer else "")
+    where = tmp / f"{peer or placement}-{req_per_s:.1f}-{hot}-{time.monotonic():.0f}"
+    nodes = await asyncio.to_thread(start_nodes, where, n, "score" if placement == "single" else placement, 5.0,
+                                    kv_blocks * scale, PREFILL_TPS * scale, seqs=32 * scale, cluster_extra=extra,
                                     root=root)
     log: list[tuple[dict[str, Any], Stream]] = []
     later: list[tuple[float, bool]] = []
@@ -199,8 +212,9 @@ async def one_run(tmp: Path, placement: str, req_per_s: float, seconds: float, h
     sampler = asyncio.create_task(sample_queues(nodes, stop, queues, bound=bound, inside=inside))
     try:
         wl = Workload(seed=seed, hot=hot, **wl_kw)
-        # a chat of t turns sends t requests: sessions per second from requests per second
-        await chats(nodes, wl, req_per_s / (sum(turns) / 2), seconds, seed, log, in_turn, later)
+        async with _front(nodes, peer, where) as via:
+            # a chat of t turns sends t requests: sessions per second from requests per second
+            await chats(nodes, wl, req_per_s / (sum(turns) / 2), seconds, seed, log, in_turn, later, via, cut)
     finally:
         stop.set()
         await sampler
@@ -224,7 +238,8 @@ async def one_run(tmp: Path, placement: str, req_per_s: float, seconds: float, h
             c[1] += b["messages"][0]["content"] == wl.systems[0]
     halves = [[s.ttft for s in window if s.ttft is not None and (s.t_send >= (t_warm + t_end) / 2) == late]
               for late in (False, True)]
-    return {"placement": placement, "rate": req_per_s, "requests": len(log), "ok": len(done),
+    return {"placement": f"sglang {peer}" if peer else placement, "rate": req_per_s, "requests": len(log),
+            "ok": len(done),
             "failed": len(log) - len(done), "errors": statuses([s for _, s in log if not s.ok]),
             "hit": cached / prompt if prompt else 0.0,
             "oracle": shared_cache_hit_rate(prompt_ids(b for b, _ in done), 3 * kv_blocks,
@@ -239,6 +254,20 @@ async def one_run(tmp: Path, placement: str, req_per_s: float, seconds: float, h
             "later": len([1 for t, _ in later if t_warm <= t < t_end]),
             "later_on_history": sum(same for t, same in later if t_warm <= t < t_end),
             "ttft_p50_halves": [stats.pct(h, 50) if h else None for h in halves]}
+
+
+@contextlib.asynccontextmanager
+async def _front(nodes: list[Node], peer: str | None, where: Path) -> AsyncIterator[str | None]:
+    """SGLang's router with policy `peer` in front of `nodes` (its URL), or None without a peer."""
+    if peer is None:
+        yield None
+        return
+    cm = sglang_router([n.srv.url for n in nodes], peer, where / "router.log")
+    url = await asyncio.to_thread(cm.__enter__)
+    try:
+        yield url
+    finally:
+        await asyncio.to_thread(cm.__exit__, None, None, None)
 
 
 def _max_over_mean(means: dict[str, float]) -> float | None:
@@ -321,6 +350,24 @@ async def part_a(tmp: Path, seconds: float, loads: tuple[float, ...] = LOADS, wo
         hot_runs.append(r)
     return {"workload": workload, "kv_blocks": kv_blocks, "mean_p": mean_p, "capacity": capacity,
             "seconds": seconds, "runs": runs, "hot": hot_runs, "ladder": ladder}
+
+
+async def part_s(tmp: Path, seconds: float, loads: tuple[float, ...], capacity: float,
+                 workload: str = "pressure") -> dict[str, Any]:
+    """(s) as data: at each load llmd's routing, then SGLang's router with each policy in front of
+    nodes that route nothing, the same chats each time (bench/lib/cluster_sglang.py reports it)."""
+    await asyncio.to_thread(peer_sglang.ensure)  # installed before the first run, not inside one
+    runs = []
+    for load in loads:
+        for who in cluster_sglang.WHO:
+            r = await one_run(tmp, "score", load * capacity, seconds, warmup_s=seconds / 3, workload=workload,
+                              peer=None if who == "llmd" else who, cut=True)
+            r.update(load=load, who=who)
+            print("s", {k: r[k] for k in ("load", "who", "ok", "requests", "hit", "ttft_p50", "ttft_p90")},
+                  flush=True)
+            runs.append(r)
+    return {"workload": workload, "capacity": capacity, "seconds": seconds, "runs": runs,
+            "package": peer_sglang.PACKAGE}
 
 
 def merge_a(parts: list[dict[str, Any]]) -> dict[str, Any]:
@@ -611,6 +658,9 @@ def main() -> None:
     ap.add_argument("--h-from", help="(h): write it from comma-separated --save files (their runs so far)")
     ap.add_argument("--h-before-first", action="store_true", help="(h): run the baseline first in each pair")
     ap.add_argument("--h-kinds", default="chats,70", help="(h): which workloads: chats, 70 (a)'s at 70 %%")
+    ap.add_argument("--s-loads", default=",".join(map(str, cluster_sglang.LOADS)),
+                    help="(s): fractions of round robin's capacity")
+    ap.add_argument("--s-seconds", type=float, default=cluster_sglang.SECONDS, help="(s): arrivals per run")
     args = ap.parse_args()
     if args.h_from:  # (h) from saves, as far as each got (a run cut short keeps its finished runs)
         hd = merge_h([json.loads(Path(f).read_text()) for f in args.h_from.split(",")])
@@ -653,6 +703,15 @@ def main() -> None:
                                     tuple(k.replace("70", "70 %") for k in args.h_kinds.split(",")),
                                     args.h_before_first))
             sections["(h)"] = (H_TITLE, report_h(hd), time.monotonic() - t)
+        if "s" in parts:
+            if args.capacity is None:
+                raise SystemExit("--parts s needs --capacity (round robin's, from (a))")
+            t = time.monotonic()
+            sd = asyncio.run(part_s(tmp, args.s_seconds, tuple(float(x) for x in args.s_loads.split(",")),
+                                    args.capacity, args.workload))
+            if args.save:
+                args.save.write_text(json.dumps(sd))
+            sections["(s)"] = (cluster_sglang.TITLE, cluster_sglang.report_s(sd), time.monotonic() - t)
         if "c" in parts:
             t = time.monotonic()
             lines = asyncio.run(part_c(tmp, args.seconds))

@@ -20,7 +20,7 @@ INTRO = ("Issue J's cluster on llmd processes with fake engines on loopback (the
          "(a4): `bench/cluster.py --homes`; (a5): `bench/cluster_homes.py`; (a14), (a15): `bench/cluster_misses.py` "
          "(and (a15) `bench/cluster_hot.py`); (a20), (a21): `bench/cluster_hot.py --save`; "
          "(b): `bench/cluster_faults.py`; (c): `bench/cluster_gossip.py`; "
-         "(e): `bench/cluster_registry.py`; (h): `bench/cluster.py --parts h`; "
+         "(e): `bench/cluster_registry.py`; (h): `bench/cluster.py --parts h`; (s): `bench/cluster.py --parts s`; "
          "the real engine: tests/engine/test_cluster_engine.py. Each subsection names the run that produced it.")
 ADMIN_KEY = "sk-bench-cluster-admin"
 NODE_TOML = """

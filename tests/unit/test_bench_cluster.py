@@ -130,3 +130,37 @@ def test_the_hot_sweep_reads_requests_waiting_and_requests_in_the_node_apart() -
     row = next(line for line in lines if line.startswith("| 70% | 2 |"))
     assert "| n/a | n0 0.20, n1 0.60 | 1.50 | n0 6 (5) |" in row  # 0/0 waiting reads n/a, not a pass
     assert lines[2] == "Date: then"
+
+
+def test_part_s_runs_every_router_on_the_same_chats_at_each_load(monkeypatch: pytest.MonkeyPatch) -> None:
+    from bench.lib import cluster_sglang, peer_sglang
+
+    seen: list[tuple[float, str | None, int, bool]] = []
+
+    async def one_run(tmp: Path, placement: str, rate: float, seconds: float, **kw: Any) -> dict[str, Any]:
+        assert placement == "score" and kw["warmup_s"] == seconds / 3
+        seen.append((rate, kw["peer"], kw.get("seed", 1), kw["cut"]))
+        return {"rate": rate, "failed": 0, "ok": 1, "requests": 1, "hit": 0.5, "ttft_p50": 0.1, "ttft_p90": 0.2}
+
+    monkeypatch.setattr(bc, "one_run", one_run)
+    monkeypatch.setattr(peer_sglang, "ensure", lambda: Path("."))
+    data = asyncio.run(bc.part_s(Path("."), 30.0, (0.5, 1.2), 4.0))
+    assert seen == [(r, p, 1, True) for r in (2.0, 4.8) for p in (None, "cache_aware", "round_robin")]
+    assert [(r["load"], r["who"]) for r in data["runs"]] == [(ld, w) for ld in (0.5, 1.2) for w in cluster_sglang.WHO]
+
+
+def _s_run(load: float, who: str, hit: float, p90: float) -> dict[str, Any]:
+    return {"load": load, "who": who, "rate": 1.0, "ok": 10, "requests": 10, "failed": 0, "hit": hit,
+            "ttft_p50": p90 / 2, "ttft_p90": p90}
+
+
+def test_report_s_holds_llmd_to_the_best_sglang_policy_at_each_load() -> None:
+    from bench.lib.cluster_sglang import report_s
+
+    runs = [_s_run(0.5, "llmd", 0.80, 0.39), _s_run(0.5, "cache_aware", 0.80, 1.0),
+            _s_run(0.5, "round_robin", 0.5, 0.5), _s_run(1.2, "llmd", 0.70, 0.40),
+            _s_run(1.2, "cache_aware", 0.71, 2.0), _s_run(1.2, "round_robin", 0.3, 0.6)]
+    lines = report_s({"workload": "pressure", "capacity": 4.5, "seconds": 50.0, "package": "p", "runs": runs})
+    verdicts = [ln for ln in lines if ln.startswith("- ")]
+    assert [v.rsplit(": ", 1)[1] for v in verdicts] == ["PASS", "PASS", "MISS", "PASS", "PASS"]
+    assert "0.78x" in verdicts[1] and "0.67x" in verdicts[3]  # against the faster peer's p90, not cache_aware's

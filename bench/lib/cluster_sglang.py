@@ -1,0 +1,70 @@
+"""Bench (s) of bench/cluster.py: llmd's routing against SGLang's router (`cache_aware` and
+`round_robin`) in front of the same llmd nodes, on the same chats, from light load to past
+capacity; what it measures and how it reads.
+
+Issue N's target: at every load llmd's prefix hit rate >= each SGLang policy's, and its TTFT p90
+<= 0.8x each one's. Hit rates are the nodes' own (each response's `cached_tokens` over its
+prompt tokens), so the routers are compared on the caches they leave behind, not on their own
+guesses of them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from bench.lib import report
+
+TITLE = "(s) Routing against SGLang's router, llmd's own routing off behind it"
+LOADS = (0.3, 0.5, 0.7, 0.9, 1.2)
+# Arrivals per run: 15 runs (5 loads x 3 routers) fit the 20 minutes a bench gets on this box
+# with nodes started afresh for each run (about 10 s) and no drain waited for (`cut`).
+SECONDS = 50.0
+WHO = ("llmd", "cache_aware", "round_robin")  # llmd's routing, then SGLang's policies
+HIT_TARGET, TTFT_TARGET = 1.0, 0.8  # llmd's hit rate >= 1x each peer's; its TTFT p90 <= 0.8x each peer's
+
+
+def label(who: str) -> str:
+    return "llmd" if who == "llmd" else f"sglang {who}"
+
+
+def describe(data: dict[str, Any]) -> list[str]:
+    return [" ".join([
+        f"Workload `{data['workload']}` as in (a) (multi-turn chats on Zipf-popular shared system prompts),",
+        "3 llmd nodes with fake engines as in (a). Loads are fractions of (a)'s round-robin capacity,",
+        f"{data['capacity']:.2f} req/s. `llmd`: the nodes route (the shipped `[cluster]` defaults), each",
+        "request entering at its drawn node as a plain load balancer would send it; `sglang ...`: SGLang's",
+        f"router ({data['package']}, its defaults but the addresses) in front of the same nodes started",
+        "afresh with `[cluster] routing = \"local\"` (each node runs what it receives), every request sent",
+        "to the router. Every run of a load sends the same chats at the same times (drawn before it starts);",
+        f"{data['seconds']:.0f} s of arrivals per run, the first third warming the caches and not counted, no",
+        "turn started after the arrivals end. Hit rate: the nodes' cached prompt tokens over prompt tokens",
+        "(each response's usage); TTFT from the client, through the router where there is one."])]
+
+
+def report_s(data: dict[str, Any]) -> list[str]:
+    """The table of every run and the issue's verdicts, load by load."""
+    runs = data["runs"]
+    by = {(r["load"], r["who"]): r for r in runs}
+    loads = sorted({r["load"] for r in runs})
+    rows = [[f"{r['load']:.0%}", label(r["who"]), f"{r['rate']:.2f}", f"{r['ok']}/{r['requests']}",
+             f"{r['hit']:.2f}", report.num(r["ttft_p50"], 3), report.num(r["ttft_p90"], 3)]
+            for ld in loads for who in WHO if (r := by.get((ld, who)))]
+    lines = [*describe(data), "",
+             *report.table(["load", "router", "req/s", "ok", "hit rate", "TTFT p50 s", "TTFT p90 s"], rows), ""]
+    verdicts = []
+    for ld in loads:
+        ours = by.get((ld, "llmd"))
+        peers = [by[(ld, w)] for w in WHO[1:] if (ld, w) in by]
+        if ours is None or not peers:
+            continue
+        best_hit = max(p["hit"] for p in peers)
+        p90s = [p["ttft_p90"] for p in peers if p["ttft_p90"] is not None]
+        best_p90 = min(p90s) if p90s else None
+        hit_ok = ours["hit"] >= HIT_TARGET * best_hit
+        ttft_ok = ours["ttft_p90"] is not None and best_p90 is not None and ours["ttft_p90"] <= TTFT_TARGET * best_p90
+        ratio = ours["ttft_p90"] / best_p90 if ours["ttft_p90"] is not None and best_p90 else None
+        verdicts += [(f"{ld:.0%}: llmd's hit rate >= SGLang's best ({ours['hit']:.2f} vs {best_hit:.2f})", hit_ok),
+                     (f"{ld:.0%}: llmd's TTFT p90 <= {TTFT_TARGET}x SGLang's best ({report.num(ours['ttft_p90'], 3)}"
+                      f" vs {report.num(best_p90, 3)} s: {report.num(ratio, 2)}x)", ttft_ok)]
+    failed = sum(int(r["failed"]) for r in runs)
+    verdicts.append((f"no request failed in any run ({failed})", failed == 0))
+    return lines + report.verdict_lines(verdicts)
