@@ -59,7 +59,7 @@ def tenant_limits(capacity: float, scale: float, seconds_per_min: float = 60.0,
 
 def llmd_tenants() -> dict[str, dict[str, Any]]:
     """Each bench tenant as config.toml's demo tenant (its weight, limits and class): llmd keeps
-    tenants apart by fair queueing and on-time admission, not by cutting each to a fixed share."""
+    tenants apart by fair queueing, not by cutting each to a fixed share."""
     demo = {k: v for k, v in shipped()["tenants"][0].items() if k not in ("name", "keys")}
     return {t: dict(demo) for t in MIX}
 

@@ -101,7 +101,8 @@ def lines(res: dict[str, Any], a: argparse.Namespace) -> list[str]:
         "LiteLLM's per-key limits (each tenant's demand at 1.0x plus 20 %): "
         + "; ".join(f"{t} {v['tpm']} TPM, {v['rpm']} RPM" for t, v in lim.items())
         + ". llmd runs config.toml as shipped with the three tenants set as its demo tenant (weight 1, "
-        "200,000 TPM, 64 concurrent, class interactive): fair queueing and on-time admission keep them apart.",
+        "200,000 TPM, 64 concurrent, class interactive): fair queueing keeps them apart "
+        "(on-time admission, max_wait_s, is off as shipped).",
     ]
     note = res.get("litellm_note")
     if note:
