@@ -40,7 +40,7 @@ async def test_json_schema_outputs_validate_100_of_100(engine_server: EngineServ
     async def one(i: int) -> dict:
         async with sem:
             r = await c.chat.completions.parse(model="smollm2", messages=MSG, response_format=Scientist,
-                                               temperature=0.7, seed=i, max_tokens=120)
+                                               temperature=0.7, seed=i, max_tokens=300)
         assert r.choices[0].finish_reason == "stop", r.choices[0]
         assert isinstance(r.choices[0].message.parsed, Scientist)
         return json.loads(r.choices[0].message.content)
@@ -121,7 +121,7 @@ async def test_a_seeded_request_whose_prefill_is_split_does_not_kill_the_engine(
     c = client(engine_server)
 
     async def one(i: int) -> openai.types.Completion:
-        prompt = f"Request {i}. " + " ".join(f"entry {k} of list {i}," for k in range(140))
+        prompt = f"Request {i}. " + " ".join(f"entry {k} of list {i}," for k in range(70))  # ~650 tokens
         return await c.completions.create(model="smollm2", prompt=prompt, max_tokens=4, temperature=0.8, seed=i)
 
     got = await asyncio.gather(*(one(i) for i in range(3)))
