@@ -138,7 +138,8 @@ class Service:
         rt = self.route(req.model, tenant, key)  # the version `prepare` will pick for this conversation
         record.model = rt.cfg.name
         check_prompt_bytes(rt.cfg, req)  # before any work that grows with the prompt
-        self._refuse_if_late(record, rt, tenant, self.priority_class(tenant, asked_class or req.priority_class))
+        if rt.cfg.scheduling.max_wait_s:  # off by default: no queue walk on the serving path
+            self._refuse_if_late(record, rt, tenant, self.priority_class(tenant, asked_class or req.priority_class))
         chain = self.filters.input_chain(rt.cfg, tenant)
         if not chain:
             return
@@ -231,6 +232,8 @@ class Service:
         if self.router is not None or "fallback" in rt.cfg.degradation.steps:
             return
         budget = self._max_wait(rt, klass)
+        if budget is None:
+            return
         est = rt.scheduler.estimate_wait(tenant.name, klass, rt.cfg.scheduling.fairness == "vtc")
         if (late := self.admission.too_late(tenant, est, budget)) is not None:
             record.decision = f"shed:{late.reason}"

