@@ -86,7 +86,8 @@ class _SimpleCodec:
     An id cannot be turned back into its piece, so decoding reads the pieces encoded so far, and
     that memory is the process's, shared by every instance: a real tokenizer loaded again from the
     same files decodes the same ids the same way, so an engine rebuilt after a crash (a new
-    instance) must decode the token ids of a prompt its predecessor encoded (a resumed request's)."""
+    instance) must decode the token ids of a prompt its predecessor encoded (a resumed request's).
+    Two pieces can share an id; the latest encoded wins, since a decode follows its own encode."""
 
     n_vocab = 50000
     specials: ClassVar[dict[str, int]] = {"<|endoftext|>": 0, "<|im_start|>": 1, "<|im_end|>": 2}
@@ -102,8 +103,8 @@ class _SimpleCodec:
             tid = self.specials.get(piece)
             if tid is None:
                 tid = 3 + zlib.crc32(piece.encode()) % (self.n_vocab - 3)
-                if len(self._seen) < 1_000_000:
-                    self._seen.setdefault(tid, piece)
+                if len(self._seen) < 1_000_000 or tid in self._seen:
+                    self._seen[tid] = piece
             out.append(tid)
         return out
 

@@ -11,7 +11,7 @@ import httpx
 import jsonschema
 import openai
 import pytest
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 from tests.conftest import EngineServer, PeerServer
 
@@ -24,8 +24,10 @@ WEATHER = {"type": "function", "function": {
 
 
 class Scientist(BaseModel):
-    name: str
-    born: int
+    """Bounded as a user's schema would be: at temperature 0.7 an unbounded string can run past any max_tokens."""
+
+    name: str = Field(max_length=60)
+    born: int = Field(ge=0, le=2100)
 
 
 def client(srv: EngineServer | PeerServer) -> openai.AsyncOpenAI:

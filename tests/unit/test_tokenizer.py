@@ -166,3 +166,11 @@ def test_simple_tokenizer() -> None:
     assert t.count_chat(msgs)[0] == t.special_tokens["<|im_start|>"]
     with pytest.raises(PromptError):
         t.render_chat([])
+
+
+def test_simple_tokenizer_decodes_the_latest_of_two_colliding_pieces() -> None:
+    """' w193' and ' w613' share an id (crc32 mod the vocabulary): a decode follows its own encode."""
+    t = TiktokenTokenizer.simple()
+    assert t.encode(" w193") == t.encode(" w613")
+    assert t.decode(t.encode("a w193")) == "a w193"
+    assert t.decode(t.encode("a w613")) == "a w613"
