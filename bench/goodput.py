@@ -21,7 +21,7 @@ import contextlib
 import sys
 import time
 import tomllib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +62,21 @@ def llmd_tenants() -> dict[str, dict[str, Any]]:
     tenants apart by fair queueing, not by cutting each to a fixed share."""
     demo = {k: v for k, v in shipped()["tenants"][0].items() if k not in ("name", "keys")}
     return {t: dict(demo) for t in MIX}
+
+
+def _model(cfg: dict[str, Any]) -> dict[str, Any]:
+    m: dict[str, Any] = cfg["models"][0]
+    return m
+
+
+# Bench-only variants of the shipped config, each run beside it as "llmd+NAME" (never instead of it).
+VARIANTS: dict[str, Callable[[dict[str, Any]], None]] = {
+    "no-itl": lambda c: _model(c)["scheduling"].pop("target_itl_ms", None),
+    "no-filters": lambda c: _model(c).pop("filters", None),
+    "no-degrade": lambda c: _model(c).setdefault("degradation", {}).update(steps=[]),
+    "on-time": lambda c: _model(c)["scheduling"].update(max_wait_s=1.0),
+    "chunk128": lambda c: _model(c)["engine"].update(max_num_batched_tokens=128),
+}
 
 
 # -- servers ---------------------------------------------------------------------------
@@ -169,6 +184,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=7)
     p.add_argument("--scale", type=float, default=0.25,
                    help="every length times this (1: the issue's shape, for a GPU box; 0.25 fits a 2-core CPU)")
+    p.add_argument("--variants", default="",
+                   help=f"bench-only llmd variants run beside the shipped one, '+' joins two ({', '.join(VARIANTS)})")
     p.add_argument("--no-write", action="store_true")
 
 
@@ -193,6 +210,18 @@ async def server_runs(bench: Bench, srv: Srv, a: argparse.Namespace, capacity: f
             rows[f"{srv.kind}@{tag}"] = goodput_report.summarise(outs, a.seconds, SLO)
             print(f"  {srv.kind} {tag}: {goodput_report.one_line(rows[f'{srv.kind}@{tag}'])}", flush=True)
             await settle(srv, 8.0)
+
+
+def patch(name: str) -> Callable[[dict[str, Any]], None]:
+    """One variant, or several joined by '+', applied in order."""
+    unknown = [n for n in name.split("+") if n not in VARIANTS]
+    if unknown:
+        sys.exit(f"unknown variant {unknown[0]!r}: one of {', '.join(VARIANTS)}")
+
+    def apply(cfg: dict[str, Any]) -> None:
+        for n in name.split("+"):
+            VARIANTS[n](cfg)
+    return apply
 
 
 SLO = (float(shipped()["slo"]["ttft_p95_s"]), float(shipped()["slo"]["itl_p95_s"]))
@@ -224,6 +253,9 @@ async def main_async(a: argparse.Namespace) -> dict[str, Any]:
     if "llmd" in servers:
         with bench.llmd_shipped("llmd", llmd_tenants()) as srv:
             await server_runs(bench, srv, a, capacity, loads, "llmd" in floods, rows)
+    for v in (v for v in a.variants.split(",") if v):
+        with bench.llmd_shipped(f"llmd-{v}", llmd_tenants(), patch(v), kind=f"llmd+{v}") as srv:
+            await server_runs(bench, srv, a, capacity, loads, False, rows)
     return {"capacity": capacity, "limits": limits, "rows": rows, "loads": loads, "servers": servers,
             "seconds": time.monotonic() - t_start, "version": bench.version, "slo": SLO,
             "litellm_note": LIMITS_NOTE if "litellm" in servers else None}

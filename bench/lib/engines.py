@@ -15,7 +15,7 @@ import os
 import tempfile
 import time
 import tomllib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -61,7 +61,7 @@ class Srv:
         h: dict[str, str] = {}
         if tenant in self.keys:
             h["Authorization"] = f"Bearer {self.keys[tenant]}"
-        if klass and self.kind == "llmd":
+        if klass and self.kind.startswith("llmd"):
             h["X-Priority-Class"] = klass
         return h
 
@@ -119,9 +119,11 @@ class Bench:
             yield Srv("llmd", f"http://127.0.0.1:{port}", keys, admin, log)
 
     @contextlib.contextmanager
-    def llmd_shipped(self, tag: str, tenants: dict[str, dict[str, Any]]) -> Iterator[Srv]:
+    def llmd_shipped(self, tag: str, tenants: dict[str, dict[str, Any]],
+                     patch: Callable[[dict[str, Any]], None] | None = None, kind: str = "llmd") -> Iterator[Srv]:
         """`llmd serve` on config.toml as users run it (its model and engine settings, filters, ITL
-        target, degradation), with these tenants (fresh keys) in place of its demo tenant."""
+        target, degradation), with these tenants (fresh keys) in place of its demo tenant; `patch`
+        edits the parsed file for a bench-only variant, reported beside the shipped row."""
         from llmd.auth import generate_key, hash_key
 
         port, admin = free_port(), generate_key()
@@ -131,11 +133,13 @@ class Bench:
                           "default_deadline_s": 600, "max_deadline_s": 600}
         cfg["auth"] = {"admin_keys": [hash_key(admin)]}
         cfg["tenants"] = [{"name": t, "keys": [hash_key(keys[t])], **extra} for t, extra in tenants.items()]
+        if patch is not None:
+            patch(cfg)
         path = self.scratch / f"{tag}.toml"
         path.write_text(dump_toml(cfg))
         with self._run(tag, [tool("llmd"), "serve", "--config", str(path)], port, "/ready",
                        kv_gib=cfg["models"][0]["engine"]["kv_cache_gib"]) as log:
-            yield Srv("llmd", f"http://127.0.0.1:{port}", keys, admin, log)
+            yield Srv(kind, f"http://127.0.0.1:{port}", keys, admin, log)
 
     @contextlib.contextmanager
     def vllm(self, tag: str) -> Iterator[Srv]:
