@@ -70,12 +70,14 @@ def _model(cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 # Bench-only variants of the shipped config, each run beside it as "llmd+NAME" (never instead of it).
-VARIANTS: dict[str, Callable[[dict[str, Any]], None]] = {
-    "no-itl": lambda c: _model(c)["scheduling"].pop("target_itl_ms", None),
-    "no-filters": lambda c: _model(c).pop("filters", None),
-    "no-degrade": lambda c: _model(c).setdefault("degradation", {}).update(steps=[]),
-    "on-time": lambda c: _model(c)["scheduling"].update(max_wait_s=1.0),
-    "chunk128": lambda c: _model(c)["engine"].update(max_num_batched_tokens=128),
+VARIANTS: dict[str, tuple[str, Callable[[dict[str, Any]], None]]] = {
+    "itl200": ("target_itl_ms = 200 (the ITL controller)",
+               lambda c: _model(c)["scheduling"].update(target_itl_ms=200)),
+    "no-filters": ("no output or input filters", lambda c: _model(c).pop("filters", None)),
+    "no-degrade": ("degradation steps = []", lambda c: _model(c).setdefault("degradation", {}).update(steps=[])),
+    "on-time": ("max_wait_s = 1.0 (on-time admission)", lambda c: _model(c)["scheduling"].update(max_wait_s=1.0)),
+    "chunk128": ("engine max_num_batched_tokens = 128",
+                 lambda c: _model(c)["engine"].update(max_num_batched_tokens=128)),
 }
 
 
@@ -173,8 +175,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.set_defaults(kv_gib=eng["kv_cache_gib"], max_num_seqs=eng["max_num_seqs"],
                    max_num_batched_tokens=eng["max_num_batched_tokens"])
     p.add_argument("--loads", default="0.5,1,1.5,2", help="multiples of the measured capacity")
-    p.add_argument("--seconds", type=float, default=60.0, help="arrival window of each run")
-    p.add_argument("--drain-s", type=float, default=15.0, help="how long clients wait after the last arrival")
+    p.add_argument("--seconds", type=float, default=45.0, help="arrival window of each run")
+    p.add_argument("--drain-s", type=float, default=12.0, help="how long clients wait after the last arrival")
     p.add_argument("--capacity", type=float, help="requests/s of the mix (default: measured on vllm serve)")
     p.add_argument("--capacity-s", type=float, default=45.0)
     p.add_argument("--servers", default="vllm,litellm,llmd")
@@ -220,7 +222,7 @@ def patch(name: str) -> Callable[[dict[str, Any]], None]:
 
     def apply(cfg: dict[str, Any]) -> None:
         for n in name.split("+"):
-            VARIANTS[n](cfg)
+            VARIANTS[n][1](cfg)
     return apply
 
 
@@ -256,7 +258,9 @@ async def main_async(a: argparse.Namespace) -> dict[str, Any]:
     for v in (v for v in a.variants.split(",") if v):
         with bench.llmd_shipped(f"llmd-{v}", llmd_tenants(), patch(v), kind=f"llmd+{v}") as srv:
             await server_runs(bench, srv, a, capacity, loads, False, rows)
+    variants = {v: "; ".join(VARIANTS[n][0] for n in v.split("+")) for v in a.variants.split(",") if v}
     return {"capacity": capacity, "limits": limits, "rows": rows, "loads": loads, "servers": servers,
+            "variants": variants,
             "seconds": time.monotonic() - t_start, "version": bench.version, "slo": SLO,
             "litellm_note": LIMITS_NOTE if "litellm" in servers else None}
 
@@ -265,6 +269,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(p)
     a = p.parse_args()
+    for v in (v for v in a.variants.split(",") if v):
+        patch(v)  # an unknown name stops the bench before any server starts
     exit_on_sigterm()  # a killed bench still stops its servers (their own process groups)
     res = asyncio.run(main_async(a))
     lines = goodput_report.lines(res, a)

@@ -102,8 +102,11 @@ def lines(res: dict[str, Any], a: argparse.Namespace) -> list[str]:
         + "; ".join(f"{t} {v['tpm']} TPM, {v['rpm']} RPM" for t, v in lim.items())
         + ". llmd runs config.toml as shipped with the three tenants set as its demo tenant (weight 1, "
         "200,000 TPM, 64 concurrent, class interactive): fair queueing keeps them apart "
-        "(on-time admission, max_wait_s, is off as shipped).",
+        "(the ITL target and on-time admission, max_wait_s, are off as shipped).",
     ]
+    if res.get("variants"):
+        out += ["", "Bench-only variants, run beside the shipped config, never instead of it: "
+                + "; ".join(f"llmd+{v}: {what}" for v, what in res["variants"].items()) + "."]
     note = res.get("litellm_note")
     if note:
         out += ["", f"LiteLLM: {note}"]
