@@ -7,6 +7,8 @@ the folded text can still redact the original span.
 
 from __future__ import annotations
 
+import functools
+import re
 import unicodedata
 from collections.abc import Sequence
 
@@ -22,22 +24,41 @@ CONFUSABLES = str.maketrans({
 })
 
 
+# A run of non-ASCII characters: only these go through the per-character folding below.
+_NON_ASCII = re.compile(r"[^\x00-\x7f]+")
+
+
+@functools.lru_cache(maxsize=4096)
+def _fold_char(ch: str) -> str:
+    """One non-ASCII character folded (empty for an invisible one); the same few characters
+    (dashes, curly quotes, accented letters) recur in every window, so each is folded once."""
+    if ch in INVISIBLE:
+        return ""
+    f = unicodedata.normalize("NFKC", ch).casefold().translate(CONFUSABLES)
+    return "".join(c for c in unicodedata.normalize("NFKD", f) if not unicodedata.combining(c))
+
+
 def fold(text: str) -> tuple[str, Sequence[int]]:
-    """(folded text, index in `text` of each folded character)."""
-    if text.isascii():  # the common case, at C speed: only case folds, each character stays where it is
+    """(folded text, index in `text` of each folded character). Folding is per character, and
+    an ASCII character only changes case, so ASCII runs are lowered whole (at C speed)."""
+    if text.isascii():  # the common case: only case folds, each character stays where it is
         return text.lower(), range(len(text))
     out: list[str] = []
     where: list[int] = []
-    for i, ch in enumerate(text):
-        if ch in INVISIBLE:
-            continue
-        if ch.isascii():
-            f = ch.lower()
-        else:
-            f = unicodedata.normalize("NFKC", ch).casefold().translate(CONFUSABLES)
-            f = "".join(c for c in unicodedata.normalize("NFKD", f) if not unicodedata.combining(c))
-        out.append(f)
-        where.extend([i] * len(f))
+    done = 0
+    for m in _NON_ASCII.finditer(text):
+        a, b = m.span()
+        if a > done:
+            out.append(text[done:a].lower())
+            where.extend(range(done, a))
+        for i in range(a, b):
+            f = _fold_char(text[i])
+            out.append(f)
+            where.extend([i] * len(f))
+        done = b
+    if done < len(text):
+        out.append(text[done:].lower())
+        where.extend(range(done, len(text)))
     return "".join(out), where
 
 
