@@ -45,14 +45,17 @@ class Blocklist:
         # A word rule's match (partial or whole) begins with its first letter at a word start:
         # where none is, `hold` skips its partial search (a user's pattern has no such lead: None).
         self._leads: list[re.Pattern[str] | None] = []
+        self._needs: list[str | None] = []  # a word rule's longest word: no match without it (calm)
         for w in words:
             parts = folded(w).split()
             body = r"\s+".join(regex.escape(part) for part in parts)
             self.rules.append((f"word:{len(self.rules)}", regex.compile(rf"(?<!\w){body}(?!\w)")))
             self._leads.append(re.compile(rf"(?<!\w){re.escape(parts[0][0])}") if parts else None)
+            self._needs.append(max(parts, key=len) if parts else None)
         for p in patterns:
             self.rules.append((f"pattern:{len(self.rules)}", regex.compile(p)))
             self._leads.append(None)
+            self._needs.append(None)
         self._last: tuple[str, str, Sequence[int]] = ("", "", ())  # scan and hold fold the same text
 
     def _fold(self, text: str) -> tuple[str, Sequence[int]]:
@@ -82,6 +85,20 @@ class Blocklist:
 
     def scan(self, text: str, final: bool) -> list[Match]:
         return self._matches(text, final)
+
+    def calm(self, text: str, start: int) -> bool:
+        """No rule matches anywhere in `text` (a word rule cannot without its longest word in the
+        folded text, a cheap substring test) and `hold` would answer 0 (its own steps, inline)."""
+        f, where = self._fold(text)
+        pos = -1
+        for (_, rx), need, lead in zip(self.rules, self._needs, self._leads, strict=True):
+            if (need is None or need in f) and rx.search(f) is not None:
+                return False
+            if pos < 0:
+                pos = start if text.isascii() else bisect_left(where, start)
+            if (lead is None or lead.search(f, pos) is not None) and undecided(rx, f, pos) is not None:
+                return False
+        return True
 
     def hold(self, text: str, start: int) -> int:
         """From the first folded character that may still begin a rule's match: a prefix of a phrase
@@ -139,6 +156,25 @@ _LEADS = {"card": re.compile(r"\d"), "phone": re.compile(r"[\d+]"),
           "secret": re.compile(r"sk|AK|gh|xo|ll|--|[sAgxl-]\Z")}
 
 
+# For `PII.calm` (`re`, faster than `regex` here, and never narrower than the patterns): what a
+# kind's match, or the start of one, past `start` needs there. A card or a phone number ends in a
+# digit, so one ending past `start` has one there, and one beginning there starts with a digit or
+# "+" (a digit `re` does not know, from a newer Unicode, is not ASCII): `_HOT` characters. A secret
+# beginning there starts after a character that is no ASCII word character (its pattern's word
+# boundary) with the first two characters of a prefix, or one of their first characters at the
+# very end (`_SECRET_LEAD`; its "-----" starts with a `_HOT` "-"). A whole secret anywhere has its
+# full prefix (`_SECRET_MARK`), and that a "-", a "_" or "AKIA".
+_HOT = {"card": "0123456789+", "phone": "0123456789+", "secret": "-", "email": ""}
+_SECRET_LEAD = re.compile(r"(?<![A-Za-z0-9_])(?:sk|AK|gh|xo|ll|[sAgxl]\Z)")
+_SECRET_MARK = re.compile(r"sk-|AKIA|gh[pousr]_|xox[baprs]-|llmd-|-----BEGIN ")
+
+
+def _hot(kinds: Iterable[str]) -> re.Pattern[str]:
+    """Any character past ASCII or among `kinds`' `_HOT` ones (a class of the others, negated: fast)."""
+    hot = "".join(_HOT[k] for k in kinds)
+    return re.compile("[^" + "".join(re.escape(chr(i)) for i in range(128) if chr(i) not in hot) + "]")
+
+
 def _secret_marked(text: str) -> bool:
     """Whether `text` has a piece every whole secret contains ("gh?_" has its "_"): without one,
     the secret pattern cannot match, and substring tests are cheaper than its search."""
@@ -160,6 +196,22 @@ class PII:
         if bad:
             raise ValueError(f"unknown PII kinds {bad}; choose from {sorted(_PII)}")
         self.kinds = list(kinds)
+        self._hot = _hot(self.kinds)
+        self._secret = "secret" in self.kinds
+
+    def calm(self, text: str, start: int) -> bool:
+        """No kind's match ends after `start` and none may begin there: nothing a kind needs past
+        `start`, no whole secret's prefix anywhere (see `_HOT`). With "email" (any word may
+        begin an address), what `scan` and `hold` answer."""
+        if "email" in self.kinds:
+            return not [m for m in self.scan(text, False) if m.end > start] and self.hold(text, start) == 0
+        if self._hot.search(text, start) is not None:
+            return False
+        if not self._secret:
+            return True
+        if _SECRET_LEAD.search(text, start) is not None:
+            return False
+        return not ("-" in text or "_" in text or "AKIA" in text) or _SECRET_MARK.search(text) is None
 
     def scan(self, text: str, final: bool) -> list[Match]:
         out: list[Match] = []
@@ -227,6 +279,10 @@ class Degenerate:
     def lookback(self) -> int:
         """Released characters re-read: the longest loop it looks for, whole."""
         return max(self.max_period * self.min_repeats, self.min_chars + self.max_period, self.short_chars)
+
+    def calm(self, text: str, start: int) -> bool:
+        """No loop ends `text` (nothing is ever held)."""
+        return not self.scan(text, False)
 
     def hold(self, text: str, start: int) -> int:
         """Nothing: a loop only stops the stream (it is never cut out of the text), and it is found on

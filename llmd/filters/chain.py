@@ -8,7 +8,9 @@ that spans chunk or token boundaries is caught (and redacted) before any of it l
 `holdback_tokens` bounds the wait: a candidate that grows past it is released from its
 oldest token on, and should it then complete, its start has left and the stream stops.
 Each filter sees the held text plus `lookback` characters of what was already released,
-enough for its longest match (and, for the loop detector, its period).
+enough for its longest match (and, for the loop detector, its period). When nothing is held
+and every filter says the new text is calm (base.py's `Calm`: no match, nothing to hold), it
+leaves at once without the scans and holds: that is most tokens, and their cost per token.
 """
 
 from __future__ import annotations
@@ -126,6 +128,9 @@ class OutputWindow:
         # The bound let out text a candidate may have begun in: look for match starts in the
         # released context too (not only in the pending text), until none begins there.
         self._cut = False
+        # Each filter's `calm` with its lookback, when all have one (and `hold`): the quiet path.
+        calms = [(c, back) for f, back, _ in self._views if (c := getattr(f, "calm", None)) is not None]
+        self._calm = calms if len(calms) == len(self._views) and not self._hold_all else None
 
     @property
     def held_tokens(self) -> int:
@@ -141,6 +146,15 @@ class OutputWindow:
         """Take new output; return the text now safe to release, or a blocking match (then
         nothing more may be released)."""
         held = self.held
+        if not held and text and not final and self._calm is not None and not self._cut and self.arbiter is None:
+            tail = self.released_tail
+            for calm, back in self._calm:
+                ctx = tail[-back:] if back else ""
+                if not calm(ctx + text, len(ctx)):
+                    break
+            else:  # what scan and hold would say: no match, nothing held, so all of it leaves
+                self.released_tail = (tail + text)[-self._keep:]
+                return text, None
         if text or tokens:
             held.append([text, tokens])
         if not held:

@@ -9,6 +9,11 @@ from __future__ import annotations
 import random
 import unicodedata
 
+import pytest
+
+from llmd.filters.base import Match
+from llmd.filters.builtin import PII, Blocklist, Degenerate
+from llmd.filters.chain import OutputWindow
 from llmd.filters.normalize import CONFUSABLES, INVISIBLE, fold
 
 
@@ -33,3 +38,110 @@ def test_fold_by_runs_agrees_with_folding_each_character() -> None:
         text = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 24)))
         f, where = fold(text)
         assert (f, list(where)) == fold_each(text), text
+
+
+# -- calm: never True where scan or hold would have something to say ---------------------------
+PIECES = ["the", " cat", " ask", " will", " sky", " x", " l", " s", "A", "AK", "gh", "ghp_", "xox", "xoxb-", "ll",
+          "llmd-", "sk", "sk-", "-", "--", "-----BEGIN ", "PRIVATE KEY-----", "_", " ", "\n", ".", "(", ")", "+",
+          "+1", " 415", "555", "-0134", "4111", " 1111", "１２", "\u200b", "é", "—", "½", "abcdefghij", "KLMNOPQRST",
+          "12345678901234567890", "example", " banned", " phrase", "EXAMPLE", "Ban\u200dned", "ｐｈｒａｓｅ", "@",
+          "ann", "@example.com", " again", " example banned phrase ", "EXAMPLE BANNED PHRASE.", "ghp_" + "ab" * 18,
+          "AKIA" + "ABCDEFGHIJKLMNOP", "sk-" + "abcdefghijklmnopqrstuvwx", "xoxb-" + "abcdefghijkl",
+          "llmd-" + "abcdefghijklmnopqrst"]
+
+
+def filters() -> list:
+    return [Blocklist("b", ["example banned phrase"]), Blocklist("r", ["example banned phrase"], action="redact"),
+            Blocklist("p", patterns=[r"ba+d \d+"]), PII("shipped", ["phone", "card", "secret"]), PII("all"),
+            PII("card", ["card"]), PII("secret", ["secret"]), PII("phone", ["phone"], action="block"),
+            Degenerate("d", min_repeats=4, min_chars=8, short_chars=12)]
+
+
+def test_calm_only_where_scan_finds_no_new_match_and_hold_holds_nothing() -> None:
+    rng = random.Random(11)
+    calm = {f.name: 0 for f in filters()}
+    for _ in range(3000):
+        text = "".join(rng.choice(PIECES) for _ in range(rng.randint(1, 14)))
+        start = rng.randint(0, len(text))
+        for f in filters():
+            if f.calm(text, start):
+                calm[f.name] += 1
+                assert not [m for m in f.scan(text, False) if m.end > start], (f.name, text, start)
+                assert f.hold(text, start) == 0, (f.name, text, start)
+    assert all(n > 100 for n in calm.values()), calm  # it does say calm, on the texts that are
+
+
+class Plain:
+    """A filter without `calm`: the window asks its scan and hold on every token (the plain path)."""
+
+    def __init__(self, f: object) -> None:
+        self.f, self.name, self.lookback = f, f.name, f.lookback  # type: ignore[attr-defined]
+
+    def scan(self, text: str, final: bool) -> list[Match]:
+        return self.f.scan(text, final)  # type: ignore[attr-defined,no-any-return]
+
+    def hold(self, text: str, start: int) -> int:
+        return self.f.hold(text, start)  # type: ignore[attr-defined,no-any-return]
+
+
+def outcome(chain: list, pieces: list[str], bound: int = 32) -> tuple[list[str], str | None, list[str]]:
+    """What each piece released, the stopping rule if any, and the redactions."""
+    w, out = OutputWindow(chain, bound), []
+    for i, p in enumerate(pieces):
+        text, hit = w.feed(p, 1, i == len(pieces) - 1)
+        if hit is not None:
+            return out, hit.label, w.redactions
+        out.append(text)
+    return out, None, w.redactions
+
+
+def shipped() -> list:
+    return [Blocklist("b", ["example banned phrase"]), PII("p", ["phone", "card", "secret"]), Degenerate("d")]
+
+
+@pytest.mark.parametrize(("pieces", "sent", "stop"), [
+    (["Call", " +", "1 4", "15 ", "555", " 01", "34", " now", "."], "Call [REDACTED:phone] now.", None),
+    (["pay", " 41", "11 1", "111 ", "1111", " 1111", " then"], "pay [REDACTED:card] then", None),
+    (["key", " s", "k-", "abcdefghij", "klmnopqrst", "uv", " ok", "!"], "key [REDACTED:secret] ok!", None),
+    (["key", " gh", "p_", "a1" * 9, "a1" * 9, " ok", "."], "key [REDACTED:secret] ok.", None),
+    (["say", " EXA", "MPLE", " Ban\u200bned", " phr", "ase", " now"], "say ", "b/word:0"),
+    (["say", " ｅｘａｍｐｌｅ", " banned", " PHRASE", "!"], "say ", "b/word:0"),
+])
+def test_split_matches_are_found_as_the_plain_path_finds_them(pieces: list[str], sent: str, stop: str | None) -> None:
+    out, hit, _ = outcome(shipped(), pieces)
+    assert ("".join(out), hit) == (sent, stop)
+    assert outcome(shipped(), pieces) == outcome([Plain(f) for f in shipped()], pieces)
+
+
+def test_random_streams_release_what_the_plain_path_releases() -> None:
+    rng = random.Random(3)
+    for bound in (32, 4):
+        for _ in range(120):
+            text = "".join(rng.choice(PIECES) for _ in range(rng.randint(5, 40)))
+            pieces, i = [], 0
+            while i < len(text):
+                n = rng.randint(1, 5)
+                pieces.append(text[i:i + n])
+                i += n
+            for chain in (shipped(), filters()):
+                assert outcome(chain, pieces, bound) == outcome([Plain(f) for f in chain], pieces, bound), pieces
+
+
+def test_a_calm_token_skips_scan_and_hold() -> None:
+    class Quiet:
+        name, lookback = "q", 8
+
+        def calm(self, text: str, start: int) -> bool:
+            return "!" not in text[start:]
+
+        def scan(self, text: str, final: bool) -> list[Match]:
+            self.scans += 1
+            return []
+
+        def hold(self, text: str, start: int) -> int:
+            return 0
+
+        scans = 0
+    q = Quiet()
+    assert outcome([q], ["a", " b", " c!", " d"]) == (["a", " b", " c!", " d"], None, [])
+    assert q.scans == 2  # " c!" and the final piece; the rest left without a scan
