@@ -89,13 +89,14 @@ class Blocklist:
     def calm(self, text: str, start: int) -> bool:
         """No rule matches anywhere in `text` (a word rule cannot without its longest word in the
         folded text, a cheap substring test) and `hold` would answer 0 (its own steps, inline)."""
-        f, where = self._fold(text)
-        pos = -1
+        if text.isascii():
+            f, pos = text.lower(), start
+        else:
+            f, where = fold(text)
+            pos = start if isinstance(where, range) else bisect_left(where, start)
         for (_, rx), need, lead in zip(self.rules, self._needs, self._leads, strict=True):
             if (need is None or need in f) and rx.search(f) is not None:
                 return False
-            if pos < 0:
-                pos = start if text.isascii() else bisect_left(where, start)
             if (lead is None or lead.search(f, pos) is not None) and undecided(rx, f, pos) is not None:
                 return False
         return True
@@ -104,7 +105,7 @@ class Blocklist:
         """From the first folded character that may still begin a rule's match: a prefix of a phrase
         after a word boundary ("the forb"), a pattern's partial match, a match at the very end."""
         f, where = self._fold(text)
-        pos = start if text.isascii() else bisect_left(where, start)
+        pos = start if isinstance(where, range) else bisect_left(where, start)
         first = len(f)
         for (_, rx), lead in zip(self.rules, self._leads, strict=True):
             if lead is not None and lead.search(f, pos) is None:

@@ -24,8 +24,8 @@ CONFUSABLES = str.maketrans({
 })
 
 
-# A run of non-ASCII characters: only these go through the per-character folding below.
-_NON_ASCII = re.compile(r"[^\x00-\x7f]+")
+# Splits a text around each non-ASCII character: only these go through the folding below.
+_SPLIT = re.compile(r"([^\x00-\x7f])")
 
 
 @functools.lru_cache(maxsize=4096)
@@ -40,26 +40,26 @@ def _fold_char(ch: str) -> str:
 
 def fold(text: str) -> tuple[str, Sequence[int]]:
     """(folded text, index in `text` of each folded character). Folding is per character, and
-    an ASCII character only changes case, so ASCII runs are lowered whole (at C speed)."""
+    an ASCII character only changes case, so ASCII runs are lowered whole (at C speed); where
+    every other character folds to one character (a dash, a curly quote, an accented letter),
+    the index map is the identity too."""
     if text.isascii():  # the common case: only case folds, each character stays where it is
         return text.lower(), range(len(text))
-    out: list[str] = []
+    parts = _SPLIT.split(text)  # ASCII runs at even places, one non-ASCII character at each odd one
+    parts[0::2] = [run.lower() for run in parts[0::2]]
+    chars = parts[1::2] = [_fold_char(ch) for ch in parts[1::2]]
+    if all(len(f) == 1 for f in chars):
+        return "".join(parts), range(len(text))
     where: list[int] = []
-    done = 0
-    for m in _NON_ASCII.finditer(text):
-        a, b = m.span()
-        if a > done:
-            out.append(text[done:a].lower())
-            where.extend(range(done, a))
-        for i in range(a, b):
-            f = _fold_char(text[i])
-            out.append(f)
-            where.extend([i] * len(f))
-        done = b
-    if done < len(text):
-        out.append(text[done:].lower())
-        where.extend(range(done, len(text)))
-    return "".join(out), where
+    i = 0
+    for n, part in enumerate(parts):
+        if n % 2 == 0:
+            where.extend(range(i, i + len(part)))
+            i += len(part)
+        else:
+            where.extend([i] * len(part))
+            i += 1
+    return "".join(parts), where
 
 
 def folded(text: str) -> str:
