@@ -160,7 +160,8 @@ _LEADS = {"card": re.compile(r"\d"), "phone": re.compile(r"[\d+]"),
 # For `PII.calm` (`re`, faster than `regex` here, and never narrower than the patterns): what a
 # kind's match, or the start of one, past `start` needs there. A card or a phone number ends in a
 # digit, so one ending past `start` has one there, and one beginning there starts with a digit or
-# "+" (a digit `re` does not know, from a newer Unicode, is not ASCII): `_HOT` characters. A secret
+# "+": `_HOT` characters (a non-ASCII one only where `regex`'s own `\d` takes it, whose Unicode
+# may be newer than `re`'s). A secret
 # beginning there starts after a character that is no ASCII word character (its pattern's word
 # boundary) with the first two characters of a prefix, or one of their first characters at the
 # very end (`_SECRET_LEAD`; its "-----" starts with a `_HOT` "-"). A whole secret anywhere has its
@@ -170,10 +171,12 @@ _SECRET_LEAD = re.compile(r"(?<![A-Za-z0-9_])(?:sk|AK|gh|xo|ll|[sAgxl]\Z)")
 _SECRET_MARK = re.compile(r"sk-|AKIA|gh[pousr]_|xox[baprs]-|llmd-|-----BEGIN ")
 
 
-def _hot(kinds: Iterable[str]) -> re.Pattern[str]:
-    """Any character past ASCII or among `kinds`' `_HOT` ones (a class of the others, negated: fast)."""
-    hot = "".join(_HOT[k] for k in kinds)
-    return re.compile("[^" + "".join(re.escape(chr(i)) for i in range(128) if chr(i) not in hot) + "]")
+def _hot(kinds: Iterable[str]) -> tuple[re.Pattern[str], Any]:
+    """Any character past ASCII or among `kinds`' `_HOT` ones (`re`: a negated class, fast), and
+    the `_HOT` ones as `regex` reads them (its digits), for a text where the first finds one past ASCII."""
+    hot = "".join(dict.fromkeys("".join(_HOT[k] for k in kinds)))
+    fast = re.compile("[^" + "".join(re.escape(chr(i)) for i in range(128) if chr(i) not in hot) + "]")
+    return fast, regex.compile("[" + regex.escape(hot).replace("0123456789", r"\d") + "]" if hot else "(?!)")
 
 
 def _secret_marked(text: str) -> bool:
@@ -197,7 +200,7 @@ class PII:
         if bad:
             raise ValueError(f"unknown PII kinds {bad}; choose from {sorted(_PII)}")
         self.kinds = list(kinds)
-        self._hot = _hot(self.kinds)
+        self._hot, self._hot_rx = _hot(self.kinds)
         self._secret = "secret" in self.kinds
 
     def calm(self, text: str, start: int) -> bool:
@@ -206,8 +209,9 @@ class PII:
         begin an address), what `scan` and `hold` answer."""
         if "email" in self.kinds:
             return not [m for m in self.scan(text, False) if m.end > start] and self.hold(text, start) == 0
-        if self._hot.search(text, start) is not None:
-            return False
+        hot = self._hot.search(text, start)
+        if hot is not None and (hot.group().isascii() or self._hot_rx.search(text, start) is not None):
+            return False  # a non-ASCII character is hot only if the patterns' own `\d` takes it
         if not self._secret:
             return True
         if _SECRET_LEAD.search(text, start) is not None:

@@ -162,19 +162,25 @@ class OutputWindow:
         pending = held[0][0] if len(held) == 1 else "".join([t for t, _ in held])
         seen = len(self.redactions)
         tail = self.released_tail
-        windows: list[tuple[str, int]] = []  # what each filter was shown: (text, released characters in it)
-        for f, back, _ in self._views:
+        # A filter calm on its window is neither scanned nor asked to hold (not at the end: a match
+        # that ends with the text counts then, which calm does not promise).
+        calms = None if final else self._calm
+        windows: list[tuple[str, int, bool]] = []  # what each filter was shown: (text, released characters, calm)
+        for i, (f, back, _) in enumerate(self._views):
             ctx = tail[-back:] if back else ""
             window = ctx + pending
+            if calms is not None and calms[i][0](window, 0 if self._cut else len(ctx)):
+                windows.append((window, len(ctx), True))
+                continue
             found = f.scan(window, final)
             if found:  # most tokens match nothing: no call to weigh the matches
                 pending, hit = self._apply(found, window, len(ctx), final)
                 if hit is not None:
                     self.held.clear()
                     return "", hit
-            windows.append((window, len(ctx)))
+            windows.append((window, len(ctx), False))
         if len(self.redactions) != seen:  # a redaction changed the pending text: holds read it afresh
-            windows = [(w[:n] + pending, n) for w, n in windows]
+            windows = [(w[:n] + pending, n, False) for w, n, _ in windows]
         released = self._take(len(pending)) if final else self._release(pending, windows)
         if released:
             self.released_tail = (self.released_tail + released)[-self._keep:]
@@ -226,15 +232,15 @@ class OutputWindow:
             return replaced(m, action="block")
         return replaced(m, start=a, end=b, replacement=replacement)
 
-    def _release(self, pending: str, windows: list[tuple[str, int]]) -> str:
+    def _release(self, pending: str, windows: list[tuple[str, int, bool]]) -> str:
         """What no filter could still match across, then whatever is over the bound, oldest first."""
         n = len(pending)
         keep = n if self._hold_all else 0
         if not self._hold_all:
             cut = self._cut
-            for (_, _, hold), (window, n_ctx) in zip(self._views, windows, strict=True):
+            for (_, _, hold), (window, n_ctx, calm) in zip(self._views, windows, strict=True):
                 assert hold is not None  # not _hold_all: each has one
-                k = hold(window, 0 if cut else n_ctx)
+                k = 0 if calm else hold(window, 0 if cut else n_ctx)
                 if k > keep:
                     keep = k
             self._cut = cut and keep > n  # a candidate still reaches into released text

@@ -43,7 +43,8 @@ def test_fold_by_runs_agrees_with_folding_each_character() -> None:
 # -- calm: never True where scan or hold would have something to say ---------------------------
 PIECES = ["the", " cat", " ask", " will", " sky", " x", " l", " s", "A", "AK", "gh", "ghp_", "xox", "xoxb-", "ll",
           "llmd-", "sk", "sk-", "-", "--", "-----BEGIN ", "PRIVATE KEY-----", "_", " ", "\n", ".", "(", ")", "+",
-          "+1", " 415", "555", "-0134", "4111", " 1111", "１２", "\u200b", "é", "—", "½", "abcdefghij", "KLMNOPQRST",
+          "+1", " 415", "555", "-0134", "4111", " 1111", "１２", "١٢٣", "\U00010d40", "\u200b", "é", "—", "½",
+          "abcdefghij", "KLMNOPQRST",
           "12345678901234567890", "example", " banned", " phrase", "EXAMPLE", "Ban\u200dned", "ｐｈｒａｓｅ", "@",
           "ann", "@example.com", " again", " example banned phrase ", "EXAMPLE BANNED PHRASE.", "ghp_" + "ab" * 18,
           "AKIA" + "ABCDEFGHIJKLMNOP", "sk-" + "abcdefghijklmnopqrstuvwx", "xoxb-" + "abcdefghijkl",
