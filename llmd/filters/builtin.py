@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import string
 from bisect import bisect_left
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any
@@ -45,17 +46,20 @@ class Blocklist:
         # A word rule's match (partial or whole) begins with its first letter at a word start:
         # where none is, `hold` skips its partial search (a user's pattern has no such lead: None).
         self._leads: list[re.Pattern[str] | None] = []
-        self._needs: list[str | None] = []  # a word rule's longest word: no match without it (calm)
+        # For `calm`, per rule: its `regex` pattern, a word rule's longest word (no match without
+        # it) and `_tail` (no match of it may still grow or end with the text without that).
+        self._calm: list[tuple[Any, str | None, re.Pattern[str] | None]] = []
         for w in words:
             parts = folded(w).split()
             body = r"\s+".join(regex.escape(part) for part in parts)
             self.rules.append((f"word:{len(self.rules)}", regex.compile(rf"(?<!\w){body}(?!\w)")))
             self._leads.append(re.compile(rf"(?<!\w){re.escape(parts[0][0])}") if parts else None)
-            self._needs.append(max(parts, key=len) if parts else None)
+            self._calm.append((self.rules[-1][1], max(parts, key=len), _tail(parts)) if parts else
+                              (self.rules[-1][1], None, None))
         for p in patterns:
             self.rules.append((f"pattern:{len(self.rules)}", regex.compile(p)))
             self._leads.append(None)
-            self._needs.append(None)
+            self._calm.append((self.rules[-1][1], None, None))
         self._last: tuple[str, str, Sequence[int]] = ("", "", ())  # scan and hold fold the same text
 
     def _fold(self, text: str) -> tuple[str, Sequence[int]]:
@@ -88,16 +92,17 @@ class Blocklist:
 
     def calm(self, text: str, start: int) -> bool:
         """No rule matches anywhere in `text` (a word rule cannot without its longest word in the
-        folded text, a cheap substring test) and `hold` would answer 0 (its own steps, inline)."""
+        folded text, a cheap substring test) and `hold` would answer 0: no rule's partial match, or
+        whole one that ends with the text, begins at or after `start` (`_tail` first, then as `hold`)."""
         if text.isascii():
             f, pos = text.lower(), start
         else:
             f, where = fold(text)
             pos = start if isinstance(where, range) else bisect_left(where, start)
-        for (_, rx), need, lead in zip(self.rules, self._needs, self._leads, strict=True):
+        for rx, need, tail in self._calm:
             if (need is None or need in f) and rx.search(f) is not None:
                 return False
-            if (lead is None or lead.search(f, pos) is not None) and undecided(rx, f, pos) is not None:
+            if (tail is None or tail.search(f, pos) is not None) and undecided(rx, f, pos) is not None:
                 return False
         return True
 
@@ -114,6 +119,15 @@ class Blocklist:
             if s is not None and s < first:
                 first = s
         return 0 if first == len(f) else len(text) - where[first]  # folded -> original: lengths differ
+
+
+def _tail(parts: list[str]) -> re.Pattern[str]:
+    """Where a word rule's partial match, or whole one ending with the text, may begin: its first
+    letter after no ASCII word character (its `regex` word boundary, or more), then to the end
+    only the phrase's letters, white space or characters past ASCII (its `regex` spaces, or more)."""
+    allowed = set("".join(parts)) | set(string.whitespace) | set("\x1c\x1d\x1e\x1f")
+    other = "".join(re.escape(chr(i)) for i in range(128) if chr(i) not in allowed)
+    return re.compile(rf"(?<![A-Za-z0-9_]){re.escape(parts[0][0])}[^{other}]*\Z")
 
 
 def luhn_ok(digits: str) -> bool:
@@ -286,7 +300,11 @@ class Degenerate:
         return max(self.max_period * self.min_repeats, self.min_chars + self.max_period, self.short_chars)
 
     def calm(self, text: str, start: int) -> bool:
-        """No loop ends `text` (nothing is ever held)."""
+        """No loop ends `text` (nothing is ever held): at once where `scan`'s first look finds no
+        candidate period (its last 4 characters nowhere in the `max_period` before them)."""
+        n = len(text)
+        if n < 8 or text.rfind(text[n - 4:], max(0, n - 4 - self.max_period), n - 1) < 0:
+            return True
         return not self.scan(text, False)
 
     def hold(self, text: str, start: int) -> int:

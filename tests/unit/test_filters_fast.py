@@ -146,3 +146,13 @@ def test_a_calm_token_skips_scan_and_hold() -> None:
     q = Quiet()
     assert outcome([q], ["a", " b", " c!", " d"]) == (["a", " b", " c!", " d"], None, [])
     assert q.scans == 2  # " c!" and the final piece; the rest left without a scan
+
+
+def test_calm_sees_a_loop_of_every_period() -> None:
+    rng = random.Random(8)
+    d = Degenerate("d")
+    for period in range(1, d.max_period + 1):
+        unit = "".join(rng.choice("abcdefghij ") for _ in range(period))
+        text = "so it goes: " + unit * (d.lookback // period + 2)
+        assert d.calm(text, len(text) - period) == (not d.scan(text, False)), period
+        assert not d.calm(text, len(text) - period) or not unit.strip(), period
