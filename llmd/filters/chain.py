@@ -135,6 +135,8 @@ class OutputWindow:
     @property
     def held_tokens(self) -> int:
         held = self.held
+        if not held:  # most of the time: read before and after every delta
+            return 0
         return held[0][1] if len(held) == 1 else sum([t for _, t in held])
 
     @property
