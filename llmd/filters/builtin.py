@@ -175,11 +175,10 @@ _LEADS = {"card": re.compile(r"\d"), "phone": re.compile(r"[\d+]"),
 # kind's match, or the start of one, past `start` needs there. A card or a phone number ends in a
 # digit, so one ending past `start` has one there, and one beginning there starts with a digit or
 # "+": `_HOT` characters (a non-ASCII one only where `regex`'s own `\d` takes it, whose Unicode
-# may be newer than `re`'s). A secret
-# beginning there starts after a character that is no ASCII word character (its pattern's word
-# boundary) with the first two characters of a prefix, or one of their first characters at the
-# very end (`_SECRET_LEAD`, "--" or a last "-" for "-----BEGIN"). A whole secret anywhere has its
-# full prefix (`_SECRET_MARK`), and that a "-", a "_" or "AKIA".
+# may be newer than `re`'s). A secret beginning there starts after a character that is no ASCII
+# word character (its pattern's word boundary) with the first two characters of a prefix, or one
+# of their first characters at the very end (`_SECRET_LEAD`, "--" or a last "-" for "-----BEGIN").
+# A whole secret anywhere has its full prefix (`_SECRET_MARK`), and that a "-", a "_" or "AKIA".
 _HOT = {"card": "0123456789+", "phone": "0123456789+", "secret": "", "email": ""}
 _SECRET_LEAD = re.compile(r"(?<![A-Za-z0-9_])(?:sk|AK|gh|xo|ll|[sAgxl]\Z)|--|-\Z")
 _SECRET_MARK = re.compile(r"sk-|AKIA|gh[pousr]_|xox[baprs]-|llmd-|-----BEGIN ")
