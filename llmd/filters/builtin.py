@@ -162,26 +162,25 @@ _DIGIT = re.compile(r"\d")
 _MAY_GROW = {"card": re.compile(r"[ .()-]*"), "phone": re.compile(r"[ .()-]*"), "email": re.compile(r"[.-]*"),
              "secret": re.compile(r"")}
 
-# What a kind's match must begin with (its first consumed character), where that is narrower than
-# any text: without one at or after `start`, neither a partial nor a complete match can begin there,
-# so `hold` skips that kind's partial search (most output has no digit).
-# A secret's begins with the first two characters of one of its prefixes, or is one of their first
-# characters at the very end ("sk-", "AKIA", "gh?_", "xox?-", "llmd-", "-----BEGIN").
-_LEADS = {"card": re.compile(r"\d"), "phone": re.compile(r"[\d+]"),
-          "secret": re.compile(r"sk|AK|gh|xo|ll|--|[sAgxl-]\Z")}
-
-
-# For `PII.calm` (`re`, faster than `regex` here, and never narrower than the patterns): what a
-# kind's match, or the start of one, past `start` needs there. A card or a phone number ends in a
-# digit, so one ending past `start` has one there, and one beginning there starts with a digit or
-# "+": `_HOT` characters (a non-ASCII one only where `regex`'s own `\d` takes it, whose Unicode
-# may be newer than `re`'s). A secret beginning there starts after a character that is no ASCII
-# word character (its pattern's word boundary) with the first two characters of a prefix, or one
-# of their first characters at the very end (`_SECRET_LEAD`, "--" or a last "-" for "-----BEGIN").
-# A whole secret anywhere has its full prefix (`_SECRET_MARK`), and that a "-", a "_" or "AKIA".
+# For `PII.calm` and `PII.hold` (`re`, faster than `regex` here, and never narrower than the
+# patterns): what a kind's match, or the start of one, past `start` needs there. A card or a phone
+# number ends in a digit, so one ending past `start` has one there, and one beginning there starts
+# with a digit or "+": `_HOT` characters (a non-ASCII one only where `regex`'s own `\d` takes it,
+# whose Unicode may be newer than `re`'s). A secret beginning there starts after a character that
+# is no ASCII word character (its pattern's word boundary) with the first two characters of a
+# prefix, or one of their first characters at the very end (`_SECRET_LEAD`, "--" or a last "-"
+# for "-----BEGIN"). A whole secret anywhere has its full prefix (`_SECRET_MARK`), and that a "-",
+# a "_" or "AKIA" (`_secret_marked`).
 _HOT = {"card": "0123456789+", "phone": "0123456789+", "secret": "", "email": ""}
 _SECRET_LEAD = re.compile(r"(?<![A-Za-z0-9_])(?:sk|AK|gh|xo|ll|[sAgxl]\Z)|--|-\Z")
 _SECRET_MARK = re.compile(r"sk-|AKIA|gh[pousr]_|xox[baprs]-|llmd-|-----BEGIN ")
+
+# What a kind's match must begin with (its first consumed character), where that is narrower than
+# any text: without one at or after `start`, neither a partial nor a complete match can begin there,
+# so `hold` skips that kind's partial search (most output has no digit). Any non-ASCII character
+# counts as a digit here: `regex`'s digits (the patterns') include some newer than `re`'s.
+_LEADS = {"card": re.compile(r"\d|[^\x00-\x7f]"), "phone": re.compile(r"[\d+]|[^\x00-\x7f]"),
+          "secret": _SECRET_LEAD}
 
 
 def _hot(kinds: Iterable[str]) -> tuple[re.Pattern[str], Any]:
@@ -193,9 +192,9 @@ def _hot(kinds: Iterable[str]) -> tuple[re.Pattern[str], Any]:
 
 
 def _secret_marked(text: str) -> bool:
-    """Whether `text` has a piece every whole secret contains ("gh?_" has its "_"): without one,
-    the secret pattern cannot match, and substring tests are cheaper than its search."""
-    return "sk-" in text or "AKIA" in text or "_" in text or "xox" in text or "llmd-" in text or "-----" in text
+    """Whether `text` has a whole secret's prefix: without one, the secret pattern cannot match,
+    and substring tests are cheaper than any search."""
+    return ("-" in text or "_" in text or "AKIA" in text) and _SECRET_MARK.search(text) is not None
 
 
 class PII:
@@ -229,7 +228,7 @@ class PII:
             return True
         if _SECRET_LEAD.search(text, start) is not None:
             return False
-        return not ("-" in text or "_" in text or "AKIA" in text) or _SECRET_MARK.search(text) is None
+        return not _secret_marked(text)
 
     def scan(self, text: str, final: bool) -> list[Match]:
         out: list[Match] = []

@@ -156,3 +156,20 @@ def test_calm_sees_a_loop_of_every_period() -> None:
         text = "so it goes: " + unit * (d.lookback // period + 2)
         assert d.calm(text, len(text) - period) == (not d.scan(text, False)), period
         assert not d.calm(text, len(text) - period) or not unit.strip(), period
+
+
+def test_pii_shortcuts_change_no_scan_and_no_hold(monkeypatch: pytest.MonkeyPatch) -> None:
+    """scan's prefix test and hold's leads only skip searches that would find nothing."""
+    from llmd.filters import builtin
+
+    rng = random.Random(21)
+    cases = [("".join(rng.choice(PIECES) for _ in range(rng.randint(1, 12))), rng.random()) for _ in range(1500)]
+    cases = [(text, int(at * len(text))) for text, at in cases]
+
+    def answers() -> list[tuple[list[Match], list[Match], int]]:
+        p = PII("p")
+        return [(p.scan(text, False), p.scan(text, True), p.hold(text, start)) for text, start in cases]
+    fast = answers()
+    monkeypatch.setattr(builtin, "_secret_marked", lambda text: True)
+    monkeypatch.setattr(builtin, "_LEADS", {})
+    assert answers() == fast
