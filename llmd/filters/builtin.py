@@ -53,7 +53,8 @@ class Blocklist:
             parts = folded(w).split()
             body = r"\s+".join(regex.escape(part) for part in parts)
             self.rules.append((f"word:{len(self.rules)}", regex.compile(rf"(?<!\w){body}(?!\w)")))
-            self._leads.append(re.compile(rf"(?<!\w){re.escape(parts[0][0])}") if parts else None)
+            # (after no ASCII word character: `re`'s \w takes some characters `regex`'s does not)
+            self._leads.append(re.compile(rf"(?<![A-Za-z0-9_]){re.escape(parts[0][0])}") if parts else None)
             self._calm.append((self.rules[-1][1], max(parts, key=len), _tail(parts)) if parts else
                               (self.rules[-1][1], None, None))
         for p in patterns:

@@ -43,7 +43,7 @@ def test_fold_by_runs_agrees_with_folding_each_character() -> None:
 # -- calm: never True where scan or hold would have something to say ---------------------------
 PIECES = ["the", " cat", " ask", " will", " sky", " x", " l", " s", "A", "AK", "gh", "ghp_", "xox", "xoxb-", "ll",
           "llmd-", "sk", "sk-", "-", "--", "-----BEGIN ", "PRIVATE KEY-----", "_", " ", "\n", ".", "(", ")", "+",
-          "+1", " 415", "555", "-0134", "4111", " 1111", "１２", "١٢٣", "\U00010d40", "\u200b", "é", "—", "½",
+          "+1", " 415", "555", "-0134", "4111", " 1111", "１２", "١٢٣", "\U00010d40", "\u09f4", "\u200b", "é", "—", "½",
           "abcdefghij", "KLMNOPQRST",
           "12345678901234567890", "example", " banned", " phrase", "EXAMPLE", "Ban\u200dned", "ｐｈｒａｓｅ", "@",
           "ann", "@example.com", " again", " example banned phrase ", "EXAMPLE BANNED PHRASE.", "ghp_" + "ab" * 18,
@@ -173,3 +173,14 @@ def test_pii_shortcuts_change_no_scan_and_no_hold(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setattr(builtin, "_secret_marked", lambda text: True)
     monkeypatch.setattr(builtin, "_LEADS", {})
     assert answers() == fast
+
+
+def test_blocklist_leads_change_no_hold() -> None:
+    """hold's word-start lead only skips partial searches that would find nothing."""
+    rng = random.Random(34)
+    fast, plain = Blocklist("b", ["example banned phrase"]), Blocklist("b", ["example banned phrase"])
+    plain._leads = [None]
+    for _ in range(1500):
+        text = "".join(rng.choice(PIECES) for _ in range(rng.randint(1, 12)))
+        start = rng.randint(0, len(text))
+        assert fast.hold(text, start) == plain.hold(text, start), (text, start)
