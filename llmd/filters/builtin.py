@@ -214,13 +214,13 @@ class PII:
             raise ValueError(f"unknown PII kinds {bad}; choose from {sorted(_PII)}")
         self.kinds = list(kinds)
         self._hot, self._hot_rx = _hot(self.kinds)
-        self._secret = "secret" in self.kinds
+        self._secret, self._email = "secret" in self.kinds, "email" in self.kinds
 
     def calm(self, text: str, start: int) -> bool:
         """No kind's match ends after `start` and none may begin there: nothing a kind needs past
         `start`, no whole secret's prefix anywhere (see `_HOT`). With "email" (any word may
         begin an address), what `scan` and `hold` answer."""
-        if "email" in self.kinds:
+        if self._email:
             return not [m for m in self.scan(text, False) if m.end > start] and self.hold(text, start) == 0
         hot = self._hot.search(text, start)
         if hot is not None and (hot.group().isascii() or self._hot_rx.search(text, start) is not None):

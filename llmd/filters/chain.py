@@ -149,13 +149,13 @@ class OutputWindow:
         nothing more may be released)."""
         held = self.held
         if not held and text and not final and self._calm is not None and not self._cut and self.arbiter is None:
-            tail = self.released_tail
+            whole, n = self.released_tail + text, len(text)  # each window is a suffix of it
             for calm, back in self._calm:
-                ctx = tail[-back:] if back else ""
-                if not calm(ctx + text, len(ctx)):
+                window = whole[-(back + n):] if back else text
+                if not calm(window, len(window) - n):
                     break
             else:  # what scan and hold would say: no match, nothing held, so all of it leaves
-                self.released_tail = (tail + text)[-self._keep:]
+                self.released_tail = whole[-self._keep:]
                 return text, None
         if text or tokens:
             held.append([text, tokens])
