@@ -6,7 +6,8 @@ its streams. Three texts: the fake engine's words (what bench/gateway.py streams
 numbers, punctuation and a few non-ASCII characters, and that prose with a phone number, a card or a key every 40 tokens
 (3-character tokens). Prints µs per token for each (the best of `--repeat` runs: the box is
 shared), and a digest of what left plus the matches found, so a faster chain can be checked to
-release the same text and find the same matches. Writes nothing.
+release the same text and find the same matches: run it on both checkouts (the digests must agree;
+the times are CPU seconds, best of the runs, so compare runs made close together). Writes nothing.
 
     .venv/bin/python bench/filters_cpu.py                # µs per token, digest
     .venv/bin/python bench/filters_cpu.py --profile      # cProfile of one run of each text
