@@ -188,8 +188,10 @@ async def _screened(job: Job, choice: Choice, window: OutputWindow,
                 job.life.fail(stop)
                 raise stop
             if text or d.finish_reason is not None or d.logprobs or d.prompt_logprobs:
-                # its tokens: those whose text it releases (held ones included), for the sent ITL
-                yield d.retold(text, max(0, held + d.num_tokens - window.held_tokens))
+                # its tokens: those whose text it releases (held ones included), for the sent ITL;
+                # a delta let out as it came (most) goes on as it is
+                n = max(0, held + d.num_tokens - window.held_tokens)
+                yield d if text is d.text and n == d.num_tokens else d.retold(text, n)
 
 
 def account(job: Job, choice: Choice, delta: Delta, here: bool = True) -> None:

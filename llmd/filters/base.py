@@ -7,7 +7,9 @@ A match never carries the matched text into logs: only the filter's name and its
 
 An output filter may also say how much of the newest text it needs held back (`HoldsBack`):
 then text that cannot start one of its matches leaves at once. One that does not say keeps
-the behaviour from before: everything newer than `holdback_tokens` waits.
+the behaviour from before: everything newer than `holdback_tokens` waits. One that holds back
+may also say cheaply that a new token changes nothing (`Calm`): the window then lets it out
+without calling `scan` and `hold`, which is most tokens of most output.
 """
 
 from __future__ import annotations
@@ -79,6 +81,23 @@ class HoldsBack(Protocol):
 
     def hold(self, text: str, start: int) -> int:
         """Characters at the end of `text` that could still belong to a match beginning at or after `start`."""
+        ...
+
+
+@runtime_checkable
+class Calm(Protocol):
+    """Optional for an output filter that has `hold` (the window reads it with getattr): a quick
+    "nothing to do" for the common token.
+
+    `calm(text, start)` is shown what `scan` and `hold` would be shown (released context, then
+    `start` onwards the new text, when nothing else is held) and answers True only when
+    `scan(text, False)` would report no match ending after `start` and `hold(text, start)` would
+    answer 0; then the window releases the new text without calling either. False when unsure:
+    the window then asks `scan` and `hold` as usual, so a cautious False costs only time, while
+    a wrong True lets a match out unjudged."""
+
+    def calm(self, text: str, start: int) -> bool:
+        """Whether `text` past `start` certainly holds no match and no start of one."""
         ...
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import string
 from bisect import bisect_left
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any
@@ -45,14 +46,21 @@ class Blocklist:
         # A word rule's match (partial or whole) begins with its first letter at a word start:
         # where none is, `hold` skips its partial search (a user's pattern has no such lead: None).
         self._leads: list[re.Pattern[str] | None] = []
+        # For `calm`, per rule: its `regex` pattern, a word rule's longest word (no match without
+        # it) and `_tail` (no match of it may still grow or end with the text without that).
+        self._calm: list[tuple[Any, str | None, re.Pattern[str] | None]] = []
         for w in words:
             parts = folded(w).split()
             body = r"\s+".join(regex.escape(part) for part in parts)
             self.rules.append((f"word:{len(self.rules)}", regex.compile(rf"(?<!\w){body}(?!\w)")))
-            self._leads.append(re.compile(rf"(?<!\w){re.escape(parts[0][0])}") if parts else None)
+            # (after no ASCII word character: `re`'s \w takes some characters `regex`'s does not)
+            self._leads.append(re.compile(rf"(?<![A-Za-z0-9_]){re.escape(parts[0][0])}") if parts else None)
+            self._calm.append((self.rules[-1][1], max(parts, key=len), _tail(parts)) if parts else
+                              (self.rules[-1][1], None, None))
         for p in patterns:
             self.rules.append((f"pattern:{len(self.rules)}", regex.compile(p)))
             self._leads.append(None)
+            self._calm.append((self.rules[-1][1], None, None))
         self._last: tuple[str, str, Sequence[int]] = ("", "", ())  # scan and hold fold the same text
 
     def _fold(self, text: str) -> tuple[str, Sequence[int]]:
@@ -83,11 +91,27 @@ class Blocklist:
     def scan(self, text: str, final: bool) -> list[Match]:
         return self._matches(text, final)
 
+    def calm(self, text: str, start: int) -> bool:
+        """No rule matches anywhere in `text` (a word rule cannot without its longest word in the
+        folded text, a cheap substring test) and `hold` would answer 0: no rule's partial match, or
+        whole one that ends with the text, begins at or after `start` (`_tail` first, then as `hold`)."""
+        if text.isascii():
+            f, pos = text.lower(), start
+        else:
+            f, where = fold(text)
+            pos = start if isinstance(where, range) else bisect_left(where, start)
+        for rx, need, tail in self._calm:
+            if (need is None or need in f) and rx.search(f) is not None:
+                return False
+            if (tail is None or tail.search(f, pos) is not None) and undecided(rx, f, pos) is not None:
+                return False
+        return True
+
     def hold(self, text: str, start: int) -> int:
         """From the first folded character that may still begin a rule's match: a prefix of a phrase
         after a word boundary ("the forb"), a pattern's partial match, a match at the very end."""
         f, where = self._fold(text)
-        pos = start if text.isascii() else bisect_left(where, start)
+        pos = start if isinstance(where, range) else bisect_left(where, start)
         first = len(f)
         for (_, rx), lead in zip(self.rules, self._leads, strict=True):
             if lead is not None and lead.search(f, pos) is None:
@@ -96,6 +120,15 @@ class Blocklist:
             if s is not None and s < first:
                 first = s
         return 0 if first == len(f) else len(text) - where[first]  # folded -> original: lengths differ
+
+
+def _tail(parts: list[str]) -> re.Pattern[str]:
+    """Where a word rule's partial match, or whole one ending with the text, may begin: its first
+    letter after no ASCII word character (its `regex` word boundary, or more), then to the end
+    only the phrase's letters, white space or characters past ASCII (its `regex` spaces, or more)."""
+    allowed = set("".join(parts)) | set(string.whitespace) | set("\x1c\x1d\x1e\x1f")
+    other = "".join(re.escape(chr(i)) for i in range(128) if chr(i) not in allowed)
+    return re.compile(rf"(?<![A-Za-z0-9_]){re.escape(parts[0][0])}[^{other}]*\Z")
 
 
 def luhn_ok(digits: str) -> bool:
@@ -130,19 +163,39 @@ _DIGIT = re.compile(r"\d")
 _MAY_GROW = {"card": re.compile(r"[ .()-]*"), "phone": re.compile(r"[ .()-]*"), "email": re.compile(r"[.-]*"),
              "secret": re.compile(r"")}
 
+# For `PII.calm` and `PII.hold` (`re`, faster than `regex` here, and never narrower than the
+# patterns): what a kind's match, or the start of one, past `start` needs there. A card or a phone
+# number ends in a digit, so one ending past `start` has one there, and one beginning there starts
+# with a digit or "+": `_HOT` characters (a non-ASCII one only where `regex`'s own `\d` takes it,
+# whose Unicode may be newer than `re`'s). A secret beginning there starts after a character that
+# is no ASCII word character (its pattern's word boundary) with the first two characters of a
+# prefix, or one of their first characters at the very end (`_SECRET_LEAD`, "--" or a last "-"
+# for "-----BEGIN"). A whole secret anywhere has its full prefix (`_SECRET_MARK`), and that a "-",
+# a "_" or "AKIA" (`_secret_marked`).
+_HOT = {"card": "0123456789+", "phone": "0123456789+", "secret": "", "email": ""}
+_SECRET_LEAD = re.compile(r"(?<![A-Za-z0-9_])(?:sk|AK|gh|xo|ll|[sAgxl]\Z)|--|-\Z")
+_SECRET_MARK = re.compile(r"sk-|AKIA|gh[pousr]_|xox[baprs]-|llmd-|-----BEGIN ")
+
 # What a kind's match must begin with (its first consumed character), where that is narrower than
 # any text: without one at or after `start`, neither a partial nor a complete match can begin there,
-# so `hold` skips that kind's partial search (most output has no digit).
-# A secret's begins with the first two characters of one of its prefixes, or is one of their first
-# characters at the very end ("sk-", "AKIA", "gh?_", "xox?-", "llmd-", "-----BEGIN").
-_LEADS = {"card": re.compile(r"\d"), "phone": re.compile(r"[\d+]"),
-          "secret": re.compile(r"sk|AK|gh|xo|ll|--|[sAgxl-]\Z")}
+# so `hold` skips that kind's partial search (most output has no digit). Any non-ASCII character
+# counts as a digit here: `regex`'s digits (the patterns') include some newer than `re`'s.
+_LEADS = {"card": re.compile(r"\d|[^\x00-\x7f]"), "phone": re.compile(r"[\d+]|[^\x00-\x7f]"),
+          "secret": _SECRET_LEAD}
+
+
+def _hot(kinds: Iterable[str]) -> tuple[re.Pattern[str], Any]:
+    """Any character past ASCII or among `kinds`' `_HOT` ones (`re`: a negated class, fast), and
+    the `_HOT` ones as `regex` reads them (its digits), for a text where the first finds one past ASCII."""
+    hot = "".join(dict.fromkeys("".join(_HOT[k] for k in kinds)))
+    fast = re.compile("[^" + "".join(re.escape(chr(i)) for i in range(128) if chr(i) not in hot) + "]")
+    return fast, regex.compile("[" + regex.escape(hot).replace("0123456789", r"\d") + "]" if hot else "(?!)")
 
 
 def _secret_marked(text: str) -> bool:
-    """Whether `text` has a piece every whole secret contains ("gh?_" has its "_"): without one,
-    the secret pattern cannot match, and substring tests are cheaper than its search."""
-    return "sk-" in text or "AKIA" in text or "_" in text or "xox" in text or "llmd-" in text or "-----" in text
+    """Whether `text` has a whole secret's prefix: without one, the secret pattern cannot match,
+    and substring tests are cheaper than any search."""
+    return ("-" in text or "_" in text or "AKIA" in text) and _SECRET_MARK.search(text) is not None
 
 
 class PII:
@@ -160,6 +213,23 @@ class PII:
         if bad:
             raise ValueError(f"unknown PII kinds {bad}; choose from {sorted(_PII)}")
         self.kinds = list(kinds)
+        self._hot, self._hot_rx = _hot(self.kinds)
+        self._secret, self._email = "secret" in self.kinds, "email" in self.kinds
+
+    def calm(self, text: str, start: int) -> bool:
+        """No kind's match ends after `start` and none may begin there: nothing a kind needs past
+        `start`, no whole secret's prefix anywhere (see `_HOT`). With "email" (any word may
+        begin an address), what `scan` and `hold` answer."""
+        if self._email:
+            return not [m for m in self.scan(text, False) if m.end > start] and self.hold(text, start) == 0
+        hot = self._hot.search(text, start)
+        if hot is not None and (hot.group().isascii() or self._hot_rx.search(text, start) is not None):
+            return False  # a non-ASCII character is hot only if the patterns' own `\d` takes it
+        if not self._secret:
+            return True
+        if _SECRET_LEAD.search(text, start) is not None:
+            return False
+        return not _secret_marked(text)
 
     def scan(self, text: str, final: bool) -> list[Match]:
         out: list[Match] = []
@@ -227,6 +297,14 @@ class Degenerate:
     def lookback(self) -> int:
         """Released characters re-read: the longest loop it looks for, whole."""
         return max(self.max_period * self.min_repeats, self.min_chars + self.max_period, self.short_chars)
+
+    def calm(self, text: str, start: int) -> bool:
+        """No loop ends `text` (nothing is ever held): at once where `scan`'s first look finds no
+        candidate period (its last 4 characters nowhere in the `max_period` before them)."""
+        n = len(text)
+        if n < 8 or text.rfind(text[n - 4:], max(0, n - 4 - self.max_period), n - 1) < 0:
+            return True
+        return not self.scan(text, False)
 
     def hold(self, text: str, start: int) -> int:
         """Nothing: a loop only stops the stream (it is never cut out of the text), and it is found on

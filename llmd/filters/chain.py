@@ -8,7 +8,9 @@ that spans chunk or token boundaries is caught (and redacted) before any of it l
 `holdback_tokens` bounds the wait: a candidate that grows past it is released from its
 oldest token on, and should it then complete, its start has left and the stream stops.
 Each filter sees the held text plus `lookback` characters of what was already released,
-enough for its longest match (and, for the loop detector, its period).
+enough for its longest match (and, for the loop detector, its period). When nothing is held
+and every filter says the new text is calm (base.py's `Calm`: no match, nothing to hold), it
+leaves at once without the scans and holds: that is most tokens, and their cost per token.
 """
 
 from __future__ import annotations
@@ -126,10 +128,15 @@ class OutputWindow:
         # The bound let out text a candidate may have begun in: look for match starts in the
         # released context too (not only in the pending text), until none begins there.
         self._cut = False
+        # Each filter's `calm` with its lookback, when all have one (and `hold`): the quiet path.
+        calms = [(c, back) for f, back, _ in self._views if (c := getattr(f, "calm", None)) is not None]
+        self._calm = calms if len(calms) == len(self._views) and not self._hold_all else None
 
     @property
     def held_tokens(self) -> int:
         held = self.held
+        if not held:  # most of the time: read before and after every delta
+            return 0
         return held[0][1] if len(held) == 1 else sum([t for _, t in held])
 
     @property
@@ -141,6 +148,15 @@ class OutputWindow:
         """Take new output; return the text now safe to release, or a blocking match (then
         nothing more may be released)."""
         held = self.held
+        if not held and text and not final and self._calm is not None and not self._cut and self.arbiter is None:
+            whole, n = self.released_tail + text, len(text)  # each window is a suffix of it
+            for calm, back in self._calm:
+                window = whole[-(back + n):] if back else text
+                if not calm(window, len(window) - n):
+                    break
+            else:  # what scan and hold would say: no match, nothing held, so all of it leaves
+                self.released_tail = whole[-self._keep:]
+                return text, None
         if text or tokens:
             held.append([text, tokens])
         if not held:
@@ -148,19 +164,25 @@ class OutputWindow:
         pending = held[0][0] if len(held) == 1 else "".join([t for t, _ in held])
         seen = len(self.redactions)
         tail = self.released_tail
-        windows: list[tuple[str, int]] = []  # what each filter was shown: (text, released characters in it)
-        for f, back, _ in self._views:
+        # A filter calm on its window is neither scanned nor asked to hold (not at the end: a match
+        # that ends with the text counts then, which calm does not promise).
+        calms = None if final else self._calm
+        windows: list[tuple[str, int, bool]] = []  # what each filter was shown: (text, released characters, calm)
+        for i, (f, back, _) in enumerate(self._views):
             ctx = tail[-back:] if back else ""
             window = ctx + pending
+            if calms is not None and calms[i][0](window, 0 if self._cut else len(ctx)):
+                windows.append((window, len(ctx), True))
+                continue
             found = f.scan(window, final)
             if found:  # most tokens match nothing: no call to weigh the matches
                 pending, hit = self._apply(found, window, len(ctx), final)
                 if hit is not None:
                     self.held.clear()
                     return "", hit
-            windows.append((window, len(ctx)))
+            windows.append((window, len(ctx), False))
         if len(self.redactions) != seen:  # a redaction changed the pending text: holds read it afresh
-            windows = [(w[:n] + pending, n) for w, n in windows]
+            windows = [(w[:n] + pending, n, False) for w, n, _ in windows]
         released = self._take(len(pending)) if final else self._release(pending, windows)
         if released:
             self.released_tail = (self.released_tail + released)[-self._keep:]
@@ -212,15 +234,15 @@ class OutputWindow:
             return replaced(m, action="block")
         return replaced(m, start=a, end=b, replacement=replacement)
 
-    def _release(self, pending: str, windows: list[tuple[str, int]]) -> str:
+    def _release(self, pending: str, windows: list[tuple[str, int, bool]]) -> str:
         """What no filter could still match across, then whatever is over the bound, oldest first."""
         n = len(pending)
         keep = n if self._hold_all else 0
         if not self._hold_all:
             cut = self._cut
-            for (_, _, hold), (window, n_ctx) in zip(self._views, windows, strict=True):
+            for (_, _, hold), (window, n_ctx, calm) in zip(self._views, windows, strict=True):
                 assert hold is not None  # not _hold_all: each has one
-                k = hold(window, 0 if cut else n_ctx)
+                k = 0 if calm else hold(window, 0 if cut else n_ctx)
                 if k > keep:
                     keep = k
             self._cut = cut and keep > n  # a candidate still reaches into released text

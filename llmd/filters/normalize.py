@@ -7,6 +7,8 @@ the folded text can still redact the original span.
 
 from __future__ import annotations
 
+import functools
+import re
 import unicodedata
 from collections.abc import Sequence
 
@@ -22,23 +24,42 @@ CONFUSABLES = str.maketrans({
 })
 
 
+# Splits a text around each non-ASCII character: only these go through the folding below.
+_SPLIT = re.compile(r"([^\x00-\x7f])")
+
+
+@functools.lru_cache(maxsize=4096)
+def _fold_char(ch: str) -> str:
+    """One non-ASCII character folded (empty for an invisible one); the same few characters
+    (dashes, curly quotes, accented letters) recur in every window, so each is folded once."""
+    if ch in INVISIBLE:
+        return ""
+    f = unicodedata.normalize("NFKC", ch).casefold().translate(CONFUSABLES)
+    return "".join(c for c in unicodedata.normalize("NFKD", f) if not unicodedata.combining(c))
+
+
 def fold(text: str) -> tuple[str, Sequence[int]]:
-    """(folded text, index in `text` of each folded character)."""
-    if text.isascii():  # the common case, at C speed: only case folds, each character stays where it is
+    """(folded text, index in `text` of each folded character). Folding is per character, and
+    an ASCII character only changes case, so ASCII runs are lowered whole (at C speed); where
+    every other character folds to one character (a dash, a curly quote, an accented letter),
+    the index map is the identity too."""
+    if text.isascii():  # the common case: only case folds, each character stays where it is
         return text.lower(), range(len(text))
-    out: list[str] = []
+    parts = _SPLIT.split(text)  # ASCII runs at even places, one non-ASCII character at each odd one
+    parts[0::2] = [run.lower() for run in parts[0::2]]
+    chars = parts[1::2] = [_fold_char(ch) for ch in parts[1::2]]
+    if all(len(f) == 1 for f in chars):
+        return "".join(parts), range(len(text))
     where: list[int] = []
-    for i, ch in enumerate(text):
-        if ch in INVISIBLE:
-            continue
-        if ch.isascii():
-            f = ch.lower()
+    i = 0
+    for n, part in enumerate(parts):
+        if n % 2 == 0:
+            where.extend(range(i, i + len(part)))
+            i += len(part)
         else:
-            f = unicodedata.normalize("NFKC", ch).casefold().translate(CONFUSABLES)
-            f = "".join(c for c in unicodedata.normalize("NFKD", f) if not unicodedata.combining(c))
-        out.append(f)
-        where.extend([i] * len(f))
-    return "".join(out), where
+            where.extend([i] * len(part))
+            i += 1
+    return "".join(parts), where
 
 
 def folded(text: str) -> str:
