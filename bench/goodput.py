@@ -78,6 +78,9 @@ VARIANTS: dict[str, tuple[str, Callable[[dict[str, Any]], None]]] = {
     "on-time": ("max_wait_s = 1.0 (on-time admission)", lambda c: _model(c)["scheduling"].update(max_wait_s=1.0)),
     "chunk128": ("engine max_num_batched_tokens = 128",
                  lambda c: _model(c)["engine"].update(max_num_batched_tokens=128)),
+    "seats16": ("max_running = 16", lambda c: _model(c)["scheduling"].update(max_running=16)),
+    "seats32": ("max_running = 32", lambda c: _model(c)["scheduling"].update(max_running=32)),
+    "seats64": ("max_running = 64 (all the engine's)", lambda c: _model(c)["scheduling"].update(max_running=64)),
 }
 
 
@@ -180,7 +183,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--capacity", type=float, help="requests/s of the mix (default: measured on vllm serve)")
     p.add_argument("--capacity-s", type=float, default=45.0)
     p.add_argument("--servers", default="vllm,litellm,llmd")
-    p.add_argument("--flood", default="llmd", help="servers that also get the misbehaving flood ('' for none)")
+    p.add_argument("--flood", default="llmd",
+                   help="servers (llmd+VARIANT for a variant) that also get the misbehaving flood ('' for none)")
     p.add_argument("--flood-streams", type=int, default=200)
     p.add_argument("--flood-load", type=float, default=1.0, help="the chat and RAG trace's load during the flood")
     p.add_argument("--seed", type=int, default=7)
@@ -233,7 +237,7 @@ async def main_async(a: argparse.Namespace) -> dict[str, Any]:
     bench = Bench(a)
     servers = [s for s in a.servers.split(",") if s]
     floods = {s for s in a.flood.split(",") if s}
-    loads = [float(x) for x in a.loads.split(",")]
+    loads = [float(x) for x in a.loads.split(",") if x]
     rows: dict[str, Any] = {}
     capacity = a.capacity
     t_start = time.monotonic()
@@ -257,7 +261,7 @@ async def main_async(a: argparse.Namespace) -> dict[str, Any]:
             await server_runs(bench, srv, a, capacity, loads, "llmd" in floods, rows)
     for v in (v for v in a.variants.split(",") if v):
         with bench.llmd_shipped(f"llmd-{v}", llmd_tenants(), patch(v), kind=f"llmd+{v}") as srv:
-            await server_runs(bench, srv, a, capacity, loads, False, rows)
+            await server_runs(bench, srv, a, capacity, loads, srv.kind in floods, rows)
     variants = {v: "; ".join(VARIANTS[n][0] for n in v.split("+")) for v in a.variants.split(",") if v}
     return {"capacity": capacity, "limits": limits, "rows": rows, "loads": loads, "servers": servers,
             "variants": variants,
