@@ -359,9 +359,10 @@ async def part_s(tmp: Path, seconds: float, loads: tuple[float, ...], capacity: 
     await asyncio.to_thread(peer_sglang.ensure)  # installed before the first run, not inside one
     runs = []
     for load in loads:
+        warm = cluster_sglang.warmup_s(seconds, load * capacity)
         for who in cluster_sglang.WHO:
-            r = await one_run(tmp, "score", load * capacity, seconds, warmup_s=seconds / 3, workload=workload,
-                              peer=None if who == "llmd" else who, cut=True)
+            r = await one_run(tmp, "score", load * capacity, warm + seconds * 2 / 3, warmup_s=warm,
+                              workload=workload, peer=None if who == "llmd" else who, cut=True)
             r.update(load=load, who=who)
             print("s", {k: r[k] for k in ("load", "who", "ok", "requests", "hit", "ttft_p50", "ttft_p90")},
                   flush=True)

@@ -26,6 +26,16 @@ def label(who: str) -> str:
     return "llmd" if who == "llmd" else f"sglang {who}"
 
 
+WARM_REQUESTS = 40  # the warm-up's least number of requests: caches warm by requests, not seconds
+
+
+def warmup_s(seconds: float, rate: float) -> float:
+    """A third of the run, or long enough for WARM_REQUESTS at this rate if that is longer: at low
+    rates a third of a short run left the caches cold, and every router's TTFT p90 was one cold
+    prefill, a measure of the run's length rather than of routing (a service runs warm)."""
+    return max(seconds / 3, WARM_REQUESTS / rate) if rate > 0 else seconds / 3
+
+
 def describe(data: dict[str, Any]) -> list[str]:
     return [" ".join([
         f"Workload `{data['workload']}` as in (a) (multi-turn chats on Zipf-popular shared system prompts),",
@@ -35,7 +45,8 @@ def describe(data: dict[str, Any]) -> list[str]:
         f"router ({data['package']}, its defaults but the addresses) in front of the same nodes started",
         "afresh with `[cluster] routing = \"local\"` (each node runs what it receives), every request sent",
         "to the router. Every run of a load sends the same chats at the same times (drawn before it starts);",
-        f"{data['seconds']:.0f} s of arrivals per run, the first third warming the caches and not counted, no",
+        f"{data['seconds'] * 2 / 3:.0f} s of counted arrivals per run after a warm-up that is not counted",
+        f"(a third of {data['seconds']:.0f} s, or {WARM_REQUESTS} requests' worth if longer), no",
         "turn started after the arrivals end. Hit rate: the nodes' cached prompt tokens over prompt tokens",
         "(each response's usage); TTFT from the client, through the router where there is one."])]
 

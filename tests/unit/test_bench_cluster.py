@@ -138,7 +138,9 @@ def test_part_s_runs_every_router_on_the_same_chats_at_each_load(monkeypatch: py
     seen: list[tuple[float, str | None, int, bool]] = []
 
     async def one_run(tmp: Path, placement: str, rate: float, seconds: float, **kw: Any) -> dict[str, Any]:
-        assert placement == "score" and kw["warmup_s"] == seconds / 3
+        # the counted window is two thirds of 30 s, after a warm-up of 40 requests (2/s) or a third (4.8/s)
+        assert placement == "score" and kw["warmup_s"] == {2.0: 20.0, 4.8: 10.0}[rate]
+        assert seconds == pytest.approx(kw["warmup_s"] + 20.0)
         seen.append((rate, kw["peer"], kw.get("seed", 1), kw["cut"]))
         return {"rate": rate, "failed": 0, "ok": 1, "requests": 1, "hit": 0.5, "ttft_p50": 0.1, "ttft_p90": 0.2}
 
@@ -164,3 +166,11 @@ def test_report_s_holds_llmd_to_the_best_sglang_policy_at_each_load() -> None:
     verdicts = [ln for ln in lines if ln.startswith("- ")]
     assert [v.rsplit(": ", 1)[1] for v in verdicts] == ["PASS", "PASS", "MISS", "PASS", "PASS"]
     assert "0.78x" in verdicts[1] and "0.67x" in verdicts[3]  # against the faster peer's p90, not cache_aware's
+
+
+def test_the_sglang_runs_warm_up_by_requests_at_low_rates_and_by_a_third_at_high_ones() -> None:
+    from bench.lib.cluster_sglang import WARM_REQUESTS, warmup_s
+
+    assert warmup_s(50.0, 1.35) == WARM_REQUESTS / 1.35 > 50.0 / 3  # 30 %: 30 s, not 17
+    assert warmup_s(50.0, 5.4) == 50.0 / 3  # past capacity a third of the run holds 90 requests
+    assert warmup_s(50.0, 0.0) == 50.0 / 3
