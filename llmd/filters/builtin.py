@@ -68,6 +68,11 @@ class Blocklist:
             self._last = (text, *fold(text))
         return self._last[1], self._last[2]
 
+    def _folded_from(self, text: str, start: int) -> tuple[str, Sequence[int], int]:
+        """The folded text, its index map, and where `start` (in `text`) falls in it."""
+        f, where = self._fold(text)
+        return f, where, start if isinstance(where, range) else bisect_left(where, start)
+
     def _matches(self, text: str, final: bool) -> list[Match]:
         f, where = self._fold(text)
         out = []
@@ -95,11 +100,7 @@ class Blocklist:
         """No rule matches anywhere in `text` (a word rule cannot without its longest word in the
         folded text, a cheap substring test) and `hold` would answer 0: no rule's partial match, or
         whole one that ends with the text, begins at or after `start` (`_tail` first, then as `hold`)."""
-        if text.isascii():
-            f, pos = text.lower(), start
-        else:
-            f, where = fold(text)
-            pos = start if isinstance(where, range) else bisect_left(where, start)
+        f, _, pos = self._folded_from(text, start)
         for rx, need, tail in self._calm:
             if (need is None or need in f) and rx.search(f) is not None:
                 return False
@@ -110,8 +111,7 @@ class Blocklist:
     def hold(self, text: str, start: int) -> int:
         """From the first folded character that may still begin a rule's match: a prefix of a phrase
         after a word boundary ("the forb"), a pattern's partial match, a match at the very end."""
-        f, where = self._fold(text)
-        pos = start if isinstance(where, range) else bisect_left(where, start)
+        f, where, pos = self._folded_from(text, start)
         first = len(f)
         for (_, rx), lead in zip(self.rules, self._leads, strict=True):
             if lead is not None and lead.search(f, pos) is None:
