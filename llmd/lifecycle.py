@@ -26,7 +26,7 @@ from llmd.auth import Principal
 from llmd.errors import APIError
 from llmd.metering import Ledger
 from llmd.policy.admission import Ticket
-from llmd.telemetry import RequestRecord
+from llmd.telemetry import LineSampler, RequestRecord
 
 LEDGER_STATUS = {"rejected": "error"}  # record status -> ledger status where they differ
 PROGRESS_EVERY_S = 1.0  # how often a live request's token count reaches the ledger (crash loss bound)
@@ -156,6 +156,7 @@ class Lifecycle:
         self._admission = admission
         self._observe = observe
         self.in_flight: dict[str, RequestRecord] = {}  # by request id, while a life owns it (the inspector)
+        self.refusal_lines = LineSampler()  # a tenant's refusals: one log line a second (llmd/telemetry.py)
 
     def request(self, record: RequestRecord) -> contextlib.AbstractAsyncContextManager[RequestLife]:
         """A new life for `record`, ended when the block exits (unless handed off or dropped)."""
@@ -191,7 +192,8 @@ class Lifecycle:
         price = self.ledger.prices.get(rec.model or "") if rec.tenant is not None else None
         if price is not None:
             rec.cost = price.cost(rec.prompt_tokens, rec.output_tokens, rec.price_multiplier)
-        d = rec.emit()
+        refused = life.ticket is None and rec.http_status == 429 and rec.tenant is not None
+        d = rec.emit(self.refusal_lines.take((rec.tenant, rec.error_code)) if refused else 0)
         self._observe(d)
         if rec.tenant is None:
             return  # never authenticated: nothing to bill

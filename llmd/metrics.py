@@ -213,6 +213,9 @@ class Metrics:
                                 "code 5xx over all).", (*MTC, "status", "code"), registry=r)
         self.shed = Counter("llmd:requests_shed", "Requests refused by admission control, by reason.",
                             ("model", "reason"), registry=r)
+        self.held = Counter("llmd:refusals_held", "Refusals answered only after a hold because their tenant "
+                            "kept resubmitting (it ignores Retry-After; llmd/policy/pacing.py).", ("tenant",),
+                            registry=r)
         self.cost = Counter("llmd:cost", "Accumulated cost of requests, in the metering's currency unit.",
                             MT, registry=r)
         # Per version, for rollouts (`llmd compare` has the full side-by-side from the request log).

@@ -35,6 +35,7 @@ from llmd.lifecycle import Lifecycle
 from llmd.metering import Ledger, Price
 from llmd.metrics import Metrics
 from llmd.policy.admission import AdmissionController
+from llmd.policy.pacing import RefusalPacer
 from llmd.prompt_pool import PromptPool
 from llmd.registry.registry import Registry
 from llmd.registry.store import RegistryStore
@@ -66,6 +67,7 @@ class Node:
     cluster: ClusterNode | None = None  # [cluster] enabled: gossip, routing between nodes, failover
     uptime: EngineUptime | None = None  # which engines were loaded when: what serving costs (llmd/cost/)
     costs: CostSummaries | None = None  # GET /admin/cost and the dashboard's cost panel
+    pacer: RefusalPacer | None = None  # holds the refusals of a tenant that ignores Retry-After
 
     async def open(self) -> None:
         await self.runs.store.start()  # first: the ledger's recovery reads the finals kept with outcomes
@@ -191,6 +193,7 @@ def build_node(config: Config, store: WeightStore | None = None, ledger: Ledger 
         service.peer_tokenizer = node.cluster.tokenizer_of
         metrics.registry.register(ClusterCollector(node.cluster))
         dashboard.cluster = node.cluster
+    node.pacer = RefusalPacer(time.monotonic, config.server.refusal_hold_s)
     node.uptime = uptime = EngineUptime(UptimeStore(uptime_path(db)), config.server.node,
                                         functools.partial(_loaded, registry), config.cost.sample_s)
     node.costs = CostSummaries(lambda: database(node.config), lambda: node.config.cost, ledger.flush, uptime.live,

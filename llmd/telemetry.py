@@ -1,4 +1,9 @@
-"""Structured logs: one JSON line per request, so every outcome can be audited."""
+"""Structured logs: one JSON line per request, so every outcome can be audited.
+
+One exception: a tenant's refusals (429s before admission) log at most one line a second,
+with how many were folded into it. A client resubmitting on every refusal would otherwise
+turn the log into its echo, and the line is a fifth of what a refusal costs the node; each
+refusal still has its row in the request log and its count in the metrics."""
 
 from __future__ import annotations
 
@@ -125,13 +130,38 @@ class RequestRecord:
         d["itl_samples"] = itl
         return d
 
-    def emit(self) -> dict[str, Any]:
+    def emit(self, folded: int | None = 0) -> dict[str, Any]:
+        """Log the record (unless `folded` is None: held back) and hand it to the sinks;
+        `folded`: the lines held back since this key's last one."""
         self.finish()
         d = self.as_log()
-        log.info("request", **{k: v for k, v in d.items() if k != "itl_samples"})
+        if folded is not None:
+            extra = {"folded": folded} if folded else {}
+            log.info("request", **{k: v for k, v in d.items() if k != "itl_samples"}, **extra)
         for sink in RECORD_SINKS:
             sink(d)
         return d
+
+
+class LineSampler:
+    """At most one log line per key per `interval_s`; what it holds back is counted into the next."""
+
+    def __init__(self, interval_s: float = 1.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self.interval_s = interval_s
+        self._clock = clock
+        self._last: dict[Any, tuple[float, int]] = {}  # key -> (time of its last line, held back since)
+
+    def take(self, key: Any) -> int | None:
+        """None: hold this line back; else log it, with this many folded into it."""
+        now = self._clock()
+        t, held = self._last.get(key, (-1e18, 0))
+        if now - t < self.interval_s:
+            self._last[key] = (t, held + 1)
+            return None
+        if len(self._last) > 4096:  # keys are (tenant, code): bounded in practice; never unbounded
+            self._last.clear()
+        self._last[key] = (now, 0)
+        return held
 
 
 def _r(x: float) -> float:

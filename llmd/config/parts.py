@@ -73,6 +73,10 @@ class ServerConfig(_Strict):
     # such as SGLang's `no_stop_trim`) are ignored and named in X-LLMD-Ignored-Fields, as
     # `vllm serve` does; true refuses them with OpenAI's 400 `unknown_parameter` instead.
     strict_parameters: bool = False
+    # A tenant refused more than ~10 times a second (a client ignoring Retry-After) has its
+    # refusals answered after min(Retry-After, refusal_hold_s), not at once: its resubmit loop
+    # slows to one try per hold and costs the other tenants nothing (llmd/policy/pacing.py). 0: off.
+    refusal_hold_s: Annotated[float, Field(ge=0, le=60)] = 1.0
 
     @model_validator(mode="after")
     def _deadlines(self) -> ServerConfig:

@@ -45,6 +45,8 @@ def add_routes(app: App, node: Node, principal: Authenticate) -> None:
         try:
             return await _generate(request, node, principal, cls)
         except AdmissionRefused as e:
+            if e.status == 429 and (tenant := getattr(request.ctx, "tenant", None)) is not None:
+                await _pace(node, tenant, e)  # its life has ended: only the answer waits
             # Degraded to the batch tier, and this client said it takes a batch instead of a 503.
             takes_batch = request.headers.get(BATCH_OK_HEADER, "").lower() in ("1", "true")
             if e.reason != "overloaded_use_batch" or not takes_batch:
@@ -71,6 +73,7 @@ async def _generate(request: Request, node: Node, principal: Authenticate,
     async with node.lifecycle.request(rec) as life:
         who = principal(request)
         life.identify(who)
+        request.ctx.tenant = rec.tenant
         if who.tenant is not None and (refusal := node.admission.gate(who.tenant)) is not None:
             raise refusal_error(refusal)  # before parsing: refused requests spent the rate too
         req = protocol.parse(cls, request.body, strict=node.config.server.strict_parameters)
@@ -92,6 +95,20 @@ async def _generate(request: Request, node: Node, principal: Authenticate,
             return json_response(body, headers=_headers(request, job) | ignored)
         await _stream_inline(request, job, req, ignored)
         return None
+
+
+async def _pace(node: Node, tenant: str, e: AdmissionRefused) -> None:
+    """Hold the refusal of a tenant that hammers (llmd/policy/pacing.py) before it is answered."""
+    if node.pacer is None:
+        return
+    retry_after = e.headers.get("Retry-After")
+    hold = node.pacer.refused(tenant, float(retry_after) if retry_after is not None else None)
+    if hold > 0:
+        node.metrics.held.labels(tenant).inc()
+        try:
+            await asyncio.sleep(hold)
+        finally:
+            node.pacer.released(tenant)
 
 
 def _ignored(request: Request, req: Request_) -> dict[str, str]:
