@@ -7,7 +7,8 @@ tenant), `vllm serve` with the same engine settings, and LiteLLM's proxy in fron
 serve` with per-key limits for each tenant's share (its documented way to keep tenants apart). Clients behave like the
 OpenAI SDK (bench/lib/goodput_client.py). A request is good when it completes with TTFT and its
 own p95 inter-token gap within config.toml's [slo] targets. Then a misbehaving bulk tenant (200
-streams that resubmit 0.2 s after every refusal) floods while chat and RAG run their trace.
+streams that resubmit 0.2 s after every refusal, from a process of their own with a lean client:
+bench/lib/flood.py) floods while chat and RAG run their trace.
 
     .venv/bin/python bench/goodput.py                               # ~20 min on a 2-core CPU
     .venv/bin/python bench/goodput.py --loads 1,2 --servers llmd,vllm --no-flood --no-write
@@ -29,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repositor
 
 from bench.lib import goodput_report, report
 from bench.lib.engines import Bench, Srv, add_server_args
+from bench.lib.flood import run_flood
 from bench.lib.goodput_client import Outcome, call, replay
 from bench.lib.goodput_trace import MIX, Request, closed_loop_bodies, trace
 from bench.lib.peer_litellm import LIMITS_NOTE, litellm_proxy
@@ -38,6 +40,7 @@ from bench.lib.streams import new_client
 SHIPPED = Path(__file__).resolve().parent.parent / "config.toml"
 DEADLINES = {"chat": 30.0, "rag": 30.0, "bulk": 120.0}  # what each tenant's client waits at most
 PATH = "/v1/chat/completions"
+FLOOD_LEAD_S = 5.0  # the flood runs this long before the others start
 
 
 def shipped() -> dict[str, Any]:
@@ -133,26 +136,20 @@ async def measure_capacity(srv: Srv, name: str, seconds: float, seqs: int, seed:
 
 
 async def run_trace(srv: Srv, reqs: list[Request], drain_s: float, misbehaving: frozenset[str] = frozenset(),
-                    flood: int = 0, flood_bodies: list[Request] | None = None) -> list[Outcome]:
-    """Replay `reqs` (and keep `flood` misbehaving bulk streams going alongside); every outcome."""
+                    flood: int = 0, flood_bodies: list[Request] | None = None,
+                    scratch: Path | None = None) -> list[Outcome]:
+    """Replay `reqs` (and keep `flood` misbehaving bulk streams going alongside, from a process of
+    their own: bench/lib/flood.py); every outcome."""
+    flooding: asyncio.Task[list[Outcome]] | None = None
+    if flood:
+        assert scratch is not None
+        lasts = FLOOD_LEAD_S + max((r.at for r in reqs), default=0.0) + drain_s
+        flooding = asyncio.create_task(run_flood(srv.url + PATH, srv.headers("bulk"), flood, lasts,
+                                                 flood_bodies or [], scratch, DEADLINES["bulk"]))
+        await asyncio.sleep(FLOOD_LEAD_S)  # the flood is established before the others arrive
     async with new_client() as client:
-        flood_out: list[Outcome] = []
-        supply = iter(flood_bodies or [])
-
-        async def flooder() -> None:
-            for r in supply:
-                o = Outcome(r, time.monotonic())
-                flood_out.append(o)
-                await call(client, srv.url + PATH, o, srv.headers("bulk"), DEADLINES["bulk"], resubmit_after=0.2)
-
-        floods = [asyncio.create_task(flooder()) for _ in range(flood)]
-        if flood:
-            await asyncio.sleep(5.0)  # the flood is established before the others arrive
         out = await replay(client, srv.url + PATH, reqs, headers(srv), DEADLINES, drain_s, misbehaving)
-        for t in floods:
-            t.cancel()
-        await asyncio.gather(*floods, return_exceptions=True)
-    return out + flood_out
+    return out + (await flooding if flooding is not None else [])
 
 
 async def warm_up(srv: Srv, a: argparse.Namespace) -> None:
@@ -212,7 +209,7 @@ async def server_runs(bench: Bench, srv: Srv, a: argparse.Namespace, capacity: f
         reqs = trace(capacity * a.flood_load, a.seconds, a.seed, a.name, a.scale, interactive)
         bulk = list(trace(capacity * 4, 600, a.seed + 1, a.name, a.scale, ("bulk",)))
         for tag, n in (("alone", 0), ("flood", a.flood_streams)):
-            outs = await run_trace(srv, reqs, a.drain_s, flood=n, flood_bodies=bulk)
+            outs = await run_trace(srv, reqs, a.drain_s, flood=n, flood_bodies=bulk, scratch=bench.scratch)
             rows[f"{srv.kind}@{tag}"] = goodput_report.summarise(outs, a.seconds, SLO)
             print(f"  {srv.kind} {tag}: {goodput_report.one_line(rows[f'{srv.kind}@{tag}'])}", flush=True)
             await settle(srv, 8.0)

@@ -114,6 +114,7 @@ def lines(res: dict[str, Any], a: argparse.Namespace) -> list[str]:
     if "llmd@flood" in res["rows"]:
         out += [f"Flood rows: chat and RAG at {a.flood_load:g}x without bulk ('alone'), then with "
                 f"{a.flood_streams} bulk streams that resubmit 0.2 s after every refusal ('flood'; its requests are "
-                "in the bulk columns).", ""]
+                "in the bulk columns), sent by a lean HTTP client in a process of its own (bench/lib/flood.py): "
+                "on this shared box the flood's client is the bench's cost, not the server's.", ""]
     out += report.verdict_lines(verdicts(res))
     return out

@@ -1,4 +1,5 @@
-"""bench/goodput.py's bench-only variants edit the shipped config.toml into configs llmd accepts."""
+"""bench/goodput.py: its bench-only variants edit the shipped config.toml into configs llmd accepts,
+and its flood client (bench/lib/flood.py) behaves as the misbehaving tenant should."""
 
 from __future__ import annotations
 
@@ -28,3 +29,25 @@ def test_each_variant_is_a_valid_config_that_differs_from_the_shipped_one(tmp_pa
 def test_an_unknown_variant_stops_the_bench_with_the_names_it_knows() -> None:
     with pytest.raises(SystemExit, match=r"unknown variant 'fast'.*itl200"):
         patch("itl200+fast")
+
+
+async def test_the_flood_client_resubmits_refusals_and_reads_streams_from_its_own_process(
+        make_server, tmp_path: Path) -> None:
+    """bench/lib/flood.py, against a real server: the misbehaving streams keep resubmitting what is
+    refused (no Retry-After honoured, holds off here), and what gets a seat streams to the end."""
+    from bench.lib.flood import run_flood
+    from bench.lib.goodput_trace import trace
+    from bench.lib.servers import keys_toml
+    from tests.conftest import fake_toml
+
+    toml = fake_toml(step_ms=5.0).replace("[server]\n", "[server]\nrefusal_hold_s = 0\n")
+    live = await make_server(toml + keys_toml({"bulk": "k-bulk"}, max_concurrent=2))
+    bodies = trace(4, 600, 8, "fake", 0.05, ("bulk",))
+    outs = await run_flood(live.url + "/v1/chat/completions", {"Authorization": "Bearer k-bulk"}, 8, 3.0,
+                           bodies, tmp_path, 120)
+    done = [o for o in outs if o.completed]
+    assert done and all(o.tokens == o.req.max_tokens for o in done)  # read to [DONE], usage included
+    assert sum(o.refusals for o in outs) >= 10  # 8 streams on 2 seats: refused, and resubmitted
+    refused = [o for o in outs if o.refusals]
+    assert all(set(o.codes) == {"concurrency_limit_exceeded"} for o in refused)
+    assert any(o.completed and o.attempts > 1 for o in refused)  # a refused one got in on a later try
