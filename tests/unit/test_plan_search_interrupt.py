@@ -20,8 +20,14 @@ ARGS = ("plan", "search", "--workload", "bursty", "--rate", "3", "--duration", "
         "--itl-target-ms", "none,60", "--max-num-seqs", "16,64", "--json")
 
 
+# SIGINT as a terminal delivers it: a suite started in the background (`make test &`) runs with
+# it ignored, a child inherits that, and Python then never turns it into KeyboardInterrupt.
+_DFL_INT = ("import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+            "os.execv(sys.executable, [sys.executable, '-m', 'llmd', *sys.argv[1:]])")
+
+
 def _cmd(step: Path, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "llmd", *ARGS, "--step-model", str(step), *extra]
+    return [sys.executable, "-c", _DFL_INT, *ARGS, "--step-model", str(step), *extra]
 
 
 def _env(home: Path) -> dict[str, str]:
