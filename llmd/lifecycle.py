@@ -192,7 +192,7 @@ class Lifecycle:
         price = self.ledger.prices.get(rec.model or "") if rec.tenant is not None else None
         if price is not None:
             rec.cost = price.cost(rec.prompt_tokens, rec.output_tokens, rec.price_multiplier)
-        refused = life.ticket is None and rec.http_status == 429 and rec.tenant is not None
+        refused = life.ticket is None and rec.status == "shed" and rec.tenant is not None
         d = rec.emit(self.refusal_lines.take((rec.tenant, rec.error_code)) if refused else 0)
         self._observe(d)
         if rec.tenant is None:

@@ -176,8 +176,9 @@ def build_node(config: Config, store: WeightStore | None = None, ledger: Ledger 
 
     lifecycle = Lifecycle(ledger, admission, observe)
     filters = Filters(config, Guard(lambda model: service.route(model).backend))
+    pacer = RefusalPacer(time.monotonic, config.server.refusal_hold_s, demote_s=config.server.refusal_demote_s)
     service = Service(config.server.node, registry, admission, filters, degraders(config.models),
-                      PromptPool(config.server.prompt_workers))
+                      PromptPool(config.server.prompt_workers), pacer.hammering)
     runs = IdempotentRuns(IdempotencyStore(db.with_suffix(".idempotency.db"), config.server.idempotency_ttl_s),
                           lifecycle, config.server.resume_grace_s)
     ttl = config.batch.file_ttl_days
@@ -193,7 +194,7 @@ def build_node(config: Config, store: WeightStore | None = None, ledger: Ledger 
         service.peer_tokenizer = node.cluster.tokenizer_of
         metrics.registry.register(ClusterCollector(node.cluster))
         dashboard.cluster = node.cluster
-    node.pacer = RefusalPacer(time.monotonic, config.server.refusal_hold_s)
+    node.pacer = pacer
     node.uptime = uptime = EngineUptime(UptimeStore(uptime_path(db)), config.server.node,
                                         functools.partial(_loaded, registry), config.cost.sample_s)
     node.costs = CostSummaries(lambda: database(node.config), lambda: node.config.cost, ledger.flush, uptime.live,

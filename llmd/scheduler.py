@@ -113,6 +113,13 @@ class Scheduler:
     def estimate_wait(self, tenant: str, klass: str, fair: bool) -> float:
         return self.core.estimate_wait(tenant, klass, fair)
 
+    def demote(self, tenant: str) -> int:
+        """The tenant's queued and running interactive requests become batch-class (SchedulerCore.demote)."""
+        moved = self.core.demote(tenant)
+        if moved:
+            self._wake.set()
+        return moved
+
     def _release(self, req: QueuedRequest, output_tokens: int | None) -> None:
         self._aborts.pop(req.seq, None)
         if self.core.finished(req, output_tokens):

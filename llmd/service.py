@@ -35,7 +35,7 @@ from llmd.filters.structured import JsonArbiter
 from llmd.lifecycle import RequestLife
 from llmd.limits import check_prompt_bytes, output_budget
 from llmd.policy import admission
-from llmd.policy.classes import CLASSES, INTERACTIVE
+from llmd.policy.classes import BATCH, CLASSES, INTERACTIVE
 from llmd.policy.degradation import Degrader
 from llmd.policy.queue import QueuedRequest
 from llmd.prompt_pool import PromptPool
@@ -59,8 +59,10 @@ def degraders(models: list[ModelConfig]) -> dict[str, Degrader]:
 
 class Service:
     def __init__(self, node: str, registry: Registry, admission: admission.AdmissionController, filters: Filters,
-                 degraders: dict[str, Degrader], pool: PromptPool) -> None:
+                 degraders: dict[str, Degrader], pool: PromptPool,
+                 demoted: Callable[[str], bool] = lambda tenant: False) -> None:
         self.node = node
+        self.demoted = demoted  # a tenant that hammers runs batch-class (llmd/policy/pacing.py)
         self.pool = pool  # rendering, tokenizing, screening: off the event loop
         self.registry = registry
         self.admission = admission
@@ -204,6 +206,9 @@ class Service:
         degradation's cap on max_tokens."""
         rt, version = self.locate(req.model, tenant, conversation or req.user)
         klass = self.priority_class(tenant, asked_class or req.priority_class)
+        if klass == INTERACTIVE and self.demoted(tenant.name):
+            klass = BATCH
+            record.degraded = "priority_class=batch (the tenant ignores Retry-After)"
         record.priority_class = klass
         cap: int | None = None
         if klass == INTERACTIVE and rt.cfg.name in self.degraders and version == rt.version:
@@ -254,6 +259,11 @@ class Service:
                                             arbiter(sampling.structured, auto_tools))
         return Choice(index, prompt, sampling, flow, f"{record.request_id}-{index}-{uuid.uuid4().hex[:8]}", window,
                       echo, prompt_only)
+
+    def demote(self, tenant: str) -> int:
+        """The tenant's queued and running interactive requests on every model become batch-class."""
+        return sum(rt.scheduler.demote(tenant) for versions in self.registry.runtimes.values()
+                   for rt in versions.values())
 
     def _overloaded(self, rt: ModelRuntime, tenant: str = "") -> bool:
         """The model's queue (no tenant) or, for a tenant, its own wait under the model's fairness:

@@ -1,6 +1,6 @@
 """Structured logs: one JSON line per request, so every outcome can be audited.
 
-One exception: a tenant's refusals (429s before admission) log at most one line a second,
+One exception: a tenant's refusals (429s and 503s before admission) log at most one line a second,
 with how many were folded into it. A client resubmitting on every refusal would otherwise
 turn the log into its echo, and the line is a fifth of what a refusal costs the node; each
 refusal still has its row in the request log and its count in the metrics."""

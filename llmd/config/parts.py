@@ -77,6 +77,9 @@ class ServerConfig(_Strict):
     # refusals answered after min(Retry-After, refusal_hold_s), not at once: its resubmit loop
     # slows to one try per hold and costs the other tenants nothing (llmd/policy/pacing.py). 0: off.
     refusal_hold_s: Annotated[float, Field(ge=0, le=60)] = 1.0
+    # ... and its requests run batch-class (they yield their seats to other tenants' interactive
+    # work) while it hammers and this long after. 0: never demoted.
+    refusal_demote_s: Annotated[float, Field(ge=0)] = 30.0
 
     @model_validator(mode="after")
     def _deadlines(self) -> ServerConfig:

@@ -45,11 +45,11 @@ def add_routes(app: App, node: Node, principal: Authenticate) -> None:
         try:
             return await _generate(request, node, principal, cls)
         except AdmissionRefused as e:
-            if e.status == 429 and (tenant := getattr(request.ctx, "tenant", None)) is not None:
-                await _pace(node, tenant, e)  # its life has ended: only the answer waits
             # Degraded to the batch tier, and this client said it takes a batch instead of a 503.
             takes_batch = request.headers.get(BATCH_OK_HEADER, "").lower() in ("1", "true")
             if e.reason != "overloaded_use_batch" or not takes_batch:
+                if (tenant := getattr(request.ctx, "tenant", None)) is not None:
+                    await _pace(node, tenant, e)  # its life has ended: only the answer waits
                 raise
             b = await batch_objects.submit_one(node.batches, node.batch_runner, node.config.batch, principal(request),
                                                request.path,
@@ -98,15 +98,18 @@ async def _generate(request: Request, node: Node, principal: Authenticate,
 
 
 async def _pace(node: Node, tenant: str, e: AdmissionRefused) -> None:
-    """Hold the refusal of a tenant that hammers (llmd/policy/pacing.py) before it is answered."""
+    """Hold the refusal of a tenant that hammers (llmd/policy/pacing.py) before it is answered; when
+    it starts hammering, demote what it has queued and running to the batch class."""
     if node.pacer is None:
         return
     retry_after = e.headers.get("Retry-After")
-    hold = node.pacer.refused(tenant, float(retry_after) if retry_after is not None else None)
-    if hold > 0:
+    pace = node.pacer.refused(tenant, float(retry_after) if retry_after is not None else None)
+    if pace.demote:
+        node.service.demote(tenant)
+    if pace.hold_s > 0:
         node.metrics.held.labels(tenant).inc()
         try:
-            await asyncio.sleep(hold)
+            await asyncio.sleep(pace.hold_s)
         finally:
             node.pacer.released(tenant)
 

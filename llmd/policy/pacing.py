@@ -8,6 +8,12 @@ more work: a held request is a sleeping coroutine. A tenant is hammering while i
 decay-averaged over about a second exceed `free_per_s`; a well-behaved client that honours
 Retry-After never gets there. At most `max_held` of a tenant's refusals are held at once (the
 rest are answered at once), so it cannot pile up the node's connections in holds.
+
+Holding answers the knocking; what the tenant already runs is the other half. While it hammers,
+and for `demote_s` after, its requests are batch-class (the scheduler demotes those queued and
+running when it starts): they yield their seats to the other tenants' interactive work and run
+in the time that leaves. Each sequence lengthens every engine step, so a flood's admitted share
+would otherwise still slow everyone's tokens.
 """
 
 from __future__ import annotations
@@ -25,31 +31,53 @@ class _Knocks:
     level: float = 0.0  # refusals, decayed with TAU_S: a steady rate r settles at r * TAU_S
     t: float = 0.0
     held: int = 0
+    demoted_until: float = -1e18
+
+
+@dataclass(frozen=True)
+class Pace:
+    """What to do with one refusal: hold it `hold_s` before answering; `demote`: the tenant has
+    just started hammering, so demote what it has queued and running now."""
+
+    hold_s: float
+    demote: bool = False
 
 
 class RefusalPacer:
     """How long to hold each refusal before answering it (0.0: answer now)."""
 
-    def __init__(self, clock: Clock, hold_s: float, free_per_s: float = 10.0, max_held: int = 256) -> None:
+    def __init__(self, clock: Clock, hold_s: float, free_per_s: float = 10.0, max_held: int = 256,
+                 demote_s: float = 0.0) -> None:
         self._clock = clock
         self.hold_s = hold_s
+        self.demote_s = demote_s
         self.free_per_s = free_per_s
         self.max_held = max_held
         self._tenants: dict[str, _Knocks] = {}
         self.held_total = 0  # refusals held since start (a metric)
 
-    def refused(self, tenant: str, retry_after_s: float | None) -> float:
-        """Count one refusal of `tenant`; the seconds to hold it. A hold > 0 must be followed by
-        `released(tenant)` once its response is sent (or its client has gone)."""
+    def refused(self, tenant: str, retry_after_s: float | None) -> Pace:
+        """Count one refusal of `tenant`. A hold > 0 must be followed by `released(tenant)` once
+        its response is sent (or its client has gone)."""
         k = self._tenants.setdefault(tenant, _Knocks(t=self._clock()))
         now = self._clock()
         k.level = k.level * math.exp(-max(0.0, now - k.t) / TAU_S) + 1.0
         k.t = now
-        if self.hold_s <= 0 or k.level <= self.free_per_s * TAU_S or k.held >= self.max_held:
-            return 0.0
+        if k.level <= self.free_per_s * TAU_S:
+            return Pace(0.0)
+        demote = self.demote_s > 0 and now >= k.demoted_until
+        if self.demote_s > 0:
+            k.demoted_until = now + self.demote_s
+        if self.hold_s <= 0 or k.held >= self.max_held:
+            return Pace(0.0, demote)
         k.held += 1
         self.held_total += 1
-        return min(self.hold_s, retry_after_s) if retry_after_s is not None else self.hold_s
+        return Pace(min(self.hold_s, retry_after_s) if retry_after_s is not None else self.hold_s, demote)
+
+    def hammering(self, tenant: str) -> bool:
+        """The tenant's requests run batch-class now (it hammered within the last demote_s)."""
+        k = self._tenants.get(tenant)
+        return k is not None and self._clock() < k.demoted_until
 
     def released(self, tenant: str) -> None:
         k = self._tenants.get(tenant)

@@ -99,6 +99,24 @@ class SchedulerCore:
     def on_output(self, req: QueuedRequest, tokens: int) -> None:
         self.queue.on_output(req, tokens)
 
+    def demote(self, tenant: str) -> int:
+        """Make every interactive request of `tenant`, queued or running, batch-class: from the next
+        tick its seats yield to other tenants' interactive work (a tenant that hammers:
+        llmd/policy/pacing.py). How many changed."""
+        moved = 0
+        for r in self.running.values():
+            if r.tenant == tenant and r.klass == INTERACTIVE:
+                self.class_running[INTERACTIVE] -= 1
+                self.class_running[BATCH] = self.class_running.get(BATCH, 0) + 1
+                r.klass = BATCH
+                moved += 1
+        for r in [r for r in self.queue.classes[INTERACTIVE] if r.tenant == tenant]:
+            self.queue.remove(r)
+            r.klass = BATCH
+            self.queue.push(r)
+            moved += 1
+        return moved
+
     def estimate_wait(self, tenant: str, klass: str, fair: bool) -> float:
         """Seconds until a new request would start, from the work queued ahead of it."""
         ahead = 0.0

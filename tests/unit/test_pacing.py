@@ -35,7 +35,7 @@ def test_a_tenant_under_the_free_rate_is_never_held() -> None:
     clock = Clock()
     p = RefusalPacer(clock, hold_s=1.0, free_per_s=10.0)
     for _ in range(200):  # five a second, for forty seconds: a client honouring Retry-After of 0.2 s
-        assert p.refused("calm", 0.2) == 0.0
+        assert p.refused("calm", 0.2).hold_s == 0.0
         clock.t += 0.2
     assert p.held_total == 0
 
@@ -43,25 +43,40 @@ def test_a_tenant_under_the_free_rate_is_never_held() -> None:
 def test_a_hammering_tenant_is_held_for_its_retry_after_at_most_hold_s() -> None:
     clock = Clock()
     p = RefusalPacer(clock, hold_s=1.0, free_per_s=10.0)
-    holds = [p.refused("hog", 5.0) for _ in range(30)]  # thirty at once
+    holds = [p.refused("hog", 5.0).hold_s for _ in range(30)]  # thirty at once
     assert holds[:10] == [0.0] * 10 and holds[10:] == [1.0] * 20
-    assert p.refused("hog", 0.5) == 0.5  # never longer than the client was told to wait
+    assert p.refused("hog", 0.5).hold_s == 0.5  # never longer than the client was told to wait
     assert p.held("hog") == 21 and p.held("calm") == 0
-    assert p.refused("calm", 1.0) == 0.0  # another tenant is not held for the hog's knocking
+    assert p.refused("calm", 1.0).hold_s == 0.0  # another tenant is not held for the hog's knocking
     for _ in range(21):
         p.released("hog")
     assert p.held("hog") == 0
     clock.t += 5.0  # quiet for a while: its rate has decayed, it is answered at once again
-    assert p.refused("hog", 1.0) == 0.0
+    assert p.refused("hog", 1.0).hold_s == 0.0
+
+
+def test_a_hammering_tenant_is_demoted_once_and_for_demote_s_after_it_stops() -> None:
+    clock = Clock()
+    p = RefusalPacer(clock, hold_s=1.0, free_per_s=10.0, demote_s=30.0)
+    paces = [p.refused("hog", 1.0) for _ in range(20)]
+    assert [x.demote for x in paces] == [False] * 10 + [True] + [False] * 9  # the running ones: once
+    assert p.hammering("hog") and not p.hammering("calm")
+    clock.t += 29.0
+    assert p.hammering("hog")
+    clock.t += 1.5
+    assert not p.hammering("hog")  # calm for demote_s: its new requests are interactive again
+    assert sum(p.refused("hog", 1.0).demote for _ in range(12)) == 1  # and demoted anew if it restarts
+    never = RefusalPacer(clock, hold_s=1.0, demote_s=0.0)
+    assert not any(never.refused("hog", 1.0).demote for _ in range(50)) and not never.hammering("hog")
 
 
 def test_holds_are_bounded_per_tenant_and_off_when_hold_s_is_zero() -> None:
     clock = Clock()
     p = RefusalPacer(clock, hold_s=1.0, free_per_s=1.0, max_held=5)
-    holds = [p.refused("hog", 1.0) for _ in range(20)]
+    holds = [p.refused("hog", 1.0).hold_s for _ in range(20)]
     assert sum(h > 0 for h in holds) == 5  # the rest are answered at once: no pile of held connections
     off = RefusalPacer(clock, hold_s=0.0)
-    assert all(off.refused("hog", 1.0) == 0.0 for _ in range(100))
+    assert all(off.refused("hog", 1.0).hold_s == 0.0 for _ in range(100))
 
 
 def test_line_sampler_folds_a_keys_lines_into_one_a_second() -> None:
@@ -152,3 +167,35 @@ async def test_a_tenant_that_ignores_retry_after_is_held_and_others_are_not(make
     assert done.choices[0].finish_reason == "length"
     await seat.close()
     assert await _metric(live, "calm") == 0.0
+
+
+async def test_a_hammering_tenants_running_streams_yield_to_another_tenant_and_still_finish(
+        make_server, records) -> None:
+    toml = (fake_toml(max_running=2, step_ms=10.0).replace("[server]\n", "[server]\nrefusal_hold_s = 0.2\n")
+            .replace("[models.scheduling]\n", "[models.scheduling]\nbatch_seats_with_interactive = 0\n"))
+    live = await make_server(toml + keys_toml({"hog": "k-hog", "calm": "k-calm"}, max_concurrent=2))
+    hog, calm = _client(live, "k-hog"), _client(live, "k-calm")
+    streams = [await hog.chat.completions.create(model="fake", messages=[{"role": "user", "content": f"s{i}"}],
+                                                 max_tokens=200, stream=True) for i in range(2)]
+    for s in streams:
+        await s.__anext__()
+
+    async def knock() -> None:
+        with pytest.raises(openai.RateLimitError):
+            await hog.chat.completions.create(model="fake", messages=[{"role": "user", "content": "x"}])
+
+    await asyncio.gather(*(knock() for _ in range(20)))
+    core = live.runtime().scheduler.core
+    assert core.class_running.get("interactive") == 0  # demoted where they run (or queue, having yielded)
+    assert core.class_running.get("batch", 0) + core.queue.depth("batch") == 2
+    done = await calm.chat.completions.create(model="fake", messages=[{"role": "user", "content": "y"}],
+                                              max_tokens=4)
+    assert done.choices[0].finish_reason == "length"  # served at once: the hog's seats yielded
+    texts = ["".join([c.choices[0].delta.content or "" async for c in s if c.choices]) for s in streams]
+    assert all(texts)
+    hog_records = [r for r in records if r["tenant"] == "hog" and r["status"] == "ok"]
+    assert len(hog_records) == 2 and all("preempted" in (r["marks"] or "") for r in hog_records)
+    assert all(r["output_tokens"] == 200 for r in hog_records)  # resumed and finished whole
+    raw = await hog.chat.completions.with_raw_response.create(
+        model="fake", messages=[{"role": "user", "content": "z"}], max_tokens=2)
+    assert raw.headers["x-llmd-degraded"].startswith("priority_class=batch")  # still demoted: new ones too

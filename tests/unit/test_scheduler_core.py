@@ -320,3 +320,17 @@ def test_a_request_that_queues_again_goes_back_to_its_place_by_arrival() -> None
         q.push(r)
     q.push(first)  # seated earlier, now back
     assert [q.pop_next(), q.pop_next(), q.pop_next()] == [first, second, third]
+
+
+def test_demoting_a_tenant_makes_its_queued_and_running_work_yield_to_others() -> None:
+    """A tenant that hammers (llmd/policy/pacing.py) is demoted: its interactive sequences become
+    batch-class, so with batch capped while interactive traffic is about they give up their seats."""
+    core, _, _ = make(seats=3, batch_cap=0, rules=[BatchOverCap()])
+    flood = [req("hog") for _ in range(4)]
+    seat(core, *flood[:3])
+    submit(core, flood[3])  # queued: no seat left
+    assert core.demote("hog") == 4 and core.demote("hog") == 0  # once; a second call changes nothing
+    assert core.class_running == {"interactive": 0, "batch": 3} and core.queue.depth("batch") == 1
+    chat = req("calm")
+    d = submit(core, chat)
+    assert set(d.preempt) == set(flood[:3]) and d.heirs == (chat,)  # the calm tenant runs as if alone
