@@ -44,7 +44,7 @@ class Pace:
 
 
 class RefusalPacer:
-    """How long to hold each refusal before answering it (0.0: answer now)."""
+    """Per tenant: how long to hold each refusal before answering it, and whether it is demoted."""
 
     def __init__(self, clock: Clock, hold_s: float, free_per_s: float = 10.0, max_held: int = 256,
                  demote_s: float = 0.0) -> None:
