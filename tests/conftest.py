@@ -231,8 +231,8 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
     engine.sort(key=lambda i: i.path not in shared)  # stable: a module's tests stay together, in order
     items[:] = rest + engine
     for i in items:
-        for n in set(getattr(i, "fixturenames", ())) & set(ahead.STARTERS):
-            _LAST[n] = i
+        for n in sorted(set(getattr(i, "fixturenames", ())) & set(ahead.STARTERS)):
+            _LAST[n] = i  # (a dict keeps the order of first use)
     if _LAST:
         _TRIGGER.append(items[len(rest) // 2])
 
@@ -243,7 +243,7 @@ _TRIGGER: list[pytest.Item] = []
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
     if item in _TRIGGER:
-        ahead.begin(sorted(_LAST))
+        ahead.begin(list(_LAST))
 
 
 @pytest.hookimpl(trylast=True)
