@@ -1,5 +1,6 @@
 """Shared fixtures: real servers over loopback, either in-process (fake backend) or as a
-subprocess running the real vLLM engine on the stored SmolLM2 model (one per session).
+subprocess running the real vLLM engine on the stored SmolLM2 model (one per session, started
+ahead of the engine tests, which run last: tests/ahead.py).
 
 How a server is started and stopped is bench.lib.servers' job (the benchmarks start theirs
 the same way); this file keeps the fixtures and the names tests import from it."""
@@ -8,7 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import subprocess
 import textwrap
+import threading
 import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
@@ -21,15 +24,17 @@ from bench.lib.servers import (
     LiveServer,
     ServerProcess,
     free_port,
-    running,
+    spawn,
     start_inprocess,
     start_server_process,
     tool,
     two_version_store,
+    wait_ready,
 )
 from bench.lib.servers import stop as stop_process
 from llmd.config import Config
 from llmd.store import StoreError, WeightStore
+from tests import ahead
 
 REPO = Path(__file__).resolve().parent.parent
 EngineServer = ServerProcess  # the name engine tests know it by
@@ -133,18 +138,41 @@ dtype = "float32"
 """
 
 
+_STORE = threading.Lock()  # the background start (tests/ahead.py) and a fixture may both ask for it
+
+
 @pytest.fixture(scope="session")
 def two_versions(smollm2_path: Path) -> tuple[Path, str, str]:
     """An LLMD_HOME whose store holds SmolLM2 twice under different content hashes: the stored
     (bf16) weights, hard-linked, and a float32 copy (made once, then kept next to the store)."""
-    return two_version_store()
+    with _STORE:
+        return two_version_store()
+
+
+def pinned(toml: str, version: str) -> str:
+    """`toml` (ENGINE_TOML's model) pinned to a stored version."""
+    return toml.replace('source = "smollm2"', f'source = "smollm2"\nversion = "{version[:12]}"', 1)
+
+
+def tmp(name: str) -> Path:
+    """A fresh directory under the session's tmp_path_factory (for a server started ahead)."""
+    return TMP[0].mktemp(name)
+
+
+def _start_engine_server() -> EngineServer:
+    with _STORE:
+        home, v_bf16, _ = two_version_store()
+    return start_server_process(pinned(ENGINE_TOML, v_bf16), tmp("engine"), env_extra={"LLMD_HOME": str(home)})
 
 
 @pytest.fixture(scope="session")
-def engine_server(smollm2_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineServer]:
-    srv = start_server_process(ENGINE_TOML, tmp_path_factory.mktemp("engine"))
-    yield srv
-    stop_process(srv.proc)
+def engine_server(smollm2_path: Path) -> Iterator[EngineServer]:
+    """ENGINE_TOML on the stored SmolLM2 (the store's bf16 version, hard-linked: the same content
+    hash and weights), with the float32 copy beside it in its store, which
+    tests/engine/test_versions_engine.py loads next to it (one server start fewer). Started
+    ahead of the engine tests (tests/ahead.py)."""
+    yield ahead.take("engine_server")
+    ahead.finish("engine_server")
 
 
 @dataclass
@@ -153,22 +181,80 @@ class PeerServer:
     llmd's answers are compared with."""
 
     url: str
+    proc: subprocess.Popen[bytes]
 
     @property
     def base(self) -> str:
         return self.url + "/v1"
 
 
-@pytest.fixture(scope="session")
-def vllm_server(smollm2_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[PeerServer]:
-    port, log = free_port(), tmp_path_factory.mktemp("vllm") / "vllm.log"
-    argv = [tool("llmd-vllm"), "serve", str(smollm2_path), "--served-model-name", "smollm2", "--dtype", "float32",
+def _start_vllm_server() -> PeerServer:
+    path = WeightStore().resolve("smollm2").path
+    port, log = free_port(), tmp("vllm") / "vllm.log"
+    argv = [tool("llmd-vllm"), "serve", str(path), "--served-model-name", "smollm2", "--dtype", "float32",
             "--enforce-eager", "--max-model-len", "2048", "--max-num-seqs", "16", "--max-num-batched-tokens",
             "1024", "--host", "127.0.0.1", "--port", str(port)]
     # Its own core: two engines on one box must not fight over the same one.
-    with running(argv, f"http://127.0.0.1:{port}/health", log, 300,
-                 {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "1"}):
-        yield PeerServer(f"http://127.0.0.1:{port}")
+    proc = spawn(argv, log, {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "1"})
+    try:
+        wait_ready(proc, f"http://127.0.0.1:{port}/health", 300, log)
+    except BaseException:
+        stop_process(proc)
+        raise
+    return PeerServer(f"http://127.0.0.1:{port}", proc)
+
+
+@pytest.fixture(scope="session")
+def vllm_server(smollm2_path: Path) -> Iterator[PeerServer]:
+    yield ahead.take("vllm_server")
+    ahead.finish("vllm_server")
+
+
+TMP: list[pytest.TempPathFactory] = []
+ahead.STARTERS |= {"engine_server": (_start_engine_server, lambda s: stop_process(s.proc)),
+                   "vllm_server": (_start_vllm_server, lambda s: stop_process(s.proc))}
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    TMP.append(session.config._tmp_path_factory)  # what the tmp_path_factory fixture returns
+
+
+@pytest.hookimpl(trylast=True)  # after -k and -m deselected theirs
+def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The engine tests last, those on the servers started ahead first among them (each server is
+    stopped after its last test, before the engine tests that start their own); half-way through
+    the other tests, those servers start in the background."""
+    under = REPO / "tests/engine"
+    rest = [i for i in items if not Path(i.path).is_relative_to(under)]
+    engine = [i for i in items if Path(i.path).is_relative_to(under)]
+    shared = {i.path for i in engine if set(getattr(i, "fixturenames", ())) & set(ahead.STARTERS)}
+    engine.sort(key=lambda i: i.path not in shared)  # stable: a module's tests stay together, in order
+    items[:] = rest + engine
+    for i in items:
+        for n in sorted(set(getattr(i, "fixturenames", ())) & set(ahead.STARTERS)):
+            _LAST[n] = i  # (a dict keeps the order of first use)
+    if _LAST:
+        _TRIGGER.append(items[len(rest) // 2])
+
+
+_LAST: dict[str, pytest.Item] = {}  # each server started ahead -> the last test that uses it
+_TRIGGER: list[pytest.Item] = []
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    if item in _TRIGGER:
+        ahead.begin(list(_LAST))
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    """Each server started ahead stops after its last test: an engine holds about 4 GB."""
+    for name in [n for n, last in _LAST.items() if last is item]:
+        ahead.finish(name)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    ahead.finish_all()
 
 
 def wait_until(pred: Any, timeout: float = 10.0, interval: float = 0.05) -> bool:

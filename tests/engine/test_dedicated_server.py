@@ -16,18 +16,23 @@ import openai
 import psutil
 import pytest
 
-from tests.conftest import ENGINE_TOML, EngineServer, start_server_process, stop_process, wait_until
+from tests import ahead
+from tests.conftest import ENGINE_TOML, EngineServer, start_server_process, stop_process, tmp, wait_until
 
 pytestmark = pytest.mark.engine
 
 
+DOOMED_TOML = (ENGINE_TOML + "restart_attempts = 0\n"  # [models.engine] is ENGINE_TOML's last table
+               "[models.scheduling]\nmax_running = 1\nreserved_seats = 0\n")
+ahead.STARTERS["doomed_server"] = (lambda: start_server_process(DOOMED_TOML, tmp("doomed")),
+                                   lambda srv: stop_process(srv.proc))
+
+
 @pytest.fixture(scope="module")
-def doomed_server(smollm2_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineServer]:
-    toml = (ENGINE_TOML + "restart_attempts = 0\n"  # [models.engine] is ENGINE_TOML's last table
-            "[models.scheduling]\nmax_running = 1\nreserved_seats = 0\n")
-    srv = start_server_process(toml, tmp_path_factory.mktemp("doomed"))
-    yield srv
-    stop_process(srv.proc)
+def doomed_server(smollm2_path: Path) -> Iterator[EngineServer]:
+    """Started ahead of the engine tests (tests/ahead.py)."""
+    yield ahead.take("doomed_server")
+    ahead.finish("doomed_server")
 
 
 def _engine_core(pid: int) -> psutil.Process:

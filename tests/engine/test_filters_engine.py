@@ -1,79 +1,25 @@
 """The classifier filter with the real model: llmd asks SmolLM2 (served by itself) about a
 prompt before admission; a guard's verdict blocks, a timeout applies the fail policy; output
-filters work on the real engine's stream too. A server of its own (tenants pick the filters)."""
+filters work on the real engine's stream too. Tenants pick the filters, on the server these
+tests share with test_matrix_engine.py (its config: tests/engine/conftest.py)."""
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import openai
 import pytest
 
-from llmd.auth import hash_key
-from tests.conftest import EngineServer, start_server_process, stop_process
+from tests.conftest import EngineServer
+from tests.engine.conftest import GUARD_KEYS, SharedServer
 
-KEYS = {t: f"sk-llmd-guard-{t}" for t in ("plain", "guarded", "always", "closed", "open")}
-TOML = """
-[server]
-host = "127.0.0.1"
-port = {port}
-db_path = "{db}"
-[[models]]
-name = "smollm2"
-source = "smollm2"
-max_prompt_tokens = 1000
-max_prompt_bytes = 65536  # a prompt past the guard's context reaches the screen (then the token limit)
-default_max_tokens = 32
-[models.engine]
-max_model_len = 2048
-kv_cache_gib = 1
-max_num_seqs = 8
-dtype = "float32"
-[models.filters]
-output = ["pii"]
-[[filters]]
-name = "pii"
-type = "pii"
-action = "redact"
-[[filters]]
-name = "guard"
-type = "classifier"
-model = "smollm2"
-timeout_ms = 30000
-[[filters]]
-name = "guard-always"   # every answer counts as unsafe: proves the model's answer decides
-type = "classifier"
-model = "smollm2"
-timeout_ms = 30000
-unsafe_answer = ""
-[[filters]]
-name = "guard-closed"
-type = "classifier"
-model = "smollm2"
-timeout_ms = 1
-on_error = "closed"
-[[filters]]
-name = "guard-open"
-type = "classifier"
-model = "smollm2"
-timeout_ms = 1
-on_error = "open"
-""" + "".join(f"""
-[[tenants]]
-name = "{t}"
-keys = ["{hash_key(k)}"]
-input_filters = {json.dumps([] if t == "plain" else ["guard" if t == "guarded" else f"guard-{t}"])}
-""" for t, k in KEYS.items())
+KEYS = GUARD_KEYS
 
 
 @pytest.fixture(scope="module")
-def guard_server(smollm2_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineServer]:
-    srv = start_server_process(TOML, tmp_path_factory.mktemp("guard"))
-    yield srv
-    stop_process(srv.proc)
+def guard_server(filters_server: SharedServer) -> EngineServer:
+    return filters_server.srv
 
 
 def records(srv: EngineServer) -> list[dict[str, Any]]:

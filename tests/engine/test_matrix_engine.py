@@ -1,5 +1,6 @@
 """The feature-interaction matrix's real-engine subset: SmolLM2 on vLLM behind llmd, with the
-shipped PII filter and a tenant, each case one request (or Batch API item) combining the levels
+shipped PII filter and a tenant (on the server it shares with test_filters_engine.py:
+tests/engine/conftest.py), each case one request (or Batch API item) combining the levels
 of tests/matrix/features.py's ENGINE subset (every pair of them at least once). The model's own
 text stands in for the fake's script (its prompt invites an e-mail address), so each case checks
 the invariants that hold whatever it writes: valid, schema-conforming JSON where promised, one
@@ -11,35 +12,23 @@ from __future__ import annotations
 import asyncio
 import json
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import jsonschema
 import pytest
 
-from llmd.auth import hash_key
 from llmd.protocol import IGNORED_HEADER
-from tests.conftest import ENGINE_TOML, EngineServer, start_server_process, stop_process
+from tests.conftest import EngineServer
+from tests.engine.conftest import SharedServer
 from tests.matrix import client
 from tests.matrix.client import choices_of, same
-from tests.matrix.cluster import KEY, ledger_rows
+from tests.matrix.cluster import ledger_rows
 from tests.matrix.features import ENGINE, Case, case_id, cases
 from tests.matrix.runner import closed
 
 pytestmark = pytest.mark.engine
 CASES = cases(ENGINE)
-TOML = ENGINE_TOML + f"""
-[models.filters]
-output = ["pii"]
-[[filters]]
-name = "pii"
-type = "pii"
-action = "redact"
-[[tenants]]
-name = "a"
-keys = ["{hash_key(KEY)}"]
-"""
 SCHEMA: dict[str, Any] = {
     "type": "object",
     "properties": {"city": {"type": "string"}, "contact": {"type": "string"}, "population": {"type": "number"},
@@ -52,11 +41,8 @@ PROMPT = ("Describe the town of Springfield in two sentences. Its tourist office
 
 
 @pytest.fixture(scope="module")
-def server(smollm2_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[EngineServer, Path]]:
-    d = tmp_path_factory.mktemp("matrix-engine")
-    srv = start_server_process(TOML, d)
-    yield srv, d / "llmd.db"
-    stop_process(srv.proc)
+def server(filters_server: SharedServer) -> tuple[EngineServer, Path]:
+    return filters_server.srv, filters_server.db
 
 
 def structured(case: Case) -> bool:

@@ -18,7 +18,8 @@ import openai
 import pydantic
 import pytest
 
-from tests.conftest import REPO, EngineServer, start_server_process, stop_process
+from tests import ahead
+from tests.conftest import REPO, EngineServer, start_server_process, stop_process, tmp
 
 MAX_TOKENS = 96
 KEY = "sk-llmd-demo-change-me"  # the shipped config's demo tenant (its key is published there)
@@ -57,11 +58,15 @@ def shipped_toml() -> str:
     return text.replace("\nport = 8000\n", '\nport = {port}\ndb_path = "{db}"\n', 1)
 
 
+ahead.STARTERS["shipped"] = (lambda: start_server_process(shipped_toml(), tmp("shipped")),
+                             lambda srv: stop_process(srv.proc))
+
+
 @pytest.fixture(scope="module")
-def shipped(smollm2_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineServer]:
-    srv = start_server_process(shipped_toml(), tmp_path_factory.mktemp("shipped"))
-    yield srv
-    stop_process(srv.proc)
+def shipped(smollm2_path: Path) -> Iterator[EngineServer]:
+    """Started ahead of the engine tests (tests/ahead.py)."""
+    yield ahead.take("shipped")
+    ahead.finish("shipped")
 
 
 def parse(srv: EngineServer, prompt: str) -> tuple[City | None, str]:

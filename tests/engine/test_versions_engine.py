@@ -1,5 +1,7 @@
 """Two versions of SmolLM2 (bf16 and float32 weights, two content hashes) loaded in one llmd
-on the real engine, answering at the same time, each response naming its version."""
+on the real engine, answering at the same time, each response naming its version. The server is
+the session's `engine_server` (the bf16 version, configured): the test loads the float32 one
+beside it, and unloads it again at the end (the server's other tests see one version)."""
 
 from __future__ import annotations
 
@@ -10,15 +12,15 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.conftest import ENGINE_TOML, start_server_process, stop_process
+from tests.conftest import EngineServer
 
 pytestmark = pytest.mark.engine
 
 
-async def test_two_versions_answer_concurrently(two_versions: tuple[Path, str, str], tmp_path: Path) -> None:
-    home, v_bf16, v_f32 = two_versions
-    toml = ENGINE_TOML.replace('source = "smollm2"', f'source = "smollm2"\nversion = "{v_bf16[:12]}"')
-    srv = start_server_process(toml, tmp_path, env_extra={"LLMD_HOME": str(home)})
+async def test_two_versions_answer_concurrently(two_versions: tuple[Path, str, str],
+                                                engine_server: EngineServer) -> None:
+    _, v_bf16, v_f32 = two_versions
+    srv = engine_server
     try:
         async with httpx.AsyncClient(base_url=srv.url, timeout=300) as h:
             r = await h.post("/admin/models/smollm2/versions", json={"version": v_f32[:12]})
@@ -52,5 +54,9 @@ async def test_two_versions_answer_concurrently(two_versions: tuple[Path, str, s
                 assert resp.status_code == 200
                 seen.add(resp.headers["x-llmd-model-version"])
             assert seen == {v_bf16, v_f32}
-    finally:
-        stop_process(srv.proc)
+    finally:  # back to the configured version alone, for the tests that share the server
+        async with httpx.AsyncClient(base_url=srv.url, timeout=300) as h:
+            await h.put("/admin/models/smollm2/split", json={"weights": {v_bf16: 1}})
+            await h.delete(f"/admin/models/smollm2/versions/{v_f32[:12]}")
+            described = (await h.get("/admin/models/smollm2")).json()
+    assert [(v["version"], v["state"]) for v in described["versions"]] == [(v_bf16, "active")], described
