@@ -177,9 +177,9 @@ async def pump(job: Job, req: ChatRequest | CompletionRequest, emit: Emit) -> No
     shape = _Shape(job, req)
     sent = [0]
 
-    async def counted(payload: str) -> None:
+    def counted(payload: str) -> Awaitable[None]:  # not a coroutine itself: one frame less per token
         sent[0] += 1
-        await emit(payload)
+        return emit(payload)
 
     try:
         async with dispatch.deadline(job):
