@@ -19,6 +19,7 @@ from llmd.backends import Backend, BackendError, EngineDead, PromptError
 from llmd.backends.base import Delta, Prompt, Sampling
 from llmd.errors import APIError, bad_request, deadline_exceeded, engine_failed, unavailable
 from llmd.filters import ContentFiltered, OutputWindow
+from llmd.lifecycle import PROGRESS_EVERY_S
 from llmd.policy.classes import ENGINE_PRIORITY, INTERACTIVE
 from llmd.runtime import Choice, Job
 from llmd.scheduler import Dropped
@@ -204,9 +205,11 @@ def account(job: Job, choice: Choice, delta: Delta, here: bool = True) -> None:
     life, n = job.life, delta.num_tokens
     rec = life.record
     now = time.monotonic()
-    if n:  # once per token: each lookup below is paid tens of thousands of times a second
+    if n:  # once per token: each lookup (and call) below is paid tens of thousands of times a second
         prev, choice.t_last_token = choice.t_last_token, now
-        rec.on_tokens(n, now)
+        if rec.t_first_token is None:
+            rec.t_first_token = now
+        rec.t_last_token = now
         rec.output_tokens += n
         if here:
             rt = job.runtime
@@ -219,7 +222,8 @@ def account(job: Job, choice: Choice, delta: Delta, here: bool = True) -> None:
             rt.scheduler.on_output(choice.flow, n)
     if delta.cached_prompt_tokens > rec.cached_prompt_tokens:
         rec.cached_prompt_tokens = delta.cached_prompt_tokens
-    life.progress(now)
+    if now - life.last_progress >= PROGRESS_EVERY_S:  # (its own test first: a call less per token)
+        life.progress(now)
     if delta.finish_reason is not None:
         choice.finished = True
         rec.finish_reason = delta.finish_reason

@@ -78,6 +78,31 @@ class ChoiceOutput:
             self.job.record.on_sent(n, now, self._t_sent)
             self._t_sent = now
 
+    def streamed(self, d: Delta) -> str | None:
+        """A stream's step for one delta: `take` it, its chunk's choice as JSON (`chunk_json`), and
+        `sent` when there is one. The common case (text only, past the first chunk) is done here
+        in one call, as those three would: this runs once per token of every stream."""
+        if not self.plain or not self._started or (self.chat and not d.text):
+            piece = self.chunk_json(d, self.take(d))
+            if piece is not None:
+                self.sent()
+            return piece
+        self._unsent += d.num_tokens
+        self.parts.append(d.text)
+        finish = d.finish_reason
+        if finish is None:
+            if not d.text:
+                return None
+        else:
+            self.finish = finish
+        if n := self._unsent:
+            self._unsent = 0
+            now = time.monotonic()
+            self.job.record.on_sent(n, now, self._t_sent)
+            self._t_sent = now
+        tail = "null" if finish is None else f'"{finish}"'
+        return f"{self._open}{encode_basestring(d.text)}{self._close}{tail}}}"
+
     @property
     def text(self) -> str:
         return self.choice.echo + "".join(self.parts)

@@ -116,9 +116,8 @@ async def _choice_chunks(job: Job, shape: _Shape, choice: Choice) -> AsyncIterat
     out = ChoiceOutput(job, choice, shape.chat)
     try:
         async for d in dispatch.screened(job, choice):
-            piece = out.chunk_json(d, out.take(d))
+            piece = out.streamed(d)
             if piece is not None:
-                out.sent()
                 yield shape.chunk(piece)
     except ContentFiltered:
         yield _stopped_chunk(shape, choice, out)
@@ -131,9 +130,8 @@ async def _emit_choice(job: Job, shape: _Shape, choice: Choice, emit: Emit) -> N
     out = ChoiceOutput(job, choice, shape.chat)
     try:
         async for d in dispatch.screened(job, choice):
-            piece = out.chunk_json(d, out.take(d))
+            piece = out.streamed(d)  # `sent`: handed to the connection now; a client slow to read delays the next
             if piece is not None:
-                out.sent()  # handed to the connection now; a client slow to read delays the next
                 await emit(shape.chunk(piece))
     except ContentFiltered:
         await emit(_stopped_chunk(shape, choice, out))
@@ -177,9 +175,9 @@ async def pump(job: Job, req: ChatRequest | CompletionRequest, emit: Emit) -> No
     shape = _Shape(job, req)
     sent = [0]
 
-    async def counted(payload: str) -> None:
+    def counted(payload: str) -> Awaitable[None]:  # not a coroutine itself: one frame less per token
         sent[0] += 1
-        await emit(payload)
+        return emit(payload)
 
     try:
         async with dispatch.deadline(job):

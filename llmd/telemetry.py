@@ -87,13 +87,6 @@ class RequestRecord:
         """An event in the request's run, for the dashboard's inspector (its timeline)."""
         self.marks.append((event, time.monotonic()))
 
-    def on_tokens(self, n: int, now: float) -> None:
-        """`n` tokens of one choice came from the engine at `now`."""
-        if n:
-            if self.t_first_token is None:
-                self.t_first_token = now
-            self.t_last_token = now
-
     def on_sent(self, n: int, now: float, prev: float | None) -> None:
         """`n` tokens of one choice went to the client together at `now` (engines merge deltas
         under load, output filters hold some back and release them at once); `prev`: when that

@@ -95,9 +95,13 @@ class TokenLogprob:
     top: tuple[tuple[str, float], ...] = ()  # (text, logprob), best first
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Delta:
-    """New text since the previous delta. Several engine tokens may arrive in one delta."""
+    """New text since the previous delta. Several engine tokens may arrive in one delta.
+
+    Treated as immutable (a new one is built, never one changed) but not `frozen`: one is built
+    per token, and a frozen dataclass's __init__ (one object.__setattr__ per field) costs five
+    times a plain slotted one's."""
 
     text: str
     num_tokens: int

@@ -130,9 +130,11 @@ class FakePrefixCache:
         the blocks it completes are cached."""
         seq.tokens.append(token)
         self._private_tokens += 1
-        if len(seq.tokens) > (len(seq.hashes) + seq.private) * self.block_tokens:
+        n, b = len(seq.tokens), self.block_tokens
+        if n > (len(seq.hashes) + seq.private) * b:
             self._take(seq, 1)
-        self.commit(seq, len(seq.tokens))
+        if n >= (len(seq.hashes) + 1) * b:  # a block is full: `commit` (else it would find nothing to do)
+            self.commit(seq, n)
 
     def commit(self, seq: CacheSeq, computed: int) -> None:
         """The first `computed` tokens have KV now: their full blocks join the cache. A block

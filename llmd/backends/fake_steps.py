@@ -26,6 +26,8 @@ def step_plan(batch: Sequence[StepReq], budget: int) -> list[int]:
     then chunks from what is left of the step's token budget); 0 for a decoding one or one the
     budget did not reach."""
     pre = [r.prefill_todo for r in batch if r.prefill_todo > 0]
+    if not pre:  # every one decodes (most steps)
+        return [0] * len(batch)
     chunks = iter(prefill_chunks(len(batch) - len(pre), pre, budget))
     return [next(chunks, 0) if r.prefill_todo > 0 else 0 for r in batch]
 
@@ -54,8 +56,9 @@ class StepPricer:
         prefill = prefill_tokens / rate if rate else 0.0
         return (self.cfg.step_ms + self.cfg.step_ms_per_seq * running) / 1000.0 + prefill
 
-    def price(self, batch: Sequence[StepReq]) -> float:
+    def price(self, batch: Sequence[StepReq], plan: Sequence[int] | None = None) -> float:
+        """The step's seconds; `plan`: its `step_plan`, when the caller has it already."""
         ptps = self.cfg.prefill_tokens_per_step
         if self.model is not None:
             return self.model.seconds(step_shape(batch, ptps))
-        return self.knobs(len(batch), sum(step_plan(batch, ptps)))
+        return self.knobs(len(batch), sum(step_plan(batch, ptps) if plan is None else plan))

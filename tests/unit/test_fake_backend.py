@@ -355,3 +355,14 @@ async def test_overlapped_steps_stream_what_sequential_ones_do_and_charge_the_st
         finally:
             await b.stop()
     assert outs[0] == outs[1] and all(joined(ds) for ds in outs[1])
+
+
+async def test_the_lean_path_says_what_the_full_one_does(be: FakeBackend) -> None:
+    # A plain request takes the lean per-token path; a stop string that never matches sends the
+    # same prompt down the full one: the same words, token ids, finish and token count.
+    lean = await collect(be, "lean", "Tell me a story", max_tokens=40)
+    full = await collect(be, "full", "Tell me a story", max_tokens=40, stop=("no such stop",))
+    assert joined(lean) == joined(full) and len(joined(lean).split()) == 40
+    assert [i for d in lean for i in d.token_ids] == [i for d in full for i in d.token_ids]
+    assert (lean[-1].finish_reason, full[-1].finish_reason) == ("length", "length")
+    assert sum(d.num_tokens for d in lean) == sum(d.num_tokens for d in full) == 40
