@@ -62,6 +62,12 @@ class AdmissionRefused(APIError):
         super().__init__(status, message, type, code, None, headers)
         self.reason = reason
 
+    @property
+    def retry_after_s(self) -> float | None:
+        """The wait its Retry-After tells the client (None: it names none)."""
+        v = self.headers.get("Retry-After")
+        return float(v) if v is not None else None
+
 
 _REFUSAL_CODES = {"request_too_large": "request_too_large", "concurrency": "concurrency_limit_exceeded",
                   "queue_full": "overloaded", "deadline_unreachable": "overloaded", "too_late": "overloaded",

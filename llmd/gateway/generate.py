@@ -102,8 +102,7 @@ async def _pace(node: Node, tenant: str, e: AdmissionRefused) -> None:
     it starts hammering, demote what it has queued and running to the batch class."""
     if node.pacer is None:
         return
-    retry_after = e.headers.get("Retry-After")
-    pace = node.pacer.refused(tenant, float(retry_after) if retry_after is not None else None)
+    pace = node.pacer.refused(tenant, e.retry_after_s)
     if pace.demote:
         node.service.demote(tenant)
     if pace.hold_s > 0:
