@@ -165,7 +165,8 @@ def build_node(config: Config, store: WeightStore | None = None, ledger: Ledger 
                             functools.partial(build_backend, store=weights))
     # Versions loaded later (the registry) get the tenants in force then: after a reload, the new ones.
     registry = Registry(config.models, RegistryStore(db.with_suffix(".registry.db")), weights,
-                        lambda cfg, backend: build_runtime(cfg, backend, node.config.tenants, watch=supervisor.watch),
+                        lambda cfg, backend: build_runtime(cfg, backend, node.config.tenants, watch=supervisor.watch,
+                                                           ttft_s=node.config.slo.slo_for(cfg.name).ttft_p95_s),
                         config.server.node, config.cluster.enabled)
     admission = AdmissionController(config.tenants, time.monotonic)
     metrics = Metrics(registry, lambda: node.config.slo)  # read at each scrape: a reload changes it

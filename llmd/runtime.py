@@ -91,8 +91,10 @@ class ModelRuntime:
 
 
 def build_runtime(cfg: ModelConfig, backend: Backend, tenants: list[TenantConfig],
-                  watch: Callable[[ModelConfig], EngineWatch] | None = None) -> ModelRuntime:
-    """The queue and scheduler for a started engine, with the tenants' weights and orderings."""
+                  watch: Callable[[ModelConfig], EngineWatch] | None = None,
+                  ttft_s: float | None = None) -> ModelRuntime:
+    """The queue and scheduler for a started engine, with the tenants' weights and orderings;
+    `ttft_s`, the model's first-token objective, is when a waiting request counts as late."""
     sc = cfg.scheduling
     weights = {t.name: t.weight for t in tenants}
     ordering: dict[str, str] = {t.name: t.ordering for t in tenants}
@@ -116,7 +118,8 @@ def build_runtime(cfg: ModelConfig, backend: Backend, tenants: list[TenantConfig
                          rules=preemption_rules(sc.preempt_batch, sc.preempt_for_fairness),
                          reserved_seats=sc.reserved_seats,
                          batch_seats_with_interactive=batch_seats if batch_seats is not None else max(1, seats // 4),
-                         interactive_quiet_s=sc.interactive_quiet_s, arrivals=arrivals)
+                         interactive_quiet_s=sc.interactive_quiet_s, arrivals=arrivals,
+                         late_after_s=ttft_s if sc.late_after_s is None else sc.late_after_s)
     scheduler = Scheduler(core)
     scheduler.start()
     return ModelRuntime(cfg, backend, queue, scheduler, gaps, ordering, watch(cfg) if watch is not None else None)

@@ -114,6 +114,10 @@ class SchedulingConfig(_Strict):
     # time-to-first-token objective has failed already. Off by default (None or 0): measured on a
     # 2-core CPU it refused more than it saved (docs/decisions/2026-12-06-on-time-admission.md).
     max_wait_s: Annotated[float, Field(ge=0)] | None = None
+    # An interactive request that has waited this long for a seat has missed its first-token
+    # objective: it yields to those still on time, and runs when there is room. Unset: the
+    # model's [slo] ttft_p95_s; 0: arrival order (within a tenant's ordering), late or not.
+    late_after_s: Annotated[float, Field(ge=0)] | None = None
     # Seats kept for tenants with nothing running, so a flood from one tenant cannot
     # make a newcomer wait for a long generation to end before its first token.
     reserved_seats: Annotated[int, Field(ge=0)] = 2

@@ -57,15 +57,25 @@ class ClassQueue:
     def heads(self) -> dict[str, QueuedRequest]:
         return {t: q.peek() for t, q in self._tenants.items()}
 
-    def pop_next(self, eligible: Callable[[str], bool] | None = None) -> QueuedRequest | None:
-        """The fairness policy's pick among tenants for which `eligible` holds (all by default)."""
+    def pop_next(self, eligible: Callable[[str], bool] | None = None,
+                 prefer: Callable[[QueuedRequest], bool] | None = None) -> QueuedRequest | None:
+        """The fairness policy's pick among tenants for which `eligible` holds (all by default).
+        With `prefer`, each tenant offers its first preferred request, and only tenants that have
+        one compete, unless none has: the rest wait behind them, in their own order."""
         heads = self.heads()
         if eligible is not None:
             heads = {t: r for t, r in heads.items() if eligible(t)}
         if not heads:
             return None
+        if prefer is not None:
+            preferred = {t: r for t in heads if (r := self._tenants[t].first(prefer)) is not None}
+            heads = preferred or heads
         tenant = self.fairness.pick(heads)
-        req = self._tenants[tenant].pop()
+        q, req = self._tenants[tenant], heads[tenant]
+        if req is q.peek():
+            q.pop()
+        else:
+            q.remove(req)
         self._count -= 1
         self.fairness.on_dispatch(req)
         self._forget_if_empty(tenant)
@@ -98,9 +108,10 @@ class ModelQueue:
     def push(self, req: QueuedRequest) -> None:
         self.classes[req.klass].push(req)
 
-    def pop_next(self, eligible: Callable[[str], bool] | None = None) -> QueuedRequest | None:
+    def pop_next(self, eligible: Callable[[str], bool] | None = None,
+                 prefer: Callable[[QueuedRequest], bool] | None = None) -> QueuedRequest | None:
         for c in self.classes.values():
-            if len(c) and (req := c.pop_next(eligible)) is not None:
+            if len(c) and (req := c.pop_next(eligible, prefer)) is not None:
                 return req
         return None
 

@@ -8,7 +8,7 @@ import heapq
 import itertools
 from abc import ABC, abstractmethod
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 _seq = itertools.count()
@@ -34,10 +34,11 @@ class QueuedRequest:
     # output's grammar restarts at the prompt's end): such a sequence keeps its seat.
     preemptible: bool
     started: bool  # its first output token came: its prefill is done
+    queued_at: float | None  # when it first queued, on the scheduler's clock (kept when it queues again)
 
     def __init__(self, request_id: str, tenant: str, klass: str, input_tokens: int, max_tokens: int,
                  deadline: float, seq: int | None = None, running: bool = False, preempt_requested: bool = False,
-                 preemptible: bool = True, started: bool = False) -> None:
+                 preemptible: bool = True, started: bool = False, queued_at: float | None = None) -> None:
         self.request_id = request_id
         self.tenant = tenant
         self.klass = klass
@@ -49,6 +50,7 @@ class QueuedRequest:
         self.preempt_requested = preempt_requested
         self.preemptible = preemptible
         self.started = started
+        self.queued_at = queued_at
 
     @property
     def cost(self) -> int:
@@ -73,6 +75,10 @@ class RequestQueue(ABC):
 
     @abstractmethod
     def __iter__(self) -> Iterator[QueuedRequest]: ...
+
+    def first(self, pred: Callable[[QueuedRequest], bool]) -> QueuedRequest | None:
+        """The first request in this queue's order for which `pred` holds."""
+        return next((r for r in self if pred(r)), None)
 
 
 class FCFSQueue(RequestQueue):

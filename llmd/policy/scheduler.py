@@ -48,7 +48,7 @@ class SchedulerCore:
                  throughput: ThroughputEstimate, *, clock: Clock, rules: Sequence[PreemptionRule] | None = None,
                  reserved_seats: int = 0, avg_output_prior: float = 128.0,
                  batch_seats_with_interactive: int | None = None, interactive_quiet_s: float = 1.0,
-                 arrivals: ArrivalRate | None = None) -> None:
+                 arrivals: ArrivalRate | None = None, late_after_s: float | None = None) -> None:
         self.queue = queue
         self.detector = detector
         self.signals = signals
@@ -63,6 +63,9 @@ class SchedulerCore:
                                              else batch_seats_with_interactive)
         self.interactive_quiet_s = interactive_quiet_s
         self.arrivals = arrivals  # noted at each submit; the step-time model reads it
+        # An interactive request that has waited this long for its first seat has missed its
+        # first-token objective: it yields to those still on time (None or 0: arrival order).
+        self.late_after_s = late_after_s or None
         self._last_interactive = -1e18
         self.running: dict[int, QueuedRequest] = {}  # by seq, in dispatch order
         self.tenant_running: dict[str, int] = {}
@@ -74,6 +77,8 @@ class SchedulerCore:
     # -- the request's side ----------------------------------------------
     def submit(self, req: QueuedRequest) -> None:
         """Queue `req` (new, or preempted and resuming); the next tick may seat it."""
+        if req.queued_at is None:
+            req.queued_at = self.clock()
         self.queue.push(req)
         if self.arrivals is not None:
             self.arrivals.note()
@@ -148,6 +153,7 @@ class SchedulerCore:
 
     def _seat_from_queue(self) -> tuple[QueuedRequest, ...]:
         seated: list[QueuedRequest] = []
+        on_time = self._on_time()
         while len(self.queue) and self.detector.has_headroom(self.signals, len(self.running)):
             # The last `reserved_seats` seats go only to tenants below their fair share of seats,
             # so one tenant's flood cannot make a newcomer wait for a long generation to end.
@@ -155,14 +161,24 @@ class SchedulerCore:
             reserve_only = limit - len(self.running) <= min(self.reserved_seats, limit // 4)
             pred = self.below_share(self.fair_share(limit)) if reserve_only else None
             if self.class_running.get(BATCH, 0) < self.batch_cap(limit):
-                req = self.queue.pop_next(pred)
+                req = self.queue.pop_next(pred, on_time)
             else:
-                req = self.queue.classes[INTERACTIVE].pop_next(pred)
+                req = self.queue.classes[INTERACTIVE].pop_next(pred, on_time)
             if req is None:
                 break
             self._seat(req)
             seated.append(req)
         return tuple(seated)
+
+    def _on_time(self) -> Callable[[QueuedRequest], bool] | None:
+        """Late last: under overload, serving requests in arrival order makes every one of them
+        late; serving those that can still meet the first-token objective first keeps as many
+        as possible within it, and the late ones still run when there is room (or end at their
+        deadline). A request that already started (preempted, resuming) is never late."""
+        if self.late_after_s is None:
+            return None
+        cutoff = self.clock() - self.late_after_s
+        return lambda r: (r.klass != INTERACTIVE or r.started or r.queued_at is None or r.queued_at > cutoff)
 
     def batch_cap(self, limit: int) -> int:
         """Seats batch-class work may hold now: all of them, unless interactive traffic is about."""

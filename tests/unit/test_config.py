@@ -65,6 +65,7 @@ def test_good_config_and_env_var(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
         (GOOD.replace("port = 9000", 'refusal_demote_s = "long"'), "server.refusal_demote_s"),
         (GOOD + "[models.engine]\nmax_model_len = -5\n", "models[0].engine.max_model_len (model 'm')"),
         (GOOD + "[models.engine]\nkv_cache_gib = 0.5\n", "models[0].engine.kv_cache_gib"),
+        (GOOD + "[models.scheduling]\nlate_after_s = -1\n", "models[0].scheduling.late_after_s"),
         (GOOD.replace('backend = "fake"', 'backend = "tpu"'), "models[0].backend"),
         (GOOD.replace('backend = "fake"', 'backend = "vllm"'), "needs `source`"),
         (GOOD + '[[models]]\nname = "m"\nbackend = "fake"\n', "appears twice"),

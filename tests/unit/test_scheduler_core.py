@@ -41,12 +41,13 @@ class Signals:
 
 def make(seats: int = 4, *, reserved: int = 0, batch_cap: int | None = None, quiet: float = 1.0,
          rules: list[PreemptionRule] | None = None, fairness: str = "fcfs", target_itl_ms: float | None = None,
-         ) -> tuple[SchedulerCore, Clock, Signals]:
+         late_after_s: float | None = None) -> tuple[SchedulerCore, Clock, Signals]:
     clock, signals = Clock(), Signals()
     queue = ModelQueue(FAIRNESS[fairness], lambda t: "fifo")
     detector = SaturationDetector(seats, kv_high=0.9, target_itl_ms=target_itl_ms, clock=clock)
     core = SchedulerCore(queue, detector, signals, ThroughputEstimate(100.0, clock=clock), clock=clock, rules=rules,
-                         reserved_seats=reserved, batch_seats_with_interactive=batch_cap, interactive_quiet_s=quiet)
+                         reserved_seats=reserved, batch_seats_with_interactive=batch_cap, interactive_quiet_s=quiet,
+                         late_after_s=late_after_s)
     return core, clock, signals
 
 
@@ -130,6 +131,74 @@ def test_deadline_drops_at_the_head_only() -> None:
     d = core.tick()
     assert d.drop == (late,) and core.dropped == 1
     assert len(core.queue) == 2  # B's gone; A's late request is not at its head, so it stays
+
+
+# -- late last ------------------------------------------------------------------
+def _full(core: SchedulerCore) -> QueuedRequest:
+    hog = req("z")
+    seat(core, hog)
+    return hog
+
+
+def test_a_late_request_yields_to_an_on_time_one_of_its_own_tenant_and_runs_when_there_is_room() -> None:
+    core, clock, _ = make(seats=1, late_after_s=1.0, rules=[])
+    hog = _full(core)
+    old = req("a")
+    core.submit(old)
+    clock.t += 1.5  # `old` has waited past the first-token objective
+    new = req("a")
+    core.submit(new)
+    core.finished(hog, 10)
+    assert core.tick().dispatch == (new,)  # on time goes first, though `old` came first
+    core.finished(new, 10)
+    assert core.tick().dispatch == (old,)  # late, not dropped: it runs when a seat is free
+
+
+def test_an_on_time_tenant_goes_before_one_whose_requests_are_all_late_whatever_fairness_says() -> None:
+    core, clock, _ = make(seats=1, late_after_s=1.0, rules=[], fairness="vtc")
+    hog = _full(core)
+    late_a = req("a")
+    core.submit(late_a)
+    clock.t += 2.0
+    b = req("b")
+    core.queue.classes["interactive"].fairness.on_output("b", 1000)  # B is far over its share
+    core.submit(b)
+    core.finished(hog, 10)
+    assert core.tick().dispatch == (b,)
+    core.finished(b, 10)
+    assert core.tick().dispatch == (late_a,)
+
+
+def test_without_late_after_arrival_order_holds_and_a_resumed_request_is_never_late() -> None:
+    core, clock, _ = make(seats=1, rules=[])
+    hog = _full(core)
+    old, new = req("a"), req("a")
+    core.submit(old)
+    clock.t += 5.0
+    core.submit(new)
+    core.finished(hog, 10)
+    assert core.tick().dispatch == (old,)  # late_after_s unset: FIFO
+    core2, clock2, _ = make(seats=1, late_after_s=1.0, rules=[])
+    hog2 = _full(core2)
+    resumed, fresh = req("a"), req("a")
+    resumed.started = True  # preempted mid-stream: its first token came long ago
+    core2.submit(resumed)
+    clock2.t += 5.0
+    core2.submit(fresh)
+    core2.finished(hog2, 10)
+    assert core2.tick().dispatch == (resumed,)
+
+
+def test_batch_requests_are_never_late() -> None:
+    core, clock, _ = make(seats=1, late_after_s=1.0, rules=[])
+    hog = _full(core)
+    old, new = req("a", "batch"), req("a", "batch")
+    core.submit(old)
+    clock.t += 5.0
+    core.submit(new)
+    core.finished(hog, 10)
+    clock.t += 2.0  # past interactive_quiet_s
+    assert core.tick().dispatch == (old,)
 
 
 # -- preemption ------------------------------------------------------------------
