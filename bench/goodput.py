@@ -76,6 +76,8 @@ def _model(cfg: dict[str, Any]) -> dict[str, Any]:
 VARIANTS: dict[str, tuple[str, Callable[[dict[str, Any]], None]]] = {
     "itl200": ("target_itl_ms = 200 (the ITL controller)",
                lambda c: _model(c)["scheduling"].update(target_itl_ms=200)),
+    "itl200m75": ("target_itl_ms = 200, target_itl_margin = 0.75",
+                  lambda c: _model(c)["scheduling"].update(target_itl_ms=200, target_itl_margin=0.75)),
     "no-filters": ("no output or input filters", lambda c: _model(c).pop("filters", None)),
     "no-degrade": ("degradation steps = []", lambda c: _model(c).setdefault("degradation", {}).update(steps=[])),
     "on-time": ("max_wait_s = 1.0 (on-time admission)", lambda c: _model(c)["scheduling"].update(max_wait_s=1.0)),
@@ -86,6 +88,9 @@ VARIANTS: dict[str, tuple[str, Callable[[dict[str, Any]], None]]] = {
     "seats8": ("max_running = 8", lambda c: _model(c)["scheduling"].update(max_running=8)),
     "seats16": ("max_running = 16", lambda c: _model(c)["scheduling"].update(max_running=16)),
     "seats32": ("max_running = 32", lambda c: _model(c)["scheduling"].update(max_running=32)),
+    "fifo": ("late_after_s = 0 (arrival order, no late last)",
+             lambda c: _model(c)["scheduling"].update(late_after_s=0)),
+    "seats4": ("max_running = 4", lambda c: _model(c)["scheduling"].update(max_running=4)),
     "seats64": ("max_running = 64 (all the engine's)", lambda c: _model(c)["scheduling"].update(max_running=64)),
 }
 
