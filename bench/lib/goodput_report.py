@@ -67,8 +67,9 @@ def verdicts(res: dict[str, Any]) -> list[tuple[str, bool]]:
             theirs = g.get(f"{peer}@{load:g}")
             if theirs is None:
                 continue
-            if load >= 1.5:
-                out.append((f"{load:g}x: llmd goodput {mine:.3f}/s >= 2x {peer}'s {theirs:.3f}/s", mine >= 2 * theirs))
+            if load >= 1.5:  # nothing good on either side is no lead
+                out.append((f"{load:g}x: llmd goodput {mine:.3f}/s >= 2x {peer}'s {theirs:.3f}/s",
+                            mine >= 2 * theirs and mine > 0))
             elif peer == "vllm":
                 out.append((f"{load:g}x: llmd goodput {mine:.3f}/s >= 0.97x vllm serve's {theirs:.3f}/s",
                             mine >= 0.97 * theirs))
@@ -80,7 +81,8 @@ def verdicts(res: dict[str, Any]) -> list[tuple[str, bool]]:
     if alone and flood:
         for t in ("chat", "rag"):
             a, f = alone[t]["good"], flood[t]["good"]
-            out.append((f"flood: llmd {t} good {f} >= 0.9x alone ({a})", f >= 0.9 * a))
+            if a:  # a tenant with nothing good alone has nothing to keep under the flood
+                out.append((f"flood: llmd {t} good {f} >= 0.9x alone ({a})", f >= 0.9 * a))
     return out
 
 

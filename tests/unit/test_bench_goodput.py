@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from bench.goodput import VARIANTS, patch, shipped
+from bench.lib.goodput_report import verdicts
 from bench.lib.servers import dump_toml
 from llmd.config import load_config
 
@@ -24,6 +25,21 @@ def test_each_variant_is_a_valid_config_that_differs_from_the_shipped_one(tmp_pa
         assert model.scheduling.target_itl_ms == 200
     if "no-degrade" in name:
         assert model.degradation.steps == []
+
+
+def _row(good: int, chat: int = 0, rag: int = 0) -> dict[str, object]:
+    return {"goodput": good / 45, "chat": {"good": chat}, "rag": {"good": rag}}
+
+
+def test_verdicts_call_nothing_good_on_both_sides_no_lead_and_skip_a_tenant_with_nothing_to_keep() -> None:
+    rows = {"vllm@1": _row(4), "llmd@1": _row(4), "vllm@2": _row(0), "llmd@2": _row(0), "litellm@2": _row(1),
+            "llmd@alone": _row(6, chat=6, rag=0), "llmd@flood": _row(5, chat=5, rag=0)}
+    got = dict(verdicts({"rows": rows, "loads": [1.0, 2.0]}))
+    assert [v for k, v in got.items() if k.startswith("1x")] == [True]
+    assert got["2x: llmd goodput 0.000/s >= 2x vllm's 0.000/s"] is False  # 0 against 0 is no lead
+    assert got["2x: llmd goodput 0.000/s >= 2x litellm's 0.022/s"] is False
+    assert got["flood: llmd chat good 5 >= 0.9x alone (6)"] is False
+    assert not any(k.startswith("flood: llmd rag") for k in got)  # nothing good alone: nothing to compare
 
 
 def test_an_unknown_variant_stops_the_bench_with_the_names_it_knows() -> None:
