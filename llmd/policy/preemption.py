@@ -62,10 +62,11 @@ class PreemptionRound:
     waiting_interactive: int
     victims: list[QueuedRequest]
     heirs: list[Heir]
+    prefer: Callable[[QueuedRequest], bool] | None  # heirs are chosen as the queue seats: on time first
 
     def __init__(self, seats: SeatView, running: int, limit: int, pending: int, live: list[QueuedRequest],
                  waiting_interactive: int, victims: list[QueuedRequest] | None = None,
-                 heirs: list[Heir] | None = None) -> None:
+                 heirs: list[Heir] | None = None, prefer: Callable[[QueuedRequest], bool] | None = None) -> None:
         self.seats = seats
         self.running = running
         self.limit = limit
@@ -74,6 +75,7 @@ class PreemptionRound:
         self.waiting_interactive = waiting_interactive
         self.victims = [] if victims is None else victims
         self.heirs = [] if heirs is None else heirs
+        self.prefer = prefer
 
     def untaken(self) -> list[QueuedRequest]:
         """Live sequences no rule has chosen yet."""
@@ -85,7 +87,8 @@ class PreemptionRound:
         return self.seats.blocked_on_capacity(self.running - len(self.victims))
 
     def interactive_heir(self) -> Heir:
-        return self.seats.queue.classes[INTERACTIVE].pop_next
+        queue, prefer = self.seats.queue.classes[INTERACTIVE], self.prefer
+        return lambda: queue.pop_next(None, prefer)
 
 
 class PreemptionRule(Protocol):
@@ -165,7 +168,7 @@ class FairShare:
         victim = most_over_share(seats, r.untaken(), share)
         if victim is not None:
             r.victims.append(victim)
-            r.heirs.append(lambda: queue.pop_next(seats.below_share(share)))
+            r.heirs.append(lambda: queue.pop_next(seats.below_share(share), r.prefer))
 
 
 def most_over_share(seats: SeatView, live: list[QueuedRequest], share: int) -> QueuedRequest | None:

@@ -228,7 +228,7 @@ class SchedulerCore:
         pending = sum(1 for t in self.running.values() if t.preempt_requested)
         live = [t for t in self.running.values() if not t.preempt_requested and t.preemptible]
         r = PreemptionRound(self, running, limit, pending=pending, live=live,
-                            waiting_interactive=self.queue.depth(INTERACTIVE))
+                            waiting_interactive=self.queue.depth(INTERACTIVE), prefer=self._on_time())
         for rule in self.rules:
             rule.choose(r)
         for t in r.victims:

@@ -189,6 +189,19 @@ def test_without_late_after_arrival_order_holds_and_a_resumed_request_is_never_l
     assert core2.tick().dispatch == (resumed,)
 
 
+def test_a_preempted_seat_goes_to_the_on_time_request_not_the_late_one() -> None:
+    core, clock, _ = make(seats=1, batch_cap=1, late_after_s=1.0, rules=[BatchForInteractive()])
+    bulk = req("a", "batch")
+    seat(core, bulk)
+    old = req("b")
+    core.queue.push(old)  # queued a while ago (as submit does, without the tick that would seat it)
+    old.queued_at = clock.t
+    clock.t += 2.0
+    new = req("c")
+    d = submit(core, new)
+    assert d.preempt == (bulk,) and d.heirs == (new,)  # the seat passes to the one still on time
+
+
 def test_batch_requests_are_never_late() -> None:
     core, clock, _ = make(seats=1, late_after_s=1.0, rules=[])
     hog = _full(core)
