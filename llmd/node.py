@@ -129,6 +129,7 @@ class Node:
         for versions in self.registry.runtimes.values():
             for rt in versions.values():
                 rt.set_tenants(config.tenants)
+                rt.set_ttft_objective(config.slo.slo_for(rt.cfg.name).ttft_p95_s)
         self.batch_runner.config = config
         if self.cluster is not None:
             notes += self.cluster.rekey(config.cluster, secrets)

@@ -75,6 +75,12 @@ class ModelRuntime:
             if isinstance(c.fairness, VTCFairness):
                 c.fairness.weights = {t.name: t.weight for t in tenants}
 
+    def set_ttft_objective(self, ttft_s: float) -> None:
+        """A reloaded [slo]: a waiting request is late after the new first-token objective, unless
+        the model sets its own `late_after_s`."""
+        if self.cfg.scheduling.late_after_s is None:
+            self.scheduler.core.late_after_s = ttft_s or None
+
     def hold(self, held: bool) -> None:
         self.scheduler.hold(held)
 

@@ -198,3 +198,16 @@ async def test_reload_reaches_the_fair_queues(make_server) -> None:
     # The test server's port and db_path are not in this file: a note says [server] waits for a restart.
     assert notes == ["[server] changes apply at the next start"] and live.runtime() is before
     assert [c.fairness.weights for c in before.queue.classes.values()] == [{"a": 4.0, "b": 2.0}] * 2
+
+
+async def test_reload_moves_when_a_waiting_request_counts_as_late(make_server) -> None:
+    """Late last reads the model's first-token objective: a reloaded [slo] applies to the queue too."""
+    live = await make_server(fake_toml() + "[slo]\nttft_p95_s = 1.0\n")
+    core = live.runtime().scheduler.core
+    assert core.late_after_s == 1.0
+    live.node.reload(Config.model_validate(tomllib.loads(fake_toml() + "[slo]\nttft_p95_s = 2.5\n")))
+    assert core.late_after_s == 2.5
+    fixed = fake_toml().replace("[models.scheduling]\n", "[models.scheduling]\nlate_after_s = 0.5\n")
+    live2 = await make_server(fixed)
+    live2.node.reload(Config.model_validate(tomllib.loads(fixed + "[slo]\nttft_p95_s = 2.5\n")))
+    assert live2.runtime().scheduler.core.late_after_s == 0.5  # the model's own setting wins
