@@ -12,15 +12,23 @@ their graceful stop, only made in the background."""
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable
 from typing import Any
+
+from bench.lib.servers import inherit
+from llmd.store import home
 
 Starter = Callable[[], Any]
 Stopper = Callable[[Any], None]
 STARTERS: dict[str, tuple[Starter, Stopper]] = {}  # fixture name -> how its server starts and stops
 LIVE = 3
 _ROOM = threading.Semaphore(LIVE)
+# The environment as the session began: a server started in the background inherits this, not
+# os.environ as it is at that moment, which a test running meanwhile may have monkeypatched.
+SESSION_ENV = dict(os.environ)
+SESSION_HOME = home()  # the weight store's LLMD_HOME as the session began
 
 
 class _Ahead:
@@ -63,7 +71,13 @@ def begin(names: list[str]) -> None:
     """Start these fixtures' servers one after another in a background thread (those not begun)."""
     todo = _claim(names)
     if todo:
-        threading.Thread(target=lambda: [a.run() for a in todo], name="llmd-ahead", daemon=True).start()
+        threading.Thread(target=_run_all, args=(todo,), name="llmd-ahead", daemon=True).start()
+
+
+def _run_all(todo: list[_Ahead]) -> None:
+    with inherit(SESSION_ENV):
+        for a in todo:
+            a.run()
 
 
 def take(name: str) -> Any:

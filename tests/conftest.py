@@ -160,8 +160,8 @@ def tmp(name: str) -> Path:
 
 
 def _start_engine_server() -> EngineServer:
-    with _STORE:
-        home, v_bf16, _ = two_version_store()
+    with _STORE:  # the session's store, whatever LLMD_HOME a test running beside this start has set
+        home, v_bf16, _ = two_version_store(ahead.SESSION_HOME)
     return start_server_process(pinned(ENGINE_TOML, v_bf16), tmp("engine"), env_extra={"LLMD_HOME": str(home)})
 
 

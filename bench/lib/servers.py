@@ -20,9 +20,10 @@ import socket
 import ssl
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,15 +58,17 @@ def model_dir(args: argparse.Namespace) -> Path:
         sys.exit(f"{e}\n(run `make model` first)")
 
 
-def two_version_store() -> tuple[Path, str, str]:
+def two_version_store(home: Path | None = None) -> tuple[Path, str, str]:
     """An LLMD_HOME whose store holds SmolLM2 twice under different content hashes: the stored
     (bf16) weights, hard-linked, and a float32 copy (made once, then kept next to the store).
-    Returns (home, bf16 version, float32 version); the rollout bench and engine tests share it."""
+    Returns (home, bf16 version, float32 version); the rollout bench and engine tests share it.
+    `home`: the LLMD_HOME whose SmolLM2 it links (default: $LLMD_HOME as it is now)."""
     from llmd.store import WeightStore
 
-    root = WeightStore().root.parent.parent / "llmd-test-versions"
+    base = WeightStore(home)
+    root = base.root.parent.parent / "llmd-test-versions"
     ws = WeightStore(root)
-    a = ws.link_from(WeightStore().resolve("smollm2"))
+    a = ws.link_from(base.resolve("smollm2"))
     return root, a.version, ws.cast_copy(a, "float32").version
 
 
@@ -258,12 +261,28 @@ async def start_inprocess(cfg: Any, name: str, store: Any = None, port: int | No
 
 
 # -- subprocesses -----------------------------------------------------------------
+_BASE_ENV = threading.local()
+
+
+@contextmanager
+def inherit(env: Mapping[str, str]) -> Iterator[None]:
+    """Processes this thread spawns inside the block start from `env`, not from os.environ as it is
+    then: a server started in a background thread must not pick up a variable some test has
+    monkeypatched for itself meanwhile (LLMD_HOME, say)."""
+    _BASE_ENV.env = dict(env)
+    try:
+        yield
+    finally:
+        del _BASE_ENV.env
+
+
 def spawn(argv: list[str], log: Path, env_extra: dict[str, str] | None = None,
           cwd: Path | None = None) -> subprocess.Popen[bytes]:
     """Start `argv` in its own session (its PID is its process group's id, so `stop` can sweep
     the engine processes it starts), output to `log`, from the repository root (or `cwd`: another
     checkout's, whose `llmd` then runs)."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env_extra or {})}
+    base = getattr(_BASE_ENV, "env", None)
+    env = {**(os.environ if base is None else base), "PYTHONUNBUFFERED": "1", **(env_extra or {})}
     with log.open("wb") as f:
         return subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=cwd or ROOT,
                                 start_new_session=True)
