@@ -147,13 +147,13 @@ class SchedulerCore:
         self.throughput.observe(self.signals, busy=bool(self.running))
         self.detector.update(self.signals, len(self.running))
         drop = self._drop_expired()
-        dispatch = self._seat_from_queue()
-        preempt, heirs = self._preempt()
+        on_time = self._on_time()  # one cut-off for the whole tick: seating and heirs agree
+        dispatch = self._seat_from_queue(on_time)
+        preempt, heirs = self._preempt(on_time)
         return Decision(drop, dispatch, preempt, heirs)
 
-    def _seat_from_queue(self) -> tuple[QueuedRequest, ...]:
+    def _seat_from_queue(self, on_time: Callable[[QueuedRequest], bool] | None) -> tuple[QueuedRequest, ...]:
         seated: list[QueuedRequest] = []
-        on_time = self._on_time()
         while len(self.queue) and self.detector.has_headroom(self.signals, len(self.running)):
             # The last `reserved_seats` seats go only to tenants below their fair share of seats,
             # so one tenant's flood cannot make a newcomer wait for a long generation to end.
@@ -222,13 +222,14 @@ class SchedulerCore:
             dropped.append(req)
         return tuple(dropped)
 
-    def _preempt(self) -> tuple[tuple[QueuedRequest, ...], tuple[QueuedRequest, ...]]:
+    def _preempt(self, on_time: Callable[[QueuedRequest], bool] | None
+                 ) -> tuple[tuple[QueuedRequest, ...], tuple[QueuedRequest, ...]]:
         """Run the preemption rules in order; returns (victims, heirs seated in their place)."""
         running, limit = len(self.running), self.detector.seat_limit
         pending = sum(1 for t in self.running.values() if t.preempt_requested)
         live = [t for t in self.running.values() if not t.preempt_requested and t.preemptible]
         r = PreemptionRound(self, running, limit, pending=pending, live=live,
-                            waiting_interactive=self.queue.depth(INTERACTIVE), prefer=self._on_time())
+                            waiting_interactive=self.queue.depth(INTERACTIVE), prefer=on_time)
         for rule in self.rules:
             rule.choose(r)
         for t in r.victims:
