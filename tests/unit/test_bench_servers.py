@@ -12,8 +12,8 @@ from bench.lib.servers import inherit, spawn
 
 def test_a_process_spawned_inside_inherit_gets_that_environment_not_the_live_one(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """tests/ahead.py starts engine servers in a background thread while other tests run; one that
-    monkeypatched LLMD_HOME meanwhile once sent a server to an empty weight store."""
+    """tests/ahead.py starts engine servers in a background thread while other tests run: a test's
+    monkeypatched LLMD_HOME must not reach them, or they open an empty weight store."""
     monkeypatch.setenv("LLMD_HOME", str(tmp_path / "a test's own"))
     argv = [sys.executable, "-c", "import os; print(os.environ.get('LLMD_HOME'))"]
     with inherit({"LLMD_HOME": "/the/session's"}):
