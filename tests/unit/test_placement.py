@@ -176,6 +176,13 @@ def test_unknown_rate_node_is_not_shunned() -> None:
     assert picks(cands, 20) == {"fresh": 20}
 
 
+def test_an_unmeasured_node_is_never_taken_as_faster_than_a_slow_measured_one() -> None:
+    """The only measured node reads slow (tiny prompts on a loaded box: 40 tok/s, under the
+    floor): a fresh peer is assumed as slow, so the conversation stays where its turns ran."""
+    cands = [cand("mine", sticky=True, prefill_tps=40.0), cand("fresh", prefill_tps=0.0)]
+    assert picks(cands, 30, prompt=20) == {"mine": 30}
+
+
 def test_sticky_node_keeps_the_conversation_unless_clearly_slower() -> None:
     slightly = [cand("best"), cand("mine", sticky=True, waiting_prefill_tokens=400)]  # TTFT 1.4x the best
     assert picks(slightly, 30) == {"mine": 30}
