@@ -92,6 +92,8 @@ VARIANTS: dict[str, tuple[str, Callable[[dict[str, Any]], None]]] = {
              lambda c: _model(c)["scheduling"].update(late_after_s=0)),
     "seats4": ("max_running = 4", lambda c: _model(c)["scheduling"].update(max_running=4)),
     "seats64": ("max_running = 64 (all the engine's)", lambda c: _model(c)["scheduling"].update(max_running=64)),
+    "ramp0": ("batch_ramp_s = 0 (batch work regains every seat at once after the quiet time)",
+              lambda c: _model(c)["scheduling"].update(batch_ramp_s=0)),
 }
 
 

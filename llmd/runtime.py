@@ -124,7 +124,8 @@ def build_runtime(cfg: ModelConfig, backend: Backend, tenants: list[TenantConfig
                          rules=preemption_rules(sc.preempt_batch, sc.preempt_for_fairness),
                          reserved_seats=sc.reserved_seats,
                          batch_seats_with_interactive=batch_seats if batch_seats is not None else max(1, seats // 4),
-                         interactive_quiet_s=sc.interactive_quiet_s, arrivals=arrivals,
+                         interactive_quiet_s=sc.interactive_quiet_s, batch_ramp_s=sc.batch_ramp_s,
+                         arrivals=arrivals,
                          late_after_s=ttft_s if sc.late_after_s is None else sc.late_after_s)
     scheduler = Scheduler(core)
     scheduler.start()

@@ -136,6 +136,9 @@ class SchedulingConfig(_Strict):
     # interactive tokens.
     batch_seats_with_interactive: Annotated[int, Field(ge=0)] | None = None
     interactive_quiet_s: Annotated[float, Field(ge=0)] = 1.0
+    # Then batch work regains the other seats over this many seconds (0: all at once): a refill
+    # of every seat is one long prefill step that an interactive request arriving meanwhile waits behind.
+    batch_ramp_s: Annotated[float, Field(ge=0)] = 30.0
     # Preempt (and later resume) the most over-share tenant's newest sequence for a tenant
     # below its fair share of seats when the engine is full.
     preempt_for_fairness: bool = True

@@ -48,7 +48,8 @@ class SchedulerCore:
                  throughput: ThroughputEstimate, *, clock: Clock, rules: Sequence[PreemptionRule] | None = None,
                  reserved_seats: int = 0, avg_output_prior: float = 128.0,
                  batch_seats_with_interactive: int | None = None, interactive_quiet_s: float = 1.0,
-                 arrivals: ArrivalRate | None = None, late_after_s: float | None = None) -> None:
+                 batch_ramp_s: float = 0.0, arrivals: ArrivalRate | None = None,
+                 late_after_s: float | None = None) -> None:
         self.queue = queue
         self.detector = detector
         self.signals = signals
@@ -62,6 +63,9 @@ class SchedulerCore:
         self.batch_seats_with_interactive = (detector.max_seats if batch_seats_with_interactive is None
                                              else batch_seats_with_interactive)
         self.interactive_quiet_s = interactive_quiet_s
+        # After that quiet time, batch work regains the other seats over `batch_ramp_s`, not at
+        # once: a refill of every seat is one long prefill that an arriving chat cannot interrupt.
+        self.batch_ramp_s = batch_ramp_s
         self.arrivals = arrivals  # noted at each submit; the step-time model reads it
         # An interactive request that has waited this long for its first seat has missed its
         # first-token objective: it yields to those still on time (None or 0: arrival order).
@@ -181,13 +185,18 @@ class SchedulerCore:
         return lambda r: (r.klass != INTERACTIVE or r.started or r.queued_at is None or r.queued_at > cutoff)
 
     def batch_cap(self, limit: int) -> int:
-        """Seats batch-class work may hold now: all of them, unless interactive traffic is about."""
+        """Seats batch-class work may hold now: all of them, unless interactive traffic is about
+        or was lately (`batch_ramp_s`: one more seat at the end of the quiet time, then linearly
+        up to all of them)."""
         now = self.clock()
         if self.class_running.get(INTERACTIVE, 0) or self.queue.depth(INTERACTIVE):
             self._last_interactive = now
-        if now - self._last_interactive < self.interactive_quiet_s:
-            return min(limit, self.batch_seats_with_interactive)
-        return limit
+        quiet = now - self._last_interactive
+        base = min(limit, self.batch_seats_with_interactive)
+        if quiet < self.interactive_quiet_s:
+            return base
+        ramped = (quiet - self.interactive_quiet_s) / self.batch_ramp_s if self.batch_ramp_s > 0 else 1.0
+        return limit if ramped >= 1.0 else min(limit, base + 1 + int(ramped * (limit - base)))
 
     def holds(self, tenant: str) -> int:
         return self.tenant_running.get(tenant, 0)

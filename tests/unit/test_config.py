@@ -32,6 +32,7 @@ def test_example_config_is_valid() -> None:
     assert cfg.models[0].name == "smollm2" and cfg.models[0].backend == "vllm"
     sc = cfg.models[0].scheduling  # no ITL target on the 2-core box (the file says why)
     assert sc.target_itl_ms is None and sc.itl_step_model and sc.batch_seats_with_interactive == 0
+    assert sc.batch_ramp_s == 30.0
 
 
 def test_example_config_written_back_reads_the_same(tmp_path: Path) -> None:
@@ -66,6 +67,7 @@ def test_good_config_and_env_var(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
         (GOOD + "[models.engine]\nmax_model_len = -5\n", "models[0].engine.max_model_len (model 'm')"),
         (GOOD + "[models.engine]\nkv_cache_gib = 0.5\n", "models[0].engine.kv_cache_gib"),
         (GOOD + "[models.scheduling]\nlate_after_s = -1\n", "models[0].scheduling.late_after_s"),
+        (GOOD + "[models.scheduling]\nbatch_ramp_s = -1\n", "models[0].scheduling.batch_ramp_s"),
         (GOOD.replace('backend = "fake"', 'backend = "tpu"'), "models[0].backend"),
         (GOOD.replace('backend = "fake"', 'backend = "vllm"'), "needs `source`"),
         (GOOD + '[[models]]\nname = "m"\nbackend = "fake"\n', "appears twice"),

@@ -41,13 +41,13 @@ class Signals:
 
 def make(seats: int = 4, *, reserved: int = 0, batch_cap: int | None = None, quiet: float = 1.0,
          rules: list[PreemptionRule] | None = None, fairness: str = "fcfs", target_itl_ms: float | None = None,
-         late_after_s: float | None = None) -> tuple[SchedulerCore, Clock, Signals]:
+         late_after_s: float | None = None, ramp_s: float = 0.0) -> tuple[SchedulerCore, Clock, Signals]:
     clock, signals = Clock(), Signals()
     queue = ModelQueue(FAIRNESS[fairness], lambda t: "fifo")
     detector = SaturationDetector(seats, kv_high=0.9, target_itl_ms=target_itl_ms, clock=clock)
     core = SchedulerCore(queue, detector, signals, ThroughputEstimate(100.0, clock=clock), clock=clock, rules=rules,
                          reserved_seats=reserved, batch_seats_with_interactive=batch_cap, interactive_quiet_s=quiet,
-                         late_after_s=late_after_s)
+                         batch_ramp_s=ramp_s, late_after_s=late_after_s)
     return core, clock, signals
 
 
@@ -116,6 +116,33 @@ def test_batch_keeps_its_capped_seats_while_interactive_traffic_is_about_and_all
     assert core.tick().dispatch == ()  # interactive_quiet_s has not passed since the chat was about
     clock.t += 0.6
     assert core.tick().dispatch == (bulk[9],)  # quiet: batch may fill the seats again
+
+
+def test_after_the_quiet_time_batch_regains_the_seats_over_the_ramp_not_at_once() -> None:
+    core, clock, _ = make(seats=8, batch_cap=0, quiet=1.0, ramp_s=4.0, rules=[BatchOverCap()])
+    chat = req("b")
+    seat(core, chat)
+    bulk = [req("a", "batch") for _ in range(10)]
+    submit(core, *bulk)
+    assert core.class_running == {"interactive": 1}  # cap 0 while the chat runs
+    core.finished(chat, 10)
+    clock.t += 0.9
+    assert core.tick().dispatch == ()  # still within interactive_quiet_s
+    clock.t += 0.1
+    assert core.tick().dispatch == (bulk[0],)  # quiet: one seat, not eight
+    clock.t += 2.0  # half the ramp: 1 + 4 seats
+    assert core.tick().dispatch == tuple(bulk[1:5]) and core.class_running["batch"] == 5
+    chat2 = req("b")
+    d = submit(core, chat2)  # interactive again: batch back to its cap of 0, at once
+    assert d.dispatch == (chat2,) and d.preempt == tuple(reversed(bulk[:5]))
+    for r in bulk[:5]:
+        core.finished(r, None)
+    core.finished(chat2, 10)
+    submit(core, *bulk[:5])  # they queue again to resume
+    clock.t += 1.0
+    assert len(core.tick().dispatch) == 1  # the ramp starts over from the end of the new quiet time
+    clock.t += 4.0
+    assert len(core.tick().dispatch) == 7 and core.class_running["batch"] == 8  # ramp over: every seat
 
 
 def test_deadline_drops_at_the_head_only() -> None:

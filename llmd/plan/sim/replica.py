@@ -88,7 +88,7 @@ class Replica:
                              rules=preemption_rules(sc.preempt_batch, sc.preempt_for_fairness),
                              reserved_seats=sc.reserved_seats,
                              batch_seats_with_interactive=batch_seats,
-                             interactive_quiet_s=sc.interactive_quiet_s)
+                             interactive_quiet_s=sc.interactive_quiet_s, batch_ramp_s=sc.batch_ramp_s)
 
     # -- EngineSignals, as the backend's EngineStats would report them -------------
     @property
