@@ -176,10 +176,16 @@ def supervisor_seconds(srv: ServerProcess) -> list[float]:
     return [json.loads(line)["seconds"] for line in srv.log_lines() if '"event": "engine_restarted"' in line]
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
-    """The whole run's figures (the server is stopped before the ledger is read)."""
+def start(args: argparse.Namespace) -> tuple[ServerProcess, Path]:
+    """The server a run kills the engine of, ready, and the folder of its database."""
     tmp = Path(tempfile.mkdtemp(prefix="llmd-engine-death-"))
-    srv = start_server_process(TOML.replace("SEATS", str(args.streams)), tmp, ready_timeout=args.ready_timeout)
+    return start_server_process(TOML.replace("SEATS", str(args.streams)), tmp, ready_timeout=args.ready_timeout), tmp
+
+
+def run(args: argparse.Namespace, started: tuple[ServerProcess, Path] | None = None) -> dict[str, Any]:
+    """The whole run's figures (the server is stopped before the ledger is read). `started`: a
+    server from `start(args)` not used yet (a test starts it ahead of time)."""
+    srv, tmp = started if started is not None else start(args)
     t0 = time.monotonic()
     try:
         ref = asyncio.run(one_round(srv, args, kill=False))

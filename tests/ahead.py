@@ -23,6 +23,10 @@ from llmd.store import home
 Starter = Callable[[], Any]
 Stopper = Callable[[Any], None]
 STARTERS: dict[str, tuple[Starter, Stopper]] = {}  # fixture name -> how its server starts and stops
+ROOMS: dict[str, int] = {}  # fixture name -> engines its start holds, when more than one (a cluster's nodes)
+# Jobs begun at the first test rather than half-way, without an engine's room: CPU work of minutes
+# (a compiler run) that the idle core does while the fake-backend tests run.
+EARLY: set[str] = set()
 LIVE = 3
 _ROOM = threading.Semaphore(LIVE)
 # The environment as the session began: a server started in the background inherits this, not
@@ -32,20 +36,19 @@ SESSION_HOME = home()  # the weight store's LLMD_HOME as the session began
 
 
 class _Ahead:
-    def __init__(self, start: Starter, stop: Stopper) -> None:
-        self.start, self.stop = start, stop
+    def __init__(self, start: Starter, stop: Stopper, rooms: int = 1) -> None:
+        self.start, self.stop, self.rooms = start, stop, rooms
         self.done, self.wanted = threading.Event(), threading.Event()
         self.value: Any = None
         self.error: BaseException | None = None
-        self.room = False  # holds one of _ROOM's places
+        self.room = 0  # how many of _ROOM's places it holds
         self.cancelled = False  # finished before it started (a run that ended early): never started
 
     def run(self) -> None:
-        while not self.cancelled:
+        while not self.cancelled and self.room < self.rooms:
             if _ROOM.acquire(timeout=0.2):
-                self.room = True
-                break
-            if self.wanted.is_set():  # a test waits for it: start it now, room or not
+                self.room += 1
+            elif self.wanted.is_set():  # a test waits for it: start it now, room or not
                 break
         try:
             if not self.cancelled:
@@ -64,7 +67,7 @@ def _claim(names: list[str]) -> list[_Ahead]:
     """The entries to run for these names, made now (whoever made one runs it)."""
     with _LOCK:
         new = [n for n in dict.fromkeys(names) if n in STARTERS and n not in _AHEAD]
-        return [_AHEAD.setdefault(n, _Ahead(*STARTERS[n])) for n in new]
+        return [_AHEAD.setdefault(n, _Ahead(*STARTERS[n], rooms=0 if n in EARLY else ROOMS.get(n, 1))) for n in new]
 
 
 def begin(names: list[str]) -> None:
@@ -108,7 +111,7 @@ def finish(name: str) -> None:
             if a.value is not None:
                 a.stop(a.value)
         finally:
-            if a.room:
+            for _ in range(a.room):
                 _ROOM.release()
 
     t = threading.Thread(target=stop, name=f"llmd-stop-{name}", daemon=True)

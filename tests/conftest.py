@@ -223,7 +223,7 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
     """The engine tests last, those on the servers started ahead first among them (each server is
     stopped after its last test, before the engine tests that start their own); half-way through
-    the other tests, those servers start in the background."""
+    the other tests, those servers start in the background (the EARLY jobs at the first test)."""
     under = REPO / "tests/engine"
     rest = [i for i in items if not Path(i.path).is_relative_to(under)]
     engine = [i for i in items if Path(i.path).is_relative_to(under)]
@@ -233,17 +233,22 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
     for i in items:
         for n in sorted(set(getattr(i, "fixturenames", ())) & set(ahead.STARTERS)):
             _LAST[n] = i  # (a dict keeps the order of first use)
-    if _LAST:
+    if set(_LAST) - ahead.EARLY:
         _TRIGGER.append(items[len(rest) // 2])
+    if set(_LAST) & ahead.EARLY:
+        _TRIGGER_EARLY.append(items[0])
 
 
 _LAST: dict[str, pytest.Item] = {}  # each server started ahead -> the last test that uses it
 _TRIGGER: list[pytest.Item] = []
+_TRIGGER_EARLY: list[pytest.Item] = []
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
+    if item in _TRIGGER_EARLY:
+        ahead.begin([n for n in _LAST if n in ahead.EARLY])
     if item in _TRIGGER:
-        ahead.begin(list(_LAST))
+        ahead.begin([n for n in _LAST if n not in ahead.EARLY])
 
 
 @pytest.hookimpl(trylast=True)

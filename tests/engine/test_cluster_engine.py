@@ -12,6 +12,7 @@ import signal
 import sqlite3
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,8 @@ import httpx
 import pytest
 
 from bench.lib.servers import free_port, spawn, stop, wait_ready
-from tests.conftest import ENGINE_TOML
+from tests import ahead
+from tests.conftest import ENGINE_TOML, tmp
 
 pytestmark = pytest.mark.engine
 SECRET = "engine-cluster-test-secret-0123456789"
@@ -44,7 +46,8 @@ def _node(tmp: Path, name: str, gossip: int, seeds: list[int], core: str, env: d
     log = d / "server.log"
     proc = spawn([sys.executable, "-m", "llmd", "serve", "--config", str(d / "config.toml")], log,
                  {"LLMD_CLUSTER_SECRET": SECRET, **env})
-    return {"name": name, "url": f"http://127.0.0.1:{port}", "proc": proc, "log": log, "db": d / "llmd.db"}
+    return {"name": name, "url": f"http://127.0.0.1:{port}", "proc": proc, "log": log, "db": d / "llmd.db",
+            "gossip": gossip}
 
 
 def _chat(node: dict[str, Any], user: str, max_tokens: int = 24, stream: bool = False) -> dict[str, Any]:
@@ -70,16 +73,43 @@ def _events(node: dict[str, Any], name: str) -> list[dict[str, Any]]:
     return [json.loads(x) for x in node["log"].read_text(errors="replace").splitlines() if f'"event": "{name}"' in x]
 
 
-@pytest.mark.timeout(1200)
-def test_two_engine_nodes_route_by_cache_fail_over_and_a_third_pulls_weights(smollm2_path: Path,
-                                                                          tmp_path: Path) -> None:
-    ga, gb, gc = free_port(), free_port(), free_port()
-    a = _node(tmp_path, "A", ga, [gb], "0", {})
-    b = _node(tmp_path, "B", gb, [ga], "1", {})
-    nodes = [a, b]
+def _pair() -> tuple[dict[str, Any], dict[str, Any], Path]:
+    """Nodes A and B, ready (each on a core of its own), and the folder they run in."""
+    d, ga, gb = tmp("engine-cluster"), free_port(), free_port()
+    a = _node(d, "A", ga, [gb], "0", {})
+    b = _node(d, "B", gb, [ga], "1", {})
     try:
         for n in (a, b):
             wait_ready(n["proc"], n["url"] + "/ready", 300, n["log"])
+    except BaseException:
+        _stop_pair((a, b, d))
+        raise
+    return a, b, d
+
+
+def _stop_pair(pair: tuple[dict[str, Any], dict[str, Any], Path]) -> None:
+    for n in pair[:2]:
+        stop(n["proc"], grace=10)
+
+
+ahead.STARTERS["engine_pair"] = (_pair, _stop_pair)
+ahead.ROOMS["engine_pair"] = 2
+
+
+@pytest.fixture
+def engine_pair(smollm2_path: Path) -> Iterator[tuple[dict[str, Any], dict[str, Any], Path]]:
+    """Started ahead of the engine tests (tests/ahead.py)."""
+    yield ahead.take("engine_pair")
+    ahead.finish("engine_pair")
+
+
+@pytest.mark.timeout(1200)
+def test_two_engine_nodes_route_by_cache_fail_over_and_a_third_pulls_weights(
+        engine_pair: tuple[dict[str, Any], dict[str, Any], Path]) -> None:
+    a, b, tmp_path = engine_pair
+    gc = free_port()
+    nodes = [a, b]
+    try:
         assert _wait(lambda: _sees(a, 1) and _sees(b, 1), 30)
         with httpx.Client(timeout=300) as h:
             # The prompt's first run: the node that runs it (placement's pick) caches the prefix,
@@ -97,7 +127,7 @@ def test_two_engine_nodes_route_by_cache_fail_over_and_a_third_pulls_weights(smo
 
             # A third node with an empty weight store joins: it pulls the model from A and B.
             home = tmp_path / "c-home"
-            c = _node(tmp_path, "C", gc, [ga, gb], "0", {"LLMD_HOME": str(home)})
+            c = _node(tmp_path, "C", gc, [a["gossip"], b["gossip"]], "0", {"LLMD_HOME": str(home)})
             nodes.append(c)
             assert _wait(lambda: bool(_events(c, "cluster_weights_pulled")), 300), c["log"].read_text()[-3000:]
             pulled = _events(c, "cluster_weights_pulled")[0]

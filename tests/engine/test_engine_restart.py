@@ -8,18 +8,34 @@ bench/engine_death.py runs the same scenario ten times over with 16 streams and 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
 import pytest
 
 from bench import engine_death
+from bench.lib.servers import stop
+from tests import ahead
 
 pytestmark = pytest.mark.engine
 
+ARGS = ["--kills", "1", "--streams", "4", "--queued", "4", "--max-tokens", "160", "--kill-after", "5", "--no-write"]
+ahead.STARTERS["doomed_engine"] = (lambda: engine_death.start(engine_death.parse_args(ARGS)),
+                                   lambda started: stop(started[0].proc))
+
+
+@pytest.fixture
+def doomed_engine(smollm2_path: Path) -> Iterator[Any]:
+    """Started ahead of the engine tests (tests/ahead.py); the run stops it."""
+    yield ahead.take("doomed_engine")
+    ahead.finish("doomed_engine")
+
 
 @pytest.mark.timeout(900)  # two engine builds and a round each side of the kill
-def test_engine_killed_mid_stream_is_rebuilt_and_streams_resume(smollm2_path) -> None:
-    args = engine_death.parse_args(["--kills", "1", "--streams", "4", "--queued", "4", "--max-tokens", "160",
-                                    "--kill-after", "5", "--no-write"])
-    r = engine_death.run(args)
+def test_engine_killed_mid_stream_is_rebuilt_and_streams_resume(doomed_engine: Any) -> None:
+    args = engine_death.parse_args(ARGS)
+    r = engine_death.run(args, started=doomed_engine)
     # The engine can run ahead of the client (deltas coalesce when the reader lags): with 40
     # tokens a stream was once done on the engine before the kill, and nothing was resumed.
     assert r["running_at_kill"] == [4], r["running_at_kill"]

@@ -7,19 +7,37 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from llmd.stepmodel import BASIS, StepModel
+from tests import ahead
+from tests.conftest import tmp
 
 pytestmark = pytest.mark.engine
 
 
-def test_quick_calibration_on_the_engine(smollm2_path: Path, tmp_path: Path) -> None:
-    out = tmp_path / "step.json"
-    r = subprocess.run([sys.executable, "-m", "llmd", "plan", "calibrate", "--quick", "--out", str(out)],
-                       check=False, capture_output=True, text=True, timeout=600)
+def _calibrate() -> tuple[subprocess.CompletedProcess[str], Path]:
+    """The calibration's run (minutes, an engine of its own): started ahead of the engine tests
+    (tests/ahead.py), in the session's environment."""
+    out = tmp("calibrate") / "step.json"
+    return subprocess.run([sys.executable, "-m", "llmd", "plan", "calibrate", "--quick", "--out", str(out)],
+                          check=False, capture_output=True, text=True, timeout=600, env=ahead.SESSION_ENV), out
+
+
+ahead.STARTERS["calibrated"] = (_calibrate, lambda _: None)
+
+
+@pytest.fixture
+def calibrated(smollm2_path: Path) -> Iterator[tuple[subprocess.CompletedProcess[str], Path]]:
+    yield ahead.take("calibrated")
+    ahead.finish("calibrated")
+
+
+def test_quick_calibration_on_the_engine(calibrated: tuple[subprocess.CompletedProcess[str], Path]) -> None:
+    r, out = calibrated
     assert r.returncode == 0, r.stderr[-3000:]
     m = StepModel.load(out)
     assert m.stamp["kind"] == "measured" and m.stamp["engine"] == "vllm" and m.stamp["dtype"] == "float32"

@@ -11,12 +11,15 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from llmd.plan import compiled
 from llmd.plan.compiled import DONE, MODULES, CompileError, activate, build, build_dir, key, source_root, use
+from tests import ahead
+from tests.conftest import tmp
 
 ROOT = source_root()
 CAN_BUILD = key() is not None and compiled.has_compiler()
@@ -100,18 +103,38 @@ def test_a_failed_build_raises_with_the_compilers_words_and_leaves_nothing(tmp_p
     assert not list(build_dir("bad").parent.glob("bad.tmp*"))
 
 
-def _llmd(home: Path, mode: str, out: Path) -> subprocess.CompletedProcess[str]:
+def _llmd(home: Path, mode: str, out: Path, base: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     """`llmd plan sim` as a user runs it: the console entry (llmd/launch.py), in its own process."""
-    env = {**os.environ, "LLMD_HOME": str(home), compiled.ENV: mode}
+    env = {**(os.environ if base is None else base), "LLMD_HOME": str(home), compiled.ENV: mode}
     return subprocess.run([sys.executable, "-m", "llmd", "plan", "sim", "--replicas", "3", "--rate", "2",
                            "--duration", "60", "--out", str(out)], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=600, check=False)
 
 
+def _first_build() -> tuple[subprocess.CompletedProcess[str], Path] | None:
+    """The first `llmd plan sim` on a fresh store, which compiles (minutes of one core): run ahead,
+    from the first test on (tests/ahead.py), in the session's environment."""
+    if not CAN_BUILD:
+        return None
+    d = tmp("plan-compiled")
+    return _llmd(d / "home", "auto", d / "compiled.json", base=ahead.SESSION_ENV), d
+
+
+ahead.STARTERS["first_build"] = (_first_build, lambda _: None)
+ahead.EARLY.add("first_build")
+
+
+@pytest.fixture
+def first_build() -> Iterator[tuple[subprocess.CompletedProcess[str], Path]]:
+    yield ahead.take("first_build")
+    ahead.finish("first_build")
+
+
 @pytest.mark.skipif(not CAN_BUILD, reason="needs mypyc (mypy) and a C compiler")
-def test_llmd_plan_sim_compiles_once_and_reports_the_same_bytes_as_python(tmp_path: Path) -> None:
+def test_llmd_plan_sim_compiles_once_and_reports_the_same_bytes_as_python(
+        first_build: tuple[subprocess.CompletedProcess[str], Path]) -> None:
+    first, tmp_path = first_build
     home = tmp_path / "home"
-    first = _llmd(home, "auto", tmp_path / "compiled.json")
     assert first.returncode == 0, first.stderr
     assert "compiling the simulator's modules with mypyc" in first.stderr
     k = key()
