@@ -36,6 +36,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 from vllm import SamplingParams
+from vllm.config import StructuredOutputsConfig
 from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.exceptions import VLLMClientError
 from vllm.platforms import current_platform
@@ -151,6 +152,10 @@ class VllmBackend:
         }
         if self._kv_sub is not None:
             kwargs["kv_events_config"] = self._kv_sub.config()
+        # JSON modes write compact JSON, as OpenAI's do: with whitespace allowed anywhere, a small
+        # model sampling at temperature can emit it until max_tokens and end with no JSON at all.
+        # llguidance: vLLM's own fallback when xgrammar lacks a schema feature.
+        kwargs["structured_outputs_config"] = StructuredOutputsConfig(backend="guidance", disable_any_whitespace=True)
         kwargs.update(self.cfg.extra)
         return AsyncEngineArgs(**kwargs)
 

@@ -72,3 +72,5 @@ def test_a_gpu_shape_is_what_vllm_is_asked_for(smollm2_path: Path) -> None:
     assert (args.tensor_parallel_size, args.quantization, args.kv_cache_dtype, args.max_num_seqs, args.max_model_len,
             args.max_num_batched_tokens, args.enforce_eager, args.gpu_memory_utilization, args.dtype) == (
         4, "fp8", "fp8", 256, 8192, 8192, False, 0.92, "bfloat16")
+    so = args.structured_outputs_config  # JSON modes write compact JSON (no whitespace to run away in)
+    assert so.backend == "guidance" and so.disable_any_whitespace
