@@ -237,8 +237,9 @@ class VllmBackend:
 
     def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> Prompt:
         r = self._renderer()
-        # No length cap here: the gateway compares the count with its own limits and says so.
-        tok = r.default_chat_tok_params.with_kwargs(add_special_tokens=False, max_total_tokens=None)
+        # Only tokenization arguments here: vLLM ignores any other with a warning on every request,
+        # written from a prompt worker's thread into the middle of the node's own log lines.
+        tok = r.default_chat_tok_params.with_kwargs(add_special_tokens=False)
         params = self._chat_params if not tools else ChatParams(
             chat_template_kwargs={"add_generation_prompt": True, "tools": tools})
         try:
