@@ -155,14 +155,14 @@ def fits(c: Candidate, prompt_tokens: int, expected_output: int) -> bool:
 
 
 def _default_tps(cands: Sequence[Candidate], floor_tps: float) -> float:
-    """A node not yet measured is assumed as fast as its peers' median (a fresh node is neither
-    shunned nor preferred), or `floor_tps` when none is measured."""
+    """A node not yet measured is assumed as fast as its peers' median, even under `floor_tps`
+    (a slow reading, tiny prompts on a loaded box, must not make an unmeasured peer look faster),
+    or `floor_tps` when none is measured."""
     known = sorted(c.load.prefill_tps for c in cands if c.load.prefill_tps > 0)
     if not known:
         return floor_tps
     i = len(known) // 2  # statistics.median's own arithmetic, without its overhead (a hot path)
-    return known[i] if len(known) % 2 else (known[i - 1] + known[i]) / 2  # never above the measured: a slow
-    # measurement (tiny prompts on a loaded box) must not make an unmeasured peer look faster
+    return known[i] if len(known) % 2 else (known[i - 1] + known[i]) / 2
 
 
 def place(cands: Sequence[Candidate], prompt_tokens: int, expected_output: int,
