@@ -11,12 +11,10 @@ A last line cut short by a kill is dropped (and cut off the file) on the next op
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
-import signal
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict
 from pathlib import Path
 from typing import IO, Any, Final
@@ -25,18 +23,6 @@ from llmd.plan.errors import PlanError
 from llmd.plan.search import Candidate, Evaluator
 
 FORMAT: Final = "llmd-plan-search-journal/1"
-
-
-@contextlib.contextmanager
-def _uninterrupted() -> Iterator[None]:
-    """SIGINT and SIGTERM held back until the block ends: a Ctrl-C between a line's fsync and
-    its count would report one evaluation fewer than the file keeps."""
-    held = {signal.SIGINT, signal.SIGTERM}
-    old = signal.pthread_sigmask(signal.SIG_BLOCK, held)
-    try:
-        yield
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
 def journal_path(out: Path) -> Path:
@@ -117,12 +103,17 @@ class Journal:
                     reused(c)
                 return self.reports[k]
             report = evaluate(c)
-            with _uninterrupted():  # the line and the count land together, whenever Ctrl-C comes
-                self._write({"candidate": asdict(c), "report": dict(report)})
-                self.reports[k] = report
+            self._write({"candidate": asdict(c), "report": dict(report)})
+            self.reports[k] = report
             return report
 
         return journaled
+
+    def kept(self) -> int:
+        """The whole evaluation lines on disk. Counted from the file, not from `reports`: Ctrl-C
+        can land between a line's write and its entry (another thread takes the signal, so
+        blocking it here cannot hold it back), and the file is what a resume reads."""
+        return max(0, self.path.read_bytes().count(b"\n") - 1)
 
     def close(self) -> None:
         self._f.close()

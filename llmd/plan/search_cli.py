@@ -159,7 +159,7 @@ def search_cmd(as_json: bool, **o: Any) -> None:
     except KeyboardInterrupt:
         if journal is None:
             raise
-        click.echo(f"interrupted: {len(journal.reports)} evaluations kept in {journal.path}; "
+        click.echo(f"interrupted: {journal.kept()} evaluations kept in {journal.path}; "
                    "the same command resumes from them", err=True)
         raise SystemExit(130) from None
     finally:

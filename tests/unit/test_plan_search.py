@@ -293,3 +293,24 @@ def test_a_journal_of_another_search_is_refused_not_overwritten(step_file: Path,
     (tmp_path / "x.jsonl").write_text("hello\n")
     r = _cli(*SEARCH, "--step-model", str(step_file), "--journal", str(tmp_path / "x.jsonl"))
     assert r.exit_code == 1 and "not a search journal" in r.output
+
+
+def test_the_kept_count_is_what_the_file_holds_when_ctrl_c_lands_mid_record(tmp_path: Path) -> None:
+    """Ctrl-C taken by another thread raises between a line's write and its entry in memory; the
+    count the user is told must still match what a resume will read."""
+    from llmd.plan.journal import Journal
+
+    journal = Journal(tmp_path / "j.jsonl", {"all": "x"})
+
+    class Interrupting(dict[str, Any]):
+        def __setitem__(self, key: str, value: Any) -> None:
+            raise KeyboardInterrupt
+
+    evaluate = journal.wrap(lambda c: synthetic(c))
+    evaluate(Candidate(1, 16, None))
+    journal.reports = Interrupting(journal.reports)
+    with pytest.raises(KeyboardInterrupt):
+        evaluate(Candidate(2, 16, None))
+    journal.close()
+    assert len(journal.reports) == 1 and journal.kept() == 2
+    assert len(Journal(tmp_path / "j.jsonl", {"all": "x"}).reports) == 2
