@@ -356,7 +356,8 @@ async def part_s(tmp: Path, seconds: float, loads: tuple[float, ...], capacity: 
                  workload: str = "pressure") -> dict[str, Any]:
     """(s) as data: at each load llmd's routing, then SGLang's router with each policy in front of
     nodes that route nothing, the same chats each time (bench/lib/cluster_sglang.py reports it)."""
-    await asyncio.to_thread(peer_sglang.ensure)  # installed before the first run, not inside one
+    for package in peer_sglang.PACKAGES:  # installed before the first run, not inside one
+        await asyncio.to_thread(peer_sglang.ensure, package)
     runs = []
     for load in loads:
         warm = cluster_sglang.warmup_s(seconds, load * capacity)
@@ -368,7 +369,7 @@ async def part_s(tmp: Path, seconds: float, loads: tuple[float, ...], capacity: 
                   flush=True)
             runs.append(r)
     return {"workload": workload, "capacity": capacity, "seconds": seconds, "runs": runs,
-            "package": peer_sglang.PACKAGE}
+            "packages": list(peer_sglang.PACKAGES.values())}
 
 
 def merge_a(parts: list[dict[str, Any]]) -> dict[str, Any]:

@@ -12,18 +12,24 @@ from __future__ import annotations
 from typing import Any
 
 from bench.lib import report
+from bench.lib.peer_sglang import PACKAGES
 
 TITLE = "(s) Routing against SGLang's router, llmd's own routing off behind it"
-LOADS = (0.3, 0.5, 0.7, 0.9, 1.2)
-# Arrivals per run: 15 runs (5 loads x 3 routers) fit the 20 minutes a bench gets on this box
+LOADS = (0.3, 0.6, 0.9, 1.2)
+# Arrivals per run: 16 runs (4 loads x 4 routers) fit the 20 minutes a bench gets on this box
 # with nodes started afresh for each run (about 10 s) and no drain waited for (`cut`).
 SECONDS = 50.0
-WHO = ("llmd", "cache_aware", "round_robin")  # llmd's routing, then SGLang's policies
+# llmd's routing, then SGLang's router (bench/lib/peer_sglang.py): both its packages' cache_aware,
+# and round robin (a floor) from the maintained one.
+WHO = ("llmd", "sglang-router:cache_aware", "smg:cache_aware", "smg:round_robin")
 HIT_TARGET, TTFT_TARGET = 1.0, 0.8  # llmd's hit rate >= 1x each peer's; its TTFT p90 <= 0.8x each peer's
 
 
 def label(who: str) -> str:
-    return "llmd" if who == "llmd" else f"sglang {who}"
+    if who == "llmd":
+        return "llmd"
+    package, _, policy = who.partition(":")
+    return f"{PACKAGES[package].replace('==', ' ')} {policy}"
 
 
 WARM_REQUESTS = 40  # the warm-up's least number of requests: caches warm by requests, not seconds
@@ -41,10 +47,12 @@ def describe(data: dict[str, Any]) -> list[str]:
         f"Workload `{data['workload']}` as in (a) (multi-turn chats on Zipf-popular shared system prompts),",
         "3 llmd nodes with fake engines as in (a). Loads are fractions of (a)'s round-robin capacity,",
         f"{data['capacity']:.2f} req/s. `llmd`: the nodes route (the shipped `[cluster]` defaults), each",
-        "request entering at its drawn node as a plain load balancer would send it; `sglang ...`: SGLang's",
-        f"router ({data['package']}, its defaults but the addresses) in front of the same nodes started",
-        "afresh with `[cluster] routing = \"local\"` (each node runs what it receives), every request sent",
-        "to the router. Every run of a load sends the same chats at the same times (drawn before it starts);",
+        "request entering at its drawn node as a plain load balancer would send it; the others: SGLang's",
+        "router (PyPI `sglang-router` 0.3.2, the last release under that name, and `smg` 1.13.0, the same",
+        "router under its maintained name; each with its defaults but the addresses) in front of the same",
+        "nodes started afresh with `[cluster] routing = \"local\"` (each node runs what it receives),",
+        "every request sent to the router. Every run of a load sends the same chats at the same times",
+        "(drawn before it starts);",
         f"{data['seconds'] * 2 / 3:.0f} s of counted arrivals per run after a warm-up that is not counted",
         f"(a third of {data['seconds']:.0f} s, or {WARM_REQUESTS} requests' worth if longer), no",
         "turn started after the arrivals end. Hit rate: the nodes' cached prompt tokens over prompt tokens",

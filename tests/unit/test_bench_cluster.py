@@ -145,9 +145,12 @@ def test_part_s_runs_every_router_on_the_same_chats_at_each_load(monkeypatch: py
         return {"rate": rate, "failed": 0, "ok": 1, "requests": 1, "hit": 0.5, "ttft_p50": 0.1, "ttft_p90": 0.2}
 
     monkeypatch.setattr(bc, "one_run", one_run)
-    monkeypatch.setattr(peer_sglang, "ensure", lambda: Path("."))
+    ensured: list[str] = []
+    monkeypatch.setattr(peer_sglang, "ensure", lambda package: ensured.append(package) or Path("."))
     data = asyncio.run(bc.part_s(Path("."), 30.0, (0.5, 1.2), 4.0))
-    assert seen == [(r, p, 1, True) for r in (2.0, 4.8) for p in (None, "cache_aware", "round_robin")]
+    assert ensured == ["sglang-router", "smg"]  # both installed before the first run
+    assert seen == [(r, p, 1, True) for r in (2.0, 4.8)
+                    for p in (None, "sglang-router:cache_aware", "smg:cache_aware", "smg:round_robin")]
     assert [(r["load"], r["who"]) for r in data["runs"]] == [(ld, w) for ld in (0.5, 1.2) for w in cluster_sglang.WHO]
 
 
@@ -159,13 +162,16 @@ def _s_run(load: float, who: str, hit: float, p90: float) -> dict[str, Any]:
 def test_report_s_holds_llmd_to_the_best_sglang_policy_at_each_load() -> None:
     from bench.lib.cluster_sglang import report_s
 
-    runs = [_s_run(0.5, "llmd", 0.80, 0.39), _s_run(0.5, "cache_aware", 0.80, 1.0),
-            _s_run(0.5, "round_robin", 0.5, 0.5), _s_run(1.2, "llmd", 0.70, 0.40),
-            _s_run(1.2, "cache_aware", 0.71, 2.0), _s_run(1.2, "round_robin", 0.3, 0.6)]
-    lines = report_s({"workload": "pressure", "capacity": 4.5, "seconds": 50.0, "package": "p", "runs": runs})
+    runs = [_s_run(0.5, "llmd", 0.80, 0.39), _s_run(0.5, "sglang-router:cache_aware", 0.80, 1.0),
+            _s_run(0.5, "smg:cache_aware", 0.79, 0.9), _s_run(0.5, "smg:round_robin", 0.5, 0.5),
+            _s_run(1.2, "llmd", 0.70, 0.40), _s_run(1.2, "sglang-router:cache_aware", 0.60, 2.0),
+            _s_run(1.2, "smg:cache_aware", 0.71, 2.0), _s_run(1.2, "smg:round_robin", 0.3, 0.6)]
+    lines = report_s({"workload": "pressure", "capacity": 4.5, "seconds": 50.0, "runs": runs})
+    assert "| 120% | smg 1.13.0 cache_aware | 1.00 | 10/10 | 0.71 |" in "\n".join(lines)
     verdicts = [ln for ln in lines if ln.startswith("- ")]
     assert [v.rsplit(": ", 1)[1] for v in verdicts] == ["PASS", "PASS", "MISS", "PASS", "PASS"]
     assert "0.78x" in verdicts[1] and "0.67x" in verdicts[3]  # against the faster peer's p90, not cache_aware's
+    assert "(0.70 vs 0.71)" in verdicts[2]  # against the best peer's hit rate, whichever package
 
 
 def test_the_sglang_runs_warm_up_by_requests_at_low_rates_and_by_a_third_at_high_ones() -> None:
