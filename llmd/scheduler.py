@@ -36,6 +36,7 @@ class Scheduler:
 
     def __init__(self, core: SchedulerCore) -> None:
         self.core = core
+        self._classes = core.queue.classes  # fixed for the core's life: on_output reads it per token
         self._turns: dict[int, asyncio.Future[None]] = {}  # seq -> resolved when seated (or dropped)
         self._aborts: dict[int, Abort] = {}  # seq -> stops its engine request
         self._aborting: set[asyncio.Future[None]] = set()  # kept referenced until done
@@ -107,8 +108,10 @@ class Scheduler:
         self._release(req, output_tokens)
 
     def on_output(self, req: QueuedRequest, tokens: int) -> None:
+        """The fairness charge, straight to the class's policy (SchedulerCore.on_output's effect,
+        two calls less): this runs once per token of every stream."""
         req.started = True
-        self.core.on_output(req, tokens)
+        self._classes[req.klass].fairness.on_output(req.tenant, tokens)
 
     def estimate_wait(self, tenant: str, klass: str, fair: bool) -> float:
         return self.core.estimate_wait(tenant, klass, fair)

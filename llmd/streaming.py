@@ -128,11 +128,12 @@ async def _emit_choice(job: Job, shape: _Shape, choice: Choice, emit: Emit) -> N
     """The one-choice stream, straight from the engine's deltas to `emit`: the per-token path,
     with no generator between them but the engine's own."""
     out = ChoiceOutput(job, choice, shape.chat)
+    head, plain = shape._head, not shape.continuous  # shape.chunk, inline: a call less per token
     try:
         async for d in dispatch.screened(job, choice):
             piece = out.streamed(d)  # `sent`: handed to the connection now; a client slow to read delays the next
             if piece is not None:
-                await emit(shape.chunk(piece))
+                await emit(f"{head}{piece}]}}" if plain else shape.chunk(piece))
     except ContentFiltered:
         await emit(_stopped_chunk(shape, choice, out))
         raise

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Final
 
 from llmd.policy.queue import QueuedRequest
@@ -57,14 +58,24 @@ class FCFSFairness(FairnessPolicy):
 
 class VTCFairness(FairnessPolicy):
     def __init__(self, weights: Mapping[str, float] | None = None, w_in: float = 1.0, w_out: float = 2.0) -> None:
-        self.weights = dict(weights or {})
         self.w_in = w_in
         self.w_out = w_out
+        self.weights = weights or {}
         self.counters: dict[str, float] = {}
         self._last_departed: float = 0.0
 
+    @property
+    def weights(self) -> Mapping[str, float]:
+        return MappingProxyType(self._weights)  # replaced whole, never changed in place
+
+    @weights.setter
+    def weights(self, weights: Mapping[str, float]) -> None:
+        # Each output token's charge per tenant, kept beside the weights: `on_output` runs per token.
+        self._weights = dict(weights)
+        self._out_charge = {t: self.w_out / w for t, w in weights.items()}
+
     def _weight(self, tenant: str) -> float:
-        return self.weights.get(tenant, 1.0)
+        return self._weights.get(tenant, 1.0)
 
     def on_backlogged(self, tenant: str, backlogged: set[str]) -> None:
         own = self.counters.get(tenant, 0.0)
@@ -83,7 +94,7 @@ class VTCFairness(FairnessPolicy):
         self.counters[req.tenant] = self.counters.get(req.tenant, 0.0) + charge
 
     def on_output(self, tenant: str, tokens: int) -> None:
-        self.counters[tenant] = self.counters.get(tenant, 0.0) + tokens * self.w_out / self._weight(tenant)
+        self.counters[tenant] = self.counters.get(tenant, 0.0) + tokens * self._out_charge.get(tenant, self.w_out)
 
     def snapshot(self) -> dict[str, float]:
         return dict(self.counters)
