@@ -178,7 +178,10 @@ async def test_a_batchs_rows_and_results_count_toward_the_quota(make_server) -> 
 async def test_a_tenants_open_batches_are_limited(make_server) -> None:
     live = await make_server(toml(step_ms=100).replace("[batch]\n", "[batch]\nmax_open_batches_per_tenant = 2\n"))
     a, b = client(live, KEY_A), client(live, KEY_B)
-    f = await a.files.create(file=("in.jsonl", line("x", "y", max_tokens=400).encode()), purpose="batch")
+    # Words until max_tokens (40 s at 100 ms a step), not a `say` that ends in two steps: the
+    # batches must still be open when they are counted and cancelled.
+    long = line("x", "", max_tokens=400, messages=[{"role": "user", "content": "go on"}])
+    f = await a.files.create(file=("in.jsonl", long.encode()), purpose="batch")
     open_ = [await a.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
              for _ in range(2)]
     with pytest.raises(openai.RateLimitError) as e:
