@@ -80,9 +80,11 @@ def test_document_is_valid_openapi_with_a_bearer_scheme() -> None:
                       "/dashboard/login", "/dashboard/logout", "/dashboard/session"}
 
 
-async def test_a_few_hundred_fuzzed_cases_get_no_5xx_and_only_openai_errors(live: Any) -> None:
-    result = await asyncio.to_thread(fuzz.fuzz, live.url, 300, 1)
-    assert result.cases >= 300
+async def test_fuzzed_cases_get_no_5xx_and_only_openai_errors(live: Any) -> None:
+    # Every operation, positive and negative, a few cases each: the suite's share of the fuzzing
+    # (bench/fuzz.py runs thousands).
+    result = await asyncio.to_thread(fuzz.fuzz, live.url, 160, 1)
+    assert result.cases >= 160
     assert not result.failures, "\n\n".join(result.failures[:5])
     assert result.server_errors == 0, result.summary()
     assert not result.drift, "answers the document does not describe:\n" + "\n\n".join(result.drift[:5])

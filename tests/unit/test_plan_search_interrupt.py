@@ -15,7 +15,7 @@ from pathlib import Path
 
 from llmd.stepmodel import StepModel
 
-ARGS = ("plan", "search", "--workload", "bursty", "--rate", "3", "--duration", "180", "--batch-share", "0.2",
+ARGS = ("plan", "search", "--workload", "bursty", "--rate", "3", "--duration", "90", "--batch-share", "0.2",
         "--prompt", "lognormal:300:0.5:2048", "--output", "lognormal:100:0.6",
         "--itl-target-ms", "none,60", "--max-num-seqs", "16,64", "--json")
 
