@@ -20,7 +20,7 @@ from tests import ahead
 
 pytestmark = pytest.mark.engine
 
-ARGS = ["--kills", "1", "--streams", "4", "--queued", "4", "--max-tokens", "160", "--kill-after", "5", "--no-write"]
+ARGS = ["--kills", "1", "--streams", "4", "--queued", "4", "--max-tokens", "96", "--kill-after", "5", "--no-write"]
 ahead.STARTERS["doomed_engine"] = (lambda: engine_death.start(engine_death.parse_args(ARGS)),
                                    lambda started: stop(started[0].proc))
 
