@@ -112,8 +112,7 @@ STAGES: dict[str, list[tuple[str, str, str]]] = {  # stage -> (module, object, f
     "accounting": [("llmd.dispatch", "", "account")],
     "output filters": [("llmd.filters.chain", "OutputWindow", "feed")],
     "shaping": [("llmd.outputs", "ChoiceOutput", "streamed")],  # take, chunk_json, sent: one call on a stream
-    "chunk envelope, SSE framing": [("llmd.streaming", "_Shape", "chunk"), ("llmd.gateway.generate", "", "_frame")],
-}
+}  # the chunk's envelope and SSE frame are built inline on a plain stream: in the rest
 
 
 def _timed(fn: Callable[..., Any], acc: list[float]) -> Callable[..., Any]:
