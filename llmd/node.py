@@ -178,7 +178,8 @@ def build_node(config: Config, store: WeightStore | None = None, ledger: Ledger 
 
     lifecycle = Lifecycle(ledger, admission, observe)
     filters = Filters(config, Guard(lambda model: service.route(model).backend))
-    pacer = RefusalPacer(time.monotonic, config.server.refusal_hold_s, demote_s=config.server.refusal_demote_s)
+    pacer = RefusalPacer(time.monotonic, config.server.refusal_hold_s, demote_s=config.server.refusal_demote_s,
+                         hold_max_s=config.server.refusal_hold_max_s)
     service = Service(config.server.node, registry, admission, filters, degraders(config.models),
                       PromptPool(config.server.prompt_workers), pacer.hammering)
     runs = IdempotentRuns(IdempotencyStore(db.with_suffix(".idempotency.db"), config.server.idempotency_ttl_s),

@@ -77,6 +77,9 @@ class ServerConfig(_Strict):
     # refusals answered after min(Retry-After, refusal_hold_s), not at once: its resubmit loop
     # slows to one try per hold and costs the other tenants nothing (llmd/policy/pacing.py). 0: off.
     refusal_hold_s: Annotated[float, Field(ge=0, le=60)] = 1.0
+    # The hold grows with the knocking (at k times that rate, refusal_hold_s·(k−1)) up to this:
+    # many streams resubmitting at once are paced to a few tries a second between them.
+    refusal_hold_max_s: Annotated[float, Field(ge=0, le=120)] = 10.0
     # ... and its requests run batch-class (they yield their seats to other tenants' interactive
     # work) while it hammers and this long after. 0: never demoted.
     refusal_demote_s: Annotated[float, Field(ge=0)] = 30.0
@@ -85,6 +88,8 @@ class ServerConfig(_Strict):
     def _deadlines(self) -> ServerConfig:
         if self.default_deadline_s > self.max_deadline_s:
             raise ValueError("default_deadline_s must not exceed max_deadline_s")
+        if self.refusal_hold_max_s < self.refusal_hold_s:
+            raise ValueError("refusal_hold_max_s must not be under refusal_hold_s")
         return self
 
 

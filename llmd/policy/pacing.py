@@ -6,7 +6,12 @@ that CPU is taken from every other tenant's streams. Holding the refusals of suc
 response is sent after min(Retry-After, hold_s)) slows its loop to one try per hold without any
 more work: a held request is a sleeping coroutine. A tenant is hammering while its refusals
 decay-averaged over about a second exceed `free_per_s`; a well-behaved client that honours
-Retry-After never gets there. At most `max_held` of a tenant's refusals are held at once (the
+Retry-After never gets there. The hold grows with the knocking: just over the free rate it is
+min(Retry-After, hold_s), what a client honouring Retry-After waits anyway; at k times the free
+rate hold_s·(k−1), up to hold_max_s, Retry-After or not (those clients ignore it: the hold is
+what paces them). N streams resubmitting at once then settle near sqrt(N·hold_s/free_per_s)
+a try each (200 streams: about 4 s), not one per hold_s, and a flood's refusals cost the node a
+few tens a second. At most `max_held` of a tenant's refusals are held at once (the
 rest are answered at once), so it cannot pile up the node's connections in holds.
 
 Holding answers the knocking; what the tenant already runs is the other half. While it hammers,
@@ -47,9 +52,10 @@ class RefusalPacer:
     """Per tenant: how long to hold each refusal before answering it, and whether it is demoted."""
 
     def __init__(self, clock: Clock, hold_s: float, free_per_s: float = 10.0, max_held: int = 256,
-                 demote_s: float = 0.0) -> None:
+                 demote_s: float = 0.0, hold_max_s: float | None = None) -> None:
         self._clock = clock
         self.hold_s = hold_s
+        self.hold_max_s = hold_s if hold_max_s is None else max(hold_s, hold_max_s)
         self.demote_s = demote_s
         self.free_per_s = free_per_s
         self.max_held = max_held
@@ -72,7 +78,9 @@ class RefusalPacer:
             return Pace(0.0, demote)
         k.held += 1
         self.held_total += 1
-        return Pace(min(self.hold_s, retry_after_s) if retry_after_s is not None else self.hold_s, demote)
+        told = min(self.hold_s, retry_after_s) if retry_after_s is not None else self.hold_s
+        grown = self.hold_s * (k.level / (self.free_per_s * TAU_S) - 1.0)
+        return Pace(min(self.hold_max_s, max(told, grown)), demote)
 
     def hammering(self, tenant: str) -> bool:
         """The tenant's requests run batch-class now (it hammered within the last demote_s)."""

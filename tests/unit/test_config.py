@@ -64,6 +64,8 @@ def test_good_config_and_env_var(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
         (GOOD.replace("port = 9000", "refusal_hold_s = -1"), "server.refusal_hold_s"),
         (GOOD.replace("port = 9000", "refusal_hold_s = 120"), "server.refusal_hold_s"),
         (GOOD.replace("port = 9000", 'refusal_demote_s = "long"'), "server.refusal_demote_s"),
+        (GOOD.replace("port = 9000", "refusal_hold_s = 5\nrefusal_hold_max_s = 2"),
+         "refusal_hold_max_s must not be under refusal_hold_s"),
         (GOOD + "[models.engine]\nmax_model_len = -5\n", "models[0].engine.max_model_len (model 'm')"),
         (GOOD + "[models.engine]\nkv_cache_gib = 0.5\n", "models[0].engine.kv_cache_gib"),
         (GOOD + "[models.scheduling]\nlate_after_s = -1\n", "models[0].scheduling.late_after_s"),

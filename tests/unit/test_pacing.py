@@ -43,16 +43,46 @@ def test_a_tenant_under_the_free_rate_is_never_held() -> None:
 def test_a_hammering_tenant_is_held_for_its_retry_after_at_most_hold_s() -> None:
     clock = Clock()
     p = RefusalPacer(clock, hold_s=1.0, free_per_s=10.0)
-    holds = [p.refused("hog", 5.0).hold_s for _ in range(30)]  # thirty at once
-    assert holds[:10] == [0.0] * 10 and holds[10:] == [1.0] * 20
-    assert p.refused("hog", 0.5).hold_s == 0.5  # never longer than the client was told to wait
-    assert p.held("hog") == 21 and p.held("calm") == 0
+    holds = [p.refused("hog", 0.5).hold_s for _ in range(15)]  # fifteen at once: just over the free rate
+    assert holds[:10] == [0.0] * 10 and holds[10:] == [0.5] * 5  # no longer than it was told to wait
+    holds = [p.refused("hog", 5.0).hold_s for _ in range(15)]
+    assert holds == [1.0] * 15  # ... and no longer than hold_s (hold_max_s is hold_s here)
+    assert p.held("hog") == 20 and p.held("calm") == 0
     assert p.refused("calm", 1.0).hold_s == 0.0  # another tenant is not held for the hog's knocking
-    for _ in range(21):
+    for _ in range(20):
         p.released("hog")
     assert p.held("hog") == 0
     clock.t += 5.0  # quiet for a while: its rate has decayed, it is answered at once again
     assert p.refused("hog", 1.0).hold_s == 0.0
+
+
+def _flood(hold_max_s: float, streams: int = 200, gap_s: float = 0.2, seconds: float = 120.0) -> tuple[float, float]:
+    """`streams` clients that resubmit `gap_s` after each refusal is answered, Retry-After ignored:
+    (refusals per second, the mean hold) over the last half of `seconds`."""
+    import heapq
+
+    clock = Clock()
+    p = RefusalPacer(clock, hold_s=1.0, free_per_s=10.0, hold_max_s=hold_max_s)
+    knocks = [(100.0 + i * 0.001, i) for i in range(streams)]
+    counted, held = 0, 0.0
+    while knocks[0][0] < 100.0 + seconds:
+        t, i = heapq.heappop(knocks)
+        clock.t = t
+        hold = p.refused("hog", 1.0).hold_s
+        p.released("hog")  # (the holds' count is not what this measures)
+        if t >= 100.0 + seconds / 2:
+            counted, held = counted + 1, held + hold
+        heapq.heappush(knocks, (t + hold + gap_s, i))
+    return counted / (seconds / 2), held / counted
+
+
+def test_the_hold_grows_with_the_knocking_up_to_hold_max_s() -> None:
+    fixed_rate, fixed_hold = _flood(hold_max_s=1.0)
+    grown_rate, grown_hold = _flood(hold_max_s=10.0)
+    assert fixed_hold == 1.0 and 150 < fixed_rate < 175  # one try per 1.2 s per stream
+    # hold_s·(k−1) with k = rate/free_per_s settles near 4 s a try: about a quarter of the refusals
+    assert 3.0 < grown_hold < 5.5 and grown_rate < 0.3 * fixed_rate
+    assert 9.0 < _flood(hold_max_s=10.0, streams=2000)[1] <= 10.0  # never past hold_max_s
 
 
 def test_a_hammering_tenant_is_demoted_once_and_for_demote_s_after_it_stops() -> None:
