@@ -19,6 +19,7 @@ version.
 
 from __future__ import annotations
 
+import math
 import random
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
@@ -27,6 +28,7 @@ from typing import Final
 
 from llmd.policy import draws
 from llmd.policy.reservations import Reservations
+from llmd.policy.room import room_wait_s
 
 HOP_S: Final = 0.005  # forwarding to a peer: a loopback/LAN round trip and a proxy, not free
 GAMMA: Final = 1.0  # weight of KV occupancy by running sequences in the score
@@ -140,20 +142,6 @@ def occupancy(load: VersionLoad) -> float:
     return max(0, load.running_tokens) / max(1, load.kv_capacity_tokens)
 
 
-def eligible(c: Candidate, prompt_tokens: int, expected_output: int, reserved_tokens: int) -> bool:
-    """Not draining, not on standby, and room in its KV cache for what this request adds."""
-    return fits(c, prompt_tokens, expected_output) and \
-        c.load.kv_free_tokens - reserved_tokens >= uncached(c, prompt_tokens) + max(0, expected_output)
-
-
-def fits(c: Candidate, prompt_tokens: int, expected_output: int) -> bool:
-    """Not draining, not on standby, and a KV cache that can hold this request at all (once its
-    running sequences finish)."""
-    if c.load.draining or c.load.standby:
-        return False
-    return c.load.kv_capacity_tokens >= uncached(c, prompt_tokens) + max(0, expected_output)
-
-
 def _default_tps(cands: Sequence[Candidate], floor_tps: float) -> float:
     """A node not yet measured is assumed as fast as its peers' median, even under `floor_tps`
     (a slow reading, tiny prompts on a loaded box, must not make an unmeasured peer look faster),
@@ -171,12 +159,12 @@ def place(cands: Sequence[Candidate], prompt_tokens: int, expected_output: int,
           floor_tps: float = FLOOR_TPS, affinity_slack: float = AFFINITY_SLACK,
           saturated_slack: float = SATURATED_AFFINITY_SLACK) -> Candidate | None:
     """The node to run this request on, or None when no candidate can ever hold it. The choice's
-    uncached prompt tokens are reserved on it (`reservations`). Nodes with KV room now are
-    preferred; past capacity (`saturated`: no node has room, or every node has a full prefill of
-    this prompt queued ahead) every node that can hold it competes,
-    and a cache holder keeps it up to `saturated_slack` instead of `affinity_slack`: the request
-    queues where its prefix is (waiting at the ingress would hand it to whichever node frees a
-    block first, off its cache; a miss there is a full prefill every later request waits behind).
+    uncached prompt tokens are reserved on it (`reservations`). A node without KV room now waits
+    for its running sequences to make it (`room_wait_s`, added to its TTFT); past capacity
+    (`saturated`: no node has room, or every node has a full prefill of this prompt queued ahead)
+    every node that can hold it competes, and a cache holder keeps it up to `saturated_slack`
+    instead of `affinity_slack`: it queues where its prefix is (a miss there is a full prefill
+    every later request waits behind).
 
     While balanced homes bind (`home_share` given; `[cluster] homes_bind`), the candidates narrow
     to the prompt's homes unless far slower (`_at_homes`), and a prompt no node caches half of goes
@@ -188,7 +176,7 @@ def place(cands: Sequence[Candidate], prompt_tokens: int, expected_output: int,
     places it: homes dealt by hashing are uneven, and an uneven queue costs more TTFT than a copy
     costs hits."""
     reserved = {c.node: reservations.of(c.node) for c in cands}
-    # fits(), eligible() and estimated_ttft(), each candidate's uncached tokens counted once (hot path)
+    # fits (KV for it at all) and estimated_ttft, each candidate's uncached tokens counted once (hot path)
     need = max(0, expected_output)
     fitting: list[Candidate] = []
     unc: list[int] = []
@@ -209,10 +197,14 @@ def place(cands: Sequence[Candidate], prompt_tokens: int, expected_output: int,
             if chat:
                 return _reserve(reservations, _best(chat, ttft, gamma, near_best, rng), prompt_tokens)
             return _split(fitting, ttft, default, reservations, rng, prompt_tokens)  # a new chat
-    roomy = [c for c, u in zip(fitting, unc, strict=True) if c.load.kv_free_tokens - reserved[c.node] >= u + need]
+    waits = {c.node: room_wait_s(c.load, u + need - (c.load.kv_free_tokens - reserved[c.node]), need)
+             for c, u in zip(fitting, unc, strict=True)}
+    roomy = [c for c in fitting if waits[c.node] == 0.0]
     queued = saturated(fitting, prompt_tokens, reserved)
     full = queued or not roomy
-    ok = fitting if full else roomy
+    ok = fitting if full else [c for c in fitting if waits[c.node] < math.inf]
+    for c in ok if not full else ():
+        ttft[c.node] += waits[c.node]
     best_ttft = min(ttft[c.node] for c in ok)
     slack = max(affinity_slack, saturated_slack) if full else affinity_slack
     sticky = [c for c in ok if c.sticky and ttft[c.node] <= best_ttft * (1 + sticky_slack) + STICKY_FLOOR_S]

@@ -289,6 +289,33 @@ def test_past_capacity_a_holder_without_kv_room_still_keeps_its_prompt() -> None
     assert picks(light, 30) == {"roomy": 30}
 
 
+def test_below_capacity_a_holder_without_kv_room_keeps_its_prompt_when_room_comes_soon() -> None:
+    """Its running sequences end within a fraction of the full prefill a node with room would run:
+    it waits for them, on its cache (bench (s): SGLang's router queues it there too). Where room
+    comes only after more than the prefill saves, or nothing running can make it, the node with
+    room takes it."""
+    soon = [cand("roomy"), cand("holder", cached=900, kv_free_tokens=0, running=4, running_tokens=4000,
+                                 decode_tps=4000.0)]  # one of 4 sequences ends: 100 tokens at 4000/s
+    assert picks(soon, 30) == {"holder": 30}  # 0.015 s + 0.025 s of wait against a 0.105 s miss
+    late = [cand("roomy"), cand("holder", cached=900, kv_free_tokens=0, running=4, running_tokens=4000,
+                                 decode_tps=400.0)]  # 0.25 s of wait
+    assert picks(late, 30) == {"roomy": 30}
+    never = [cand("roomy"), cand("holder", cached=900, kv_free_tokens=0, running=1, running_tokens=100,
+                                  decode_tps=4000.0)]  # all it runs frees 100 of the 200 tokens it needs
+    assert picks(never, 30) == {"roomy": 30}
+
+
+def test_room_wait_counts_the_sequences_that_must_end() -> None:
+    from llmd.policy.room import room_wait_s
+
+    busy = load(running=4, running_tokens=4000, decode_tps=1000.0)
+    assert room_wait_s(busy, 0, 100) == 0.0 and room_wait_s(busy, -5, 100) == 0.0
+    assert room_wait_s(busy, 1000, 100) == pytest.approx(0.1)  # one mean sequence ends
+    assert room_wait_s(busy, 1001, 100) == pytest.approx(0.2)  # two must
+    assert room_wait_s(busy, 4001, 100) == float("inf")
+    assert room_wait_s(load(decode_tps=0.0, running=4, running_tokens=4000), 10, 100) == float("inf")
+
+
 def test_saturated_needs_every_node_a_prompt_behind() -> None:
     cands = [cand("a", waiting_prefill_tokens=1000), cand("b", waiting_prefill_tokens=400)]
     assert not saturated(cands, 1000, {})
