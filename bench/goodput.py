@@ -94,6 +94,8 @@ VARIANTS: dict[str, tuple[str, Callable[[dict[str, Any]], None]]] = {
     "seats64": ("max_running = 64 (all the engine's)", lambda c: _model(c)["scheduling"].update(max_running=64)),
     "ramp0": ("batch_ramp_s = 0 (batch work regains every seat at once after the quiet time)",
               lambda c: _model(c)["scheduling"].update(batch_ramp_s=0)),
+    "hold1": ("refusal_hold_max_s = 1.0 (a hammering tenant's hold does not grow with its rate)",
+              lambda c: c.setdefault("server", {}).update(refusal_hold_max_s=1.0)),
 }
 
 
