@@ -197,14 +197,8 @@ def place(cands: Sequence[Candidate], prompt_tokens: int, expected_output: int,
             if chat:
                 return _reserve(reservations, _best(chat, ttft, gamma, near_best, rng), prompt_tokens)
             return _split(fitting, ttft, default, reservations, rng, prompt_tokens)  # a new chat
-    waits = {c.node: room_wait_s(c.load, u + need - (c.load.kv_free_tokens - reserved[c.node]), need)
-             for c, u in zip(fitting, unc, strict=True)}
-    roomy = [c for c in fitting if waits[c.node] == 0.0]
     queued = saturated(fitting, prompt_tokens, reserved)
-    full = queued or not roomy
-    ok = fitting if full else [c for c in fitting if waits[c.node] < math.inf]
-    for c in ok if not full else ():
-        ttft[c.node] += waits[c.node]
+    ok, full = _with_room(fitting, unc, need, reserved, ttft, queued)
     best_ttft = min(ttft[c.node] for c in ok)
     slack = max(affinity_slack, saturated_slack) if full else affinity_slack
     sticky = [c for c in ok if c.sticky and ttft[c.node] <= best_ttft * (1 + sticky_slack) + STICKY_FLOOR_S]
@@ -217,6 +211,21 @@ def place(cands: Sequence[Candidate], prompt_tokens: int, expected_output: int,
     else:
         choice = _best(holders or balanced or ok, ttft, gamma, near_best, rng)
     return _reserve(reservations, choice, prompt_tokens)
+
+
+def _with_room(fitting: list[Candidate], unc: list[int], need: int, reserved: dict[str, int],
+               ttft: dict[str, float], queued: bool) -> tuple[list[Candidate], bool]:
+    """The candidates, and whether the cluster is full (`queued`, or no node has KV room now).
+    Below that, a node without room competes with its wait for it added to `ttft` (room_wait_s),
+    unless nothing running there can make it."""
+    waits = {c.node: room_wait_s(c.load, u + need - (c.load.kv_free_tokens - reserved[c.node]), need)
+             for c, u in zip(fitting, unc, strict=True)}
+    if queued or all(w > 0.0 for w in waits.values()):
+        return fitting, True
+    ok = [c for c in fitting if waits[c.node] < math.inf]
+    for c in ok:
+        ttft[c.node] += waits[c.node]
+    return ok, False
 
 
 def _best(pool: Sequence[Candidate], ttft: dict[str, float], gamma: float, near_best: float,
