@@ -218,7 +218,8 @@ def _with_room(fitting: list[Candidate], unc: list[int], need: int, reserved: di
     """The candidates, and whether the cluster is full (`queued`, or no node has KV room now).
     Below that, a node without room competes with its wait for it added to `ttft` (room_wait_s),
     unless nothing running there can make it."""
-    waits = {c.node: room_wait_s(c.load, u + need - (c.load.kv_free_tokens - reserved[c.node]), need)
+    waits = {c.node: room_wait_s(c.load.running, c.load.running_tokens, c.load.decode_tps,
+                                 u + need - (c.load.kv_free_tokens - reserved[c.node]), need)
              for c, u in zip(fitting, unc, strict=True)}
     if queued or all(w > 0.0 for w in waits.values()):
         return fitting, True

@@ -7,14 +7,11 @@ have to prefill the whole prompt.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from llmd.policy.placement import VersionLoad
 
 
-def room_wait_s(load: VersionLoad, deficit: int, expected_output: int) -> float:
-    """About how long until a node's running sequences free `deficit` more KV tokens: they end spread
+def room_wait_s(running: int, running_tokens: int, decode_tps: float, deficit: int, expected_output: int) -> float:
+    """About how long until a node's `running` sequences (`running_tokens` in all, decoding
+    `decode_tps` together) free `deficit` more KV tokens: they end spread
     over one answer's decode (`expected_output` tokens at the node's per-sequence rate), each
     freeing a mean sequence's tokens. 0 with room now; inf when nothing running can make it.
 
@@ -23,7 +20,7 @@ def room_wait_s(load: VersionLoad, deficit: int, expected_output: int) -> float:
     where SGLang's router queues it on its node for a fraction of that (issue N, bench (s))."""
     if deficit <= 0:
         return 0.0
-    if load.running <= 0 or load.running_tokens <= 0 or load.decode_tps <= 0:
+    if running <= 0 or running_tokens <= 0 or decode_tps <= 0:
         return math.inf
-    ending = -(-deficit * load.running // load.running_tokens)  # sequences that must end: ceil
-    return math.inf if ending > load.running else ending * max(1, expected_output) / load.decode_tps
+    ending = -(-deficit * running // running_tokens)  # sequences that must end: ceil
+    return math.inf if ending > running else ending * max(1, expected_output) / decode_tps

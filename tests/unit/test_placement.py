@@ -308,12 +308,12 @@ def test_below_capacity_a_holder_without_kv_room_keeps_its_prompt_when_room_come
 def test_room_wait_counts_the_sequences_that_must_end() -> None:
     from llmd.policy.room import room_wait_s
 
-    busy = load(running=4, running_tokens=4000, decode_tps=1000.0)
-    assert room_wait_s(busy, 0, 100) == 0.0 and room_wait_s(busy, -5, 100) == 0.0
-    assert room_wait_s(busy, 1000, 100) == pytest.approx(0.1)  # one mean sequence ends
-    assert room_wait_s(busy, 1001, 100) == pytest.approx(0.2)  # two must
-    assert room_wait_s(busy, 4001, 100) == float("inf")
-    assert room_wait_s(load(decode_tps=0.0, running=4, running_tokens=4000), 10, 100) == float("inf")
+    busy = (4, 4000, 1000.0)  # running sequences, their tokens, the decode rate
+    assert room_wait_s(*busy, 0, 100) == 0.0 and room_wait_s(*busy, -5, 100) == 0.0
+    assert room_wait_s(*busy, 1000, 100) == pytest.approx(0.1)  # one mean sequence ends
+    assert room_wait_s(*busy, 1001, 100) == pytest.approx(0.2)  # two must
+    assert room_wait_s(*busy, 4001, 100) == float("inf")
+    assert room_wait_s(4, 4000, 0.0, 10, 100) == float("inf")
 
 
 def test_saturated_needs_every_node_a_prompt_behind() -> None:

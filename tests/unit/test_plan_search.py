@@ -306,7 +306,7 @@ def test_the_kept_count_is_what_the_file_holds_when_ctrl_c_lands_mid_record(tmp_
         def __setitem__(self, key: str, value: Any) -> None:
             raise KeyboardInterrupt
 
-    evaluate = journal.wrap(lambda c: synthetic(c))
+    evaluate = journal.wrap(synthetic)
     evaluate(Candidate(1, 16, None))
     journal.reports = Interrupting(journal.reports)
     with pytest.raises(KeyboardInterrupt):
