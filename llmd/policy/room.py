@@ -16,8 +16,8 @@ def room_wait_s(running: int, running_tokens: int, decode_tps: float, deficit: i
     freeing a mean sequence's tokens. 0 with room now; inf when nothing running can make it.
 
     Why: at light load a conversation's node is often full for a moment (a few long chats fill a
-    small cache); sending its next turn to a node with room prefilled the whole history there,
-    where SGLang's router queues it on its node for a fraction of that (issue N, bench (s))."""
+    small cache), and a node with room would prefill the whole history again: waiting a step or
+    two for room on the node that holds it is far cheaper."""
     if deficit <= 0:
         return 0.0
     if running <= 0 or running_tokens <= 0 or decode_tps <= 0:
