@@ -23,6 +23,7 @@ from llmd import protocol, streaming
 from llmd.auth import Principal
 from llmd.batch import objects as batch_objects
 from llmd.errors import AdmissionRefused, APIError, refusal_error
+from llmd.gateway.frames import Frames
 from llmd.gateway.types import App, Authenticate
 from llmd.idempotency import Admit, LiveRun, request_hash
 from llmd.lifecycle import RequestLife
@@ -135,21 +136,21 @@ def _frame(i: int | None, payload: str) -> str:
 
 async def _stream_inline(request: Request, job: Job, req: Request_, extra: dict[str, str]) -> None:
     """A stream whose reader is its only owner: a disconnect cancels it (and aborts the engine request)."""
-    response: HTTPResponse | None = None
+    frames: Frames | None = None
 
     async def emit(payload: str) -> None:
-        nonlocal response
-        if response is None:
-            response = await request.respond(content_type="text/event-stream",
-                                             headers=_headers(request, job) | extra | {"Cache-Control": "no-cache"})
-        await response.send(f"data: {payload}\n\n")  # _frame(None, payload), less a call per token
+        nonlocal frames
+        if frames is None:
+            frames = Frames(await request.respond(content_type="text/event-stream", headers=_headers(request, job)
+                                                  | extra | {"Cache-Control": "no-cache"}))
+        await frames.send(f"data: {payload}\n\n")  # _frame(None, payload), less a call per token
 
     try:
         await streaming.pump(job, req, emit)
-        if response is not None:
+        if frames is not None:
             async with asyncio.timeout(streaming.TAIL_S):
                 with contextlib.suppress(Exception):
-                    await response.eof()  # type: ignore[no-untyped-call]  # sanic leaves it unannotated
+                    await frames.end()
     except (streaming.ReaderStalled, TimeoutError):
         # The client stopped reading: drop the connection now (the request has its outcome), or
         # the stalled write would hold it, and the request's quota, until the response timeout.
@@ -202,12 +203,12 @@ async def _read_run(request: Request, node: Node, run: LiveRun, last_id: int,
             failed = run.outcome
             assert failed is not None
             return json_response(failed.body, status=failed.status, headers=failed.headers | own_id)
-        response = await request.respond(content_type="text/event-stream",
-                                         headers=run.headers | own_id | {"Cache-Control": "no-cache"})
+        frames = Frames(await request.respond(content_type="text/event-stream",
+                                              headers=run.headers | own_id | {"Cache-Control": "no-cache"}))
         async for i, payload in run.follow(last_id + 1):
-            await response.send(_frame(i, payload))
+            await frames.send(_frame(i, payload))
         with contextlib.suppress(Exception):
-            await response.eof()
+            await frames.end()
         return None
     finally:
         run.detach(node.runs.grace_s)

@@ -17,6 +17,7 @@ from llmd.cluster.signing import HEADER_NONCE, Signer
 from llmd.cluster.weights import HELLO_PATH, RESPONSE
 from llmd.cluster.wire import RUN_PATH, RunRequest, delta_line, end_line, error_line
 from llmd.errors import APIError, bad_request
+from llmd.gateway.frames import Frames
 from llmd.gateway.types import App, RequireAdmin
 from llmd.node import Node
 
@@ -54,18 +55,18 @@ def add_routes(app: App, node: Node, admin: RequireAdmin) -> None:
         except ValueError as e:
             raise bad_request(f"not a run request: {e}") from None
         rt = executor.runtime_for(node.registry, req)  # a 404 before the stream: "not here, try another"
-        response = await request.respond(content_type=NDJSON)
+        frames = Frames(await request.respond(content_type=NDJSON))
         sent = 0
         try:
             async for d in executor.execute(rt, node.lifecycle, req, cluster.name):
                 if not sent:
                     cluster.ran_here(req.prompt(), d.cached_prompt_tokens)
-                await response.send(signer.sign_line(nonce, sent, delta_line(d)))
+                await frames.send(signer.sign_line(nonce, sent, delta_line(d)))
                 sent += 1
-            await response.send(signer.sign_line(nonce, sent, end_line()))
+            await frames.send(signer.sign_line(nonce, sent, end_line()))
         except APIError as e:
-            await response.send(signer.sign_line(nonce, sent, error_line(e)))
-        await response.eof()
+            await frames.send(signer.sign_line(nonce, sent, error_line(e)))
+        await frames.end()
 
     @app.get(HELLO_PATH)
     async def hello(request: Request) -> HTTPResponse:
