@@ -6,13 +6,14 @@ per step with up to 256 sequences, each step overlapping the handling of the las
 as a GPU's does, so the server's loop is the bottleneck); a lean keep-alive
 client in its own process keeps CONCURRENCY SSE streams of TOKENS tokens in flight. In the
 same run, rounds alternating, a bare sanic SSE handler in the same place sends the same
-chunks (an OpenAI completion chunk per token, built and written one by one): what a sanic
-process can stream at all. Reported: tokens/s of each, their ratio (target >= 0.6), the
-serving process's CPU per token, and llmd's CPU per token by stage (the time inside each
-stage's functions, timed directly in a separate round; the rest is the event loop, HTTP and
-sanic). The fake engine's own work is reported apart, with the gateway's own CPU per token
-(llmd's less the fake's) beside bare's, so a heavier fake does not hide gateway cost. A variant
-with the example config's output filters is reported beside it (target >= 0.45).
+chunks (an OpenAI completion chunk per token, built and written one by one, sanic's TOUCHUP
+on as `llmd serve` runs it): what a sanic process can stream at all. Reported: tokens/s of
+each, their ratio (target >= 0.6), the serving process's CPU per token, and llmd's CPU per
+token by stage (the time inside each stage's functions, timed directly in a separate round;
+the rest is the event loop, HTTP and sanic). The fake engine's own work is reported apart,
+with the gateway's own CPU per token (llmd's less the fake's) beside bare's, so a heavier
+fake does not hide gateway cost. A variant with the example config's output filters is
+reported beside it (target >= 0.45).
 
     python bench/gateway.py [--rounds 4] [--seconds 4] [--concurrency 256] [--tokens 128]
 """
@@ -71,7 +72,8 @@ async def start_bare(name: str) -> tuple[Any, int]:
     from sanic.response import json as json_response
 
     app = Sanic(name)
-    app.config.MOTD, app.config.TOUCHUP = False, False
+    app.config.MOTD = False  # TOUCHUP stays on, as `app.run` and `llmd serve` run: it strips sanic's per-chunk
+    # signal dispatch when nothing listens. It rewrites sanic's classes, so llmd's servers here run touched too.
 
     @app.post("/v1/completions")
     async def completions(request: Any) -> Any:
@@ -244,7 +246,9 @@ def report_lines(a: argparse.Namespace, r: dict[str, Any], seconds: float) -> li
          "ledger writes as shipped); a lean keep-alive client in its own "
          f"process keeps {a.concurrency} SSE streams of {a.tokens} tokens in flight ({a.seconds:g} s per round, "
          f"{a.rounds} rounds per server after a discarded warm-up, order alternating). `bare`: a sanic handler "
-         "in the same process sending an OpenAI completion chunk per token (json.dumps, one write each). "
+         "in the same process sending an OpenAI completion chunk per token (json.dumps, one `response.send` each; "
+         "sanic's TOUCHUP on, as `app.run` and `llmd serve` run, so both servers' sanic methods are the touched "
+         "ones). "
          f"`llmd+filters`: config.toml's filters as shipped, read from the file (output "
          f"{', '.join(chain['output'])}; holdback_tokens {chain['holdback_tokens']})."), "",
         *report.table(head, rows), "",

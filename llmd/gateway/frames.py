@@ -16,10 +16,7 @@ from time import monotonic
 from typing import Any
 
 from sanic.exceptions import RequestCancelled
-from sanic.http import Http
 from sanic.response import HTTPResponse
-
-_CHUNKED = Http.http1_response_chunked
 
 
 class Frames:
@@ -56,7 +53,8 @@ class Frames:
         (not a HEAD request's ignored body, not a body of known length)."""
         stream: Any = self._response.stream
         func = getattr(stream, "response_func", None) if stream is not None else None
-        if getattr(func, "__func__", None) is _CHUNKED:
+        # Looked up on the class now, not at import: TOUCHUP (on under `llmd serve`) replaces it at start.
+        if func is not None and getattr(func, "__func__", None) is getattr(type(stream), "http1_response_chunked", 0):
             self._protocol = stream.protocol
             self._transport = self._protocol.transport
             self._direct = self._transport is not None and hasattr(self._protocol, "_can_write")

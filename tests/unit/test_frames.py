@@ -8,7 +8,7 @@ import asyncio
 from typing import Any
 
 import openai
-from sanic.http import Stage
+from sanic.http import Http, Stage
 from sanic.server.protocols.http_protocol import HttpProtocol
 
 from tests.conftest import LiveServer, async_wait_until, fake_toml
@@ -36,6 +36,20 @@ async def test_only_the_first_frame_and_the_end_go_through_sanics_send(make_serv
     assert sends[0] - before == 2  # the header with the first frame; the terminating chunk
     assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == whole.choices[0].text
     assert chunks[-1].usage.completion_tokens == 40  # every frame after the first arrived, in order
+
+
+async def test_frames_go_direct_when_sanics_methods_were_rewritten(make_server, monkeypatch) -> None:
+    """TOUCHUP, on under `llmd serve`, replaces sanic's Http methods on the class at start."""
+    real = Http.http1_response_chunked
+
+    async def rewritten(self: Any, data: bytes, end_stream: bool) -> None:
+        await real(self, data, end_stream)
+    monkeypatch.setattr(Http, "http1_response_chunked", rewritten)
+    sends = _count(monkeypatch, "send")
+    live: LiveServer = await make_server(fake_toml(step_ms=0.5))
+    c = openai.AsyncOpenAI(base_url=live.base, api_key="unused", max_retries=0, timeout=30)
+    chunks = [ch async for ch in await c.completions.create(model="fake", prompt="frames", max_tokens=40, stream=True)]
+    assert sends[0] == 2 and sum(1 for ch in chunks if ch.choices) == 40
 
 
 def _streaming(live: LiveServer) -> Any:
