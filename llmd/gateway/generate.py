@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+from collections.abc import Awaitable
 from typing import Any
 
 from sanic import Request
@@ -136,18 +137,16 @@ def _frame(i: int | None, payload: str) -> str:
 
 async def _stream_inline(request: Request, job: Job, req: Request_, extra: dict[str, str]) -> None:
     """A stream whose reader is its only owner: a disconnect cancels it (and aborts the engine request)."""
-    frames: Frames | None = None
+    frames = Frames(lambda: request.respond(content_type="text/event-stream",
+                                            headers=_headers(request, job) | extra | {"Cache-Control": "no-cache"}))
+    send = frames.send
 
-    async def emit(payload: str) -> None:
-        nonlocal frames
-        if frames is None:
-            frames = Frames(await request.respond(content_type="text/event-stream", headers=_headers(request, job)
-                                                  | extra | {"Cache-Control": "no-cache"}))
-        await frames.send(f"data: {payload}\n\n")  # _frame(None, payload), less a call per token
+    def emit(payload: str) -> Awaitable[None]:  # not a coroutine: `send` writes at once when it can
+        return send(f"data: {payload}\n\n")  # _frame(None, payload), less a call per token
 
     try:
         await streaming.pump(job, req, emit)
-        if frames is not None:
+        if frames.started:
             async with asyncio.timeout(streaming.TAIL_S):
                 with contextlib.suppress(Exception):
                     await frames.end()
@@ -203,8 +202,8 @@ async def _read_run(request: Request, node: Node, run: LiveRun, last_id: int,
             failed = run.outcome
             assert failed is not None
             return json_response(failed.body, status=failed.status, headers=failed.headers | own_id)
-        frames = Frames(await request.respond(content_type="text/event-stream",
-                                              headers=run.headers | own_id | {"Cache-Control": "no-cache"}))
+        frames = Frames(lambda: request.respond(content_type="text/event-stream",
+                                                headers=run.headers | own_id | {"Cache-Control": "no-cache"}))
         async for i, payload in run.follow(last_id + 1):
             await frames.send(_frame(i, payload))
         with contextlib.suppress(Exception):

@@ -55,7 +55,7 @@ def add_routes(app: App, node: Node, admin: RequireAdmin) -> None:
         except ValueError as e:
             raise bad_request(f"not a run request: {e}") from None
         rt = executor.runtime_for(node.registry, req)  # a 404 before the stream: "not here, try another"
-        frames = Frames(await request.respond(content_type=NDJSON))
+        frames = Frames(lambda: request.respond(content_type=NDJSON))
         sent = 0
         try:
             async for d in executor.execute(rt, node.lifecycle, req, cluster.name):
