@@ -44,6 +44,7 @@ SATURATED_AFFINITY_SLACK: Final = 2.0  # past capacity (`saturated`) it keeps it
 AFFINITY_MIN_MATCH: Final = 0.5  # "most": at least half the prompt's tokens (SGLang's match threshold)
 FLOOR_TPS: Final = 100.0  # a prefill rate nobody knows yet: slow, but never a division by zero
 HOME_PREFILLS: Final = 1  # a balanced home (`home_share`) is left when over 3x the best TTFT + this many full prefills
+HOLDER_PREFILLS: Final = 1  # a cache holder keeps a prompt up to its slack + this many full prefills of it
 
 
 @dataclass(init=False, unsafe_hash=True)
@@ -176,8 +177,7 @@ def place(cands: Sequence[Candidate], prompt_tokens: int, expected_output: int,
     places it: homes dealt by hashing are uneven, and an uneven queue costs more TTFT than a copy
     costs hits."""
     reserved = {c.node: reservations.of(c.node) for c in cands}
-    # fits (KV for it at all) and estimated_ttft, each candidate's uncached tokens counted once (hot path)
-    need = max(0, expected_output)
+    need = max(0, expected_output)  # fits: KV for it at all
     fitting: list[Candidate] = []
     unc: list[int] = []
     for c in cands:
@@ -188,8 +188,7 @@ def place(cands: Sequence[Candidate], prompt_tokens: int, expected_output: int,
     if not fitting:
         return None
     default = _default_tps(fitting, floor_tps)
-    ttft = {c.node: (max(0, c.load.waiting_prefill_tokens) + max(0, reserved[c.node]) + u)
-            / prefill_rate(c, default) + (0.0 if c.local else hop_s) for c, u in zip(fitting, unc, strict=True)}
+    ttft = {c.node: estimated_ttft(c, prompt_tokens, reserved[c.node], hop_s, default) for c in fitting}
     if any(c.home_share > 0 for c in fitting):  # the ingress gives shares only while homes bind
         fitting, unc = _at_homes(fitting, unc, ttft, prompt_tokens, default, saturated_slack)
         if len(fitting) > 1 and all(c.home_share > 0 and not c.sticky for c in fitting):  # homes kept
@@ -202,7 +201,7 @@ def place(cands: Sequence[Candidate], prompt_tokens: int, expected_output: int,
     best_ttft = min(ttft[c.node] for c in ok)
     slack = max(affinity_slack, saturated_slack) if full else affinity_slack
     sticky = [c for c in ok if c.sticky and ttft[c.node] <= best_ttft * (1 + sticky_slack) + STICKY_FLOOR_S]
-    holders = [] if sticky else _cache_holders(ok, ttft, prompt_tokens, best_ttft, slack)
+    holders = [] if sticky else _cache_holders(ok, ttft, prompt_tokens, best_ttft, slack, default)
     homes = sorted((c for c in ok if queued and c.home_rank is not None and ttft[c.node] <= best_ttft * (1 + slack)),
                    key=lambda c: c.home_rank or 0)
     balanced = [c for c in ok if c.home_share > 0 and ttft[c.node] <= best_ttft * (1 + slack)]
@@ -332,9 +331,10 @@ def saturated(cands: Sequence[Candidate], prompt_tokens: int, reserved: dict[str
 
 
 def _cache_holders(ok: Sequence[Candidate], ttft: dict[str, float], prompt_tokens: int, best_ttft: float,
-                   slack: float) -> list[Candidate]:
-    """The nodes caching (nearly) the most of this prompt, when that is at least AFFINITY_MIN_MATCH
-    of it, whose TTFT is within `slack` of the best: the pick is made among them (empty: among all).
+                   slack: float, default_tps: float) -> list[Candidate]:
+    """The nodes caching (nearly) the most of this prompt, when that is at least AFFINITY_MIN_MATCH of
+    it, whose TTFT is within `slack` of the best plus HOLDER_PREFILLS full prefills of it there: the
+    pick is made among them (empty: among all).
 
     Why not the score alone: minimising each request's own TTFT is myopic under deep queues.
     A cached prefix saves its prefill (a few hundred ms) while queues differ by seconds, so
@@ -344,22 +344,23 @@ def _cache_holders(ok: Sequence[Candidate], ttft: dict[str, float], prompt_token
     share its traffic by score. When the nodes holding the most are all too slow (a chat's node,
     holding its history, is busy), the nodes holding at least AFFINITY_MIN_MATCH of it (its
     system prompt) come next: sending it to a node without them would copy the prompt there and
-    evict another one, a miss now and misses later."""
+    evict another one, a miss now and misses later. The added prefill: that copy costs as much at
+    light load, where `slack` times a few ms would copy a popular prompt onto every node."""
     if slack <= 0 or prompt_tokens <= 0:
         return []
     most = max(c.cached_tokens for c in ok)
     if most < AFFINITY_MIN_MATCH * prompt_tokens:
         return []
     for floor in (most * 0.9, AFFINITY_MIN_MATCH * prompt_tokens):
-        near = [c for c in ok if c.cached_tokens >= floor and ttft[c.node] <= best_ttft * (1 + slack)]
+        near = [c for c in ok if c.cached_tokens >= floor and ttft[c.node] <= best_ttft * (1 + slack)
+                + HOLDER_PREFILLS * prompt_tokens / prefill_rate(c, default_tps)]
         if near:
             return near
     return []
 
 
 def round_robin(cands: Sequence[Candidate], counter: int) -> Candidate | None:
-    """The comparison peer: what a load balancer that knows only readiness does. Cycles
-    through the nodes not draining and not on standby (by name), ignoring load and caches."""
+    """The floor a balancer that knows only readiness sets: the ready nodes in turn, by name."""
     ready = sorted((c for c in cands if not (c.load.draining or c.load.standby)), key=lambda c: c.node)
     return ready[counter % len(ready)] if ready else None
 

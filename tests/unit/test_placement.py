@@ -235,12 +235,14 @@ def test_a_conversation_is_not_moved_off_its_node_by_a_few_ms_of_stale_queue() -
 
 def test_cache_holder_keeps_its_prompts_unless_clearly_slower() -> None:
     """Some node has less than this prompt's prefill queued (not saturated): the node caching most
-    of the prompt keeps it up to 2x the best TTFT (the score alone would move it for a small
-    difference and lose the cache)."""
+    of the prompt keeps it up to 2x the best TTFT plus one full prefill of the prompt (the score
+    alone would move it for a small difference and lose the cache)."""
     near = [cand("idle-ish", waiting_prefill_tokens=500), cand("holder", cached=900, waiting_prefill_tokens=1_100)]
     assert picks(near, 30) == {"holder": 30}  # TTFT 0.12 s vs 0.15 s at the idle-ish node
-    far = [cand("idle-ish", waiting_prefill_tokens=500), cand("holder", cached=900, waiting_prefill_tokens=3_000)]
-    assert picks(far, 30) == {"idle-ish": 30}  # 0.31 s vs 0.15 s: over 2x
+    far = [cand("idle-ish", waiting_prefill_tokens=500), cand("holder", cached=900, waiting_prefill_tokens=4_000)]
+    assert picks(far, 30) == {"idle-ish": 30}  # 0.41 s vs 0.15 s: over 2x plus a 0.1 s prefill
+    light = [cand("idle", waiting_prefill_tokens=0), cand("holder", cached=900, waiting_prefill_tokens=2_500)]
+    assert picks(light, 30) == {"holder": 30}  # 0.27 s vs 0.1 s: at light load 2x alone would copy the prompt
     two = [cand("idle-ish", waiting_prefill_tokens=500), cand("h1", cached=900, waiting_prefill_tokens=1_100),
            cand("h2", cached=900, waiting_prefill_tokens=1_110)]
     assert set(picks(two, 60)) == {"h1", "h2"}  # several holders of a hot prefix share it (near-best)
@@ -268,13 +270,13 @@ def test_past_capacity_a_cache_holder_keeps_its_prompts_up_to_3x() -> None:
 
 
 def test_a_busy_chat_node_hands_the_turn_to_a_system_prompt_holder_not_to_anyone() -> None:
-    """The chat's node holds the whole history (most) but is over 2x the best TTFT: the nodes
+    """The chat's node holds the whole history (most) but is over its slack: the nodes
     holding its system prompt (over half the prompt) come next; a node with none of it would copy
     the system prompt there, evicting another."""
-    cands = [cand("chat", cached=950, waiting_prefill_tokens=4_000),
+    cands = [cand("chat", cached=950, waiting_prefill_tokens=5_000),
              cand("system", cached=700, waiting_prefill_tokens=1_500), cand("empty", waiting_prefill_tokens=500)]
-    assert picks(cands, 30) == {"system": 30}  # 0.18 s vs 0.15 s at the empty node; the chat node 0.41 s
-    cands[1] = cand("system", cached=700, waiting_prefill_tokens=3_000)  # 0.33 s: over 2x too
+    assert picks(cands, 30) == {"system": 30}  # 0.18 s vs 0.15 s at the empty node; the chat node 0.51 s
+    cands[1] = cand("system", cached=700, waiting_prefill_tokens=4_000)  # 0.43 s: over 2x + a prefill too
     assert picks(cands, 30) == {"empty": 30}
 
 
@@ -298,7 +300,7 @@ def test_below_capacity_a_holder_without_kv_room_keeps_its_prompt_when_room_come
                                  decode_tps=4000.0)]  # one of 4 sequences ends: 100 tokens at 4000/s
     assert picks(soon, 30) == {"holder": 30}  # 0.015 s + 0.025 s of wait against a 0.105 s miss
     late = [cand("roomy"), cand("holder", cached=900, kv_free_tokens=0, running=4, running_tokens=4000,
-                                 decode_tps=400.0)]  # 0.25 s of wait
+                                 decode_tps=200.0)]  # 0.5 s of wait
     assert picks(late, 30) == {"roomy": 30}
     never = [cand("roomy"), cand("holder", cached=900, kv_free_tokens=0, running=1, running_tokens=100,
                                   decode_tps=4000.0)]  # all it runs frees 100 of the 200 tokens it needs
