@@ -3,7 +3,7 @@
 sanic's `response.send` is a stack of four coroutines per call, and unless TOUCHUP rewrote
 it, a lifecycle signal dispatch that raises and catches two NotFound exceptions when nothing
 listens. A stream sends one frame per token, tens of thousands a second on a GPU, and that
-stack cost a third of the gateway's CPU per token. So the first frame goes through sanic (it
+stack was the largest cost on the per-token path. So the first frame goes through sanic (it
 carries the header and sets the response up); every later frame of a chunked response is
 framed here and written to the transport, with sanic's own backpressure event, disconnect
 check and response-timeout clock, as `HttpProtocol.send` does. The end (`response.eof`)
