@@ -21,7 +21,9 @@ per uncached token): routing beside round robin, failover, a quota across nodes.
   (h) chats on one hot system prompt entering the nodes in turn: later turns on their history's
       node, and (a)'s 70 % beside the code before (`--baseline CHECKOUT`, `--rounds`).
   (s) llmd's routing against SGLang's router (`cache_aware`, `round_robin`) in front of the same
-      nodes with their routing off, on (a)'s chats from 30 % to past capacity (`--s-loads`).
+      nodes with their routing off, on (a)'s chats from 30 % to past capacity (`--s-loads`);
+      `--s-rounds N` repeats each load, and `--s-from` joins several calls' `--save` files, the
+      verdicts then on the medians.
 Gossip bandwidth and detection times (c): bench/cluster_gossip.py.
 
   .venv/bin/python bench/cluster.py [--parts a,d] [--seconds 120] [--workload pressure|light]
@@ -31,6 +33,9 @@ Gossip bandwidth and detection times (c): bench/cluster_gossip.py.
   .venv/bin/python bench/cluster.py --merge a1.json,a2.json
   .venv/bin/python bench/cluster.py --parts h --capacity 4.5 --baseline ../before --rounds 2
   .venv/bin/python bench/cluster.py --parts s --capacity 4.5
+  # (s) at light load, three rounds in three calls of under 20 minutes each, then read together
+  .venv/bin/python bench/cluster.py --parts s --capacity 4.5 --s-loads 0.3,0.6 --s-rounds 1 --save s1.json
+  .venv/bin/python bench/cluster.py --parts s --s-from s1.json,s2.json,s3.json
 """
 
 from __future__ import annotations
@@ -353,18 +358,19 @@ async def part_a(tmp: Path, seconds: float, loads: tuple[float, ...] = LOADS, wo
 
 
 async def part_s(tmp: Path, seconds: float, loads: tuple[float, ...], capacity: float,
-                 workload: str = "pressure") -> dict[str, Any]:
+                 workload: str = "pressure", rounds: int = 1) -> dict[str, Any]:
     """(s) as data: at each load llmd's routing, then SGLang's router with each policy in front of
-    nodes that route nothing, the same chats each time (bench/lib/cluster_sglang.py reports it)."""
+    nodes that route nothing, the same chats each time, `rounds` times over (bench/lib/cluster_sglang.py
+    reports it, on the medians)."""
     for package in peer_sglang.PACKAGES:  # installed before the first run, not inside one
         await asyncio.to_thread(peer_sglang.ensure, package)
     runs = []
-    for load in loads:
+    for rnd, load in ((rnd, load) for rnd in range(1, rounds + 1) for load in loads):
         warm = cluster_sglang.warmup_s(seconds, load * capacity)
         for who in cluster_sglang.WHO:
             r = await one_run(tmp, "score", load * capacity, warm + seconds * 2 / 3, warmup_s=warm,
                               workload=workload, peer=None if who == "llmd" else who, cut=True)
-            r.update(load=load, who=who)
+            r.update(load=load, who=who, round=rnd)
             print("s", {k: r[k] for k in ("load", "who", "ok", "requests", "hit", "ttft_p50", "ttft_p90")},
                   flush=True)
             runs.append(r)
@@ -663,6 +669,8 @@ def main() -> None:
     ap.add_argument("--s-loads", default=",".join(map(str, cluster_sglang.LOADS)),
                     help="(s): fractions of round robin's capacity")
     ap.add_argument("--s-seconds", type=float, default=cluster_sglang.SECONDS, help="(s): arrivals per run")
+    ap.add_argument("--s-rounds", type=int, default=1, help="(s): every load this many times; verdicts on medians")
+    ap.add_argument("--s-from", help="(s): write it from comma-separated --save files of earlier calls (joined)")
     args = ap.parse_args()
     if args.h_from:  # (h) from saves, as far as each got (a run cut short keeps its finished runs)
         hd = merge_h([json.loads(Path(f).read_text()) for f in args.h_from.split(",")])
@@ -706,11 +714,13 @@ def main() -> None:
                                     args.h_before_first))
             sections["(h)"] = (H_TITLE, report_h(hd), time.monotonic() - t)
         if "s" in parts:
-            if args.capacity is None:
+            if args.capacity is None and not args.s_from:
                 raise SystemExit("--parts s needs --capacity (round robin's, from (a))")
             t = time.monotonic()
-            sd = asyncio.run(part_s(tmp, args.s_seconds, tuple(float(x) for x in args.s_loads.split(",")),
-                                    args.capacity, args.workload))
+            sd = (cluster_sglang.joined([json.loads(Path(f).read_text()) for f in args.s_from.split(",")])
+                  if args.s_from else
+                  asyncio.run(part_s(tmp, args.s_seconds, tuple(float(x) for x in args.s_loads.split(",")),
+                                     args.capacity, args.workload, args.s_rounds)))
             if args.save:
                 args.save.write_text(json.dumps(sd))
             sections["(s)"] = (cluster_sglang.TITLE, cluster_sglang.report_s(sd), time.monotonic() - t)

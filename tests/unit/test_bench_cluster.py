@@ -147,11 +147,12 @@ def test_part_s_runs_every_router_on_the_same_chats_at_each_load(monkeypatch: py
     monkeypatch.setattr(bc, "one_run", one_run)
     ensured: list[str] = []
     monkeypatch.setattr(peer_sglang, "ensure", lambda package: ensured.append(package) or Path("."))
-    data = asyncio.run(bc.part_s(Path("."), 30.0, (0.5, 1.2), 4.0))
+    data = asyncio.run(bc.part_s(Path("."), 30.0, (0.5, 1.2), 4.0, rounds=2))
     assert ensured == ["sglang-router", "smg"]  # both installed before the first run
-    assert seen == [(r, p, 1, True) for r in (2.0, 4.8)
+    assert seen == [(r, p, 1, True) for _ in (1, 2) for r in (2.0, 4.8)
                     for p in (None, "sglang-router:cache_aware", "smg:cache_aware", "smg:round_robin")]
-    assert [(r["load"], r["who"]) for r in data["runs"]] == [(ld, w) for ld in (0.5, 1.2) for w in cluster_sglang.WHO]
+    assert [(r["round"], r["load"], r["who"]) for r in data["runs"]] == [
+        (k, ld, w) for k in (1, 2) for ld in (0.5, 1.2) for w in cluster_sglang.WHO]
 
 
 def _s_run(load: float, who: str, hit: float, p90: float) -> dict[str, Any]:
@@ -167,11 +168,30 @@ def test_report_s_holds_llmd_to_the_best_sglang_policy_at_each_load() -> None:
             _s_run(1.2, "llmd", 0.70, 0.40), _s_run(1.2, "sglang-router:cache_aware", 0.60, 2.0),
             _s_run(1.2, "smg:cache_aware", 0.71, 2.0), _s_run(1.2, "smg:round_robin", 0.3, 0.6)]
     lines = report_s({"workload": "pressure", "capacity": 4.5, "seconds": 50.0, "runs": runs})
-    assert "| 120% | smg 1.13.0 cache_aware | 1.00 | 10/10 | 0.71 |" in "\n".join(lines)
+    assert "| 120% | smg 1.13.0 cache_aware | 1 | 1.00 | 10/10 | 0.71 |" in "\n".join(lines)
     verdicts = [ln for ln in lines if ln.startswith("- ")]
     assert [v.rsplit(": ", 1)[1] for v in verdicts] == ["PASS", "PASS", "MISS", "PASS", "PASS"]
     assert "0.78x" in verdicts[1] and "0.67x" in verdicts[3]  # against the faster peer's p90, not cache_aware's
     assert "(0.70 vs 0.71)" in verdicts[2]  # against the best peer's hit rate, whichever package
+
+
+def test_repeated_rounds_are_judged_on_their_medians_and_calls_join() -> None:
+    """One run per load let a single noisy run decide a verdict; several rounds, in one call
+    or joined from several calls' saves, are read by their medians."""
+    from bench.lib.cluster_sglang import joined, report_s
+
+    def call(llmd_hits: list[float], smg_hits: list[float]) -> dict[str, Any]:
+        runs = [{**_s_run(0.3, w, h, p90), "round": k + 1}
+                for k, (a, b) in enumerate(zip(llmd_hits, smg_hits, strict=True))
+                for w, h, p90 in (("llmd", a, 0.05), ("smg:cache_aware", b, 0.1))]
+        return {"workload": "pressure", "capacity": 4.5, "seconds": 50.0, "runs": runs}
+    data = joined([call([0.78, 0.87], [0.91, 0.71]), call([0.86], [0.91])])
+    assert [r["round"] for r in data["runs"] if r["who"] == "llmd"] == [1, 2, 3]
+    lines = report_s(data)
+    verdicts = [ln for ln in lines if ln.startswith("- 30%")]
+    # medians 0.86 against 0.91: a MISS that the second round alone (0.87 vs 0.71) would have passed
+    assert verdicts[0] == "- 30% (medians of 3 or more runs): llmd's hit rate >= SGLang's best (0.86 vs 0.91): MISS"
+    assert "| 30% | llmd | 3 |" in "\n".join(lines)
 
 
 def test_the_sglang_runs_warm_up_by_requests_at_low_rates_and_by_a_third_at_high_ones() -> None:
