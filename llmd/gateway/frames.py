@@ -63,12 +63,12 @@ class Frames:
             await self._response.send(raw)
             self._go_direct(self._response)
             return
+        if self._transport.is_closing():
+            raise RequestCancelled
         await self._can_write.wait()  # type: ignore[union-attr]  # the client reads slower than we write
         if self._transport.is_closing():
             raise RequestCancelled
-        if raw:
-            self._transport.write(b"%x\r\n%b\r\n" % (len(raw), raw))
-        self._protocol._time = monotonic()
+        await self.send(raw)  # writable and open now, with no await between: written at once
 
     def _go_direct(self, response: HTTPResponse) -> None:
         """After the first frame: write directly when sanic chose chunked encoding for the body
